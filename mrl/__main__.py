@@ -1,0 +1,3 @@
+from mrl.cli import main
+
+main()

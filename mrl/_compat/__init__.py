@@ -1,0 +1,1 @@
+"""Optional heavy dependencies, each try-imported in exactly one module here."""

@@ -1,0 +1,116 @@
+"""``mrl`` command line: each sub-command is a Hydra app over ``conf/``.
+
+    mrl train [overrides...]              main job on the configured model/layout (tiny CPU default)
+    mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
+    mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
+
+Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from mrl.config.schema import Config, TinyPreset
+
+
+def _hydra_app(fn):
+    """Run ``fn(Config)`` as a Hydra app over conf/, with the remaining argv as overrides."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from mrl.config.load import to_config
+    from mrl.config.store import CONF_DIR, register
+
+    register()
+
+    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+    def app(cfg: DictConfig) -> None:
+        code = fn(to_config(cfg))
+        if code:
+            sys.exit(code)
+
+    return app()
+
+
+def ensure_model(cfg: Config) -> str:
+    path = cfg.model.hf_path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        if not cfg.model.make_tiny_if_missing:
+            raise FileNotFoundError(f"model.hf_path={path}: no config.json there (and model.make_tiny_if_missing=false)")
+        from mrl.models.tiny import make_tiny_model
+
+        print(f"[mrl] writing tiny model preset '{cfg.model.tiny_preset.value}' to {path}", flush=True)
+        make_tiny_model(path, cfg.model.tiny_preset)
+    return path
+
+
+def trainer_world_size(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.world_size or max(p.tp * p.pp * p.cp, p.ep * p.expert_tp * p.pp)
+
+
+def torchrun(module: str, args: list[str], nproc: int) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, *args]
+    print("[mrl] " + " ".join(cmd), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(cmd, env=env)
+
+
+def check_model(cfg: Config) -> int:
+    path = ensure_model(cfg)
+    p = cfg.parallel
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    args = ["--hf", path, "--tp", str(p.tp), "--pp", str(p.pp), "--ep", str(p.ep),
+            "--dispatcher", p.dispatcher.value, "--dtype", cfg.model.dtype.value,
+            "--out", os.path.join(cfg.run_dir, "check_model.json"),
+            "--export", os.path.join(cfg.run_dir, "export_hf")]
+    if p.etp is not None:
+        args += ["--etp", str(p.etp)]
+    return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg))
+
+
+def train(cfg: Config) -> int:
+    # TODO(rl-loop): the async GRPO/DAPO/GSPO loop replaces this body (issue: async RL loop). Until
+    # then the main job is the strongest real one: the model in megatron, checked against transformers.
+    print("[mrl] train: RL loop not built yet; running the model check (HF -> megatron -> HF) instead", flush=True)
+    return check_model(cfg)
+
+
+def make_tiny(argv: list[str]) -> int:
+    import argparse
+
+    from mrl.models.tiny import make_tiny_model
+
+    ap = argparse.ArgumentParser(prog="mrl make-tiny-model")
+    ap.add_argument("dir")
+    ap.add_argument("--preset", default="tiny", choices=[p.value for p in TinyPreset])
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    make_tiny_model(a.dir, TinyPreset(a.preset), seed=a.seed)
+    print(f"[mrl] wrote {a.preset} to {a.dir}")
+    return 0
+
+
+COMMANDS = {"train": train, "check-model": check_model}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) >= 2 else 2)
+    cmd, rest = sys.argv[1], sys.argv[2:]
+    if cmd == "make-tiny-model":
+        sys.exit(make_tiny(rest))
+    if cmd not in COMMANDS:
+        print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + ['make-tiny-model']}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [f"mrl {cmd}", *rest]
+    _hydra_app(COMMANDS[cmd])
+
+
+if __name__ == "__main__":
+    main()

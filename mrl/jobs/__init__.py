@@ -1,0 +1,1 @@
+"""Per-rank entry points started by torchrun (``python -m mrl.jobs.<name>``)."""

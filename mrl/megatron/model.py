@@ -1,0 +1,121 @@
+"""Build megatron-core's GPTModel for an HF architecture (through its bridge) in a given layout.
+
+Spec choice: megatron's Transformer Engine spec when TE imports, its local spec otherwise. The local
+spec's only norm without apex/TE (``WrappedTorchNorm``) asserts ``not sequence_parallel``
+(``transformer/torch_norm.py:50``), while MoE training with TP>1 requires SP
+(``transformer/moe/moe_layer.py:629``); ``SPTorchNorm`` is a plain torch norm whose params carry the
+``sequence_parallel`` tag (as apex/TE norms do) so ``finalize_model_grads`` all-reduces their grads
+over TP. It is plugged in through the spec, not by patching megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from mrl._compat.te import HAVE_TE
+from mrl.config.schema import DType, ParallelConfig
+from mrl.megatron import compat
+from mrl.megatron.parallel import Layout
+from mrl.models.bridge import ModelBridge
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SPTorchNorm:
+    """``torch.nn.RMSNorm``/``LayerNorm`` usable with sequence parallelism in the local spec."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        m = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in m.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return m
+
+
+class QKTorchNorm:
+    """Per-head q/k norm for the local spec under SP. No ``sequence_parallel`` tag: megatron already
+    all-reduces q/k-norm grads over TP by name (``distributed/finalize_model_grads.py:452``)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        return norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+
+
+# All fusions off: they are CUDA kernels, or TE-only, and the router fusion would silently skip
+# routing replay (megatron.md: moe_router_fusion returns before the replay hook).
+_CPU_SAFE = dict(
+    bias_dropout_fusion=False,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    cross_entropy_loss_fusion=False,
+    moe_router_fusion=False,
+    moe_permute_fusion=False,
+)
+
+
+def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: DType = DType.fp32,
+                       **overrides: Any) -> TransformerConfig:
+    parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
+                         num_query_groups=bridge.num_query_groups)
+    torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32
+    kw = dict(bridge.transformer_config_kwargs())
+    kw.update(_CPU_SAFE)
+    kw.update(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+        moe_token_dispatcher_type=parallel.dispatcher.value,
+        moe_grouped_gemm=HAVE_TE,
+        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_enable_routing_replay=True,  # Keep Routing; inactive until an action is set
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        bf16=dtype == DType.bf16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF checkpoint
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def layer_spec(cfg: TransformerConfig):
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=HAVE_TE, normalization="RMSNorm")
+    if HAVE_TE:
+        return spec
+    # local spec: swap every torch norm for the SP-capable one (layer norms and the final norm)
+    layers = []
+    for ls in spec.layer_specs:
+        attn = ls.submodules.self_attention
+        attn_sub = attn.submodules
+        if cfg.qk_layernorm:
+            attn_sub = dataclasses.replace(attn_sub, q_layernorm=QKTorchNorm, k_layernorm=QKTorchNorm)
+        sub = dataclasses.replace(ls.submodules, input_layernorm=SPTorchNorm, pre_mlp_layernorm=SPTorchNorm,
+                                  self_attention=dataclasses.replace(attn, submodules=attn_sub))
+        layers.append(dataclasses.replace(ls, submodules=sub))
+    return dataclasses.replace(spec, layer_specs=layers, layer_norm=SPTorchNorm)
+
+
+def build_gpt_model(bridge: ModelBridge, cfg: TransformerConfig, layout: Layout, padded_vocab: int) -> GPTModel:
+    # RouterReplay instances are process-global in megatron: drop those of any earlier model
+    RouterReplay.clear_global_router_replay_instances()
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(cfg),
+        pre_process=layout.is_first_stage,
+        post_process=layout.is_last_stage,
+        parallel_output=True,
+        **bridge.gpt_model_kwargs(padded_vocab),
+    )
+    return model.to(compat.DEVICE)

@@ -1,0 +1,177 @@
+"""HF checkpoint -> sharded megatron model, and back, in any TP/ETP/EP/PP/DP layout.
+
+Import: every rank maps each of its local params to the global (TP1/EP1/PP1) name, computes which
+rows/columns of which HF tensors its shard needs, and reads just those slices from the safetensors.
+Export: shards are all-gathered inside their TP (or expert-TP) group; one owner per global param
+(TP rank 0 of DP/expert-DP rank 0) converts the full tensor back to HF names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from mrl.megatron.parallel import GroupInfo, Layout
+from mrl.models.bridge import ModelBridge, ParamMap, Part, split_full
+from mrl.models.checkpoint import HFCheckpoint
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    name: str
+    param: torch.nn.Parameter
+    global_name: str
+    is_expert: bool
+    shard_group: GroupInfo | None
+    """Group the param is split over (TP, or expert-TP for experts); None when replicated."""
+    partition_dim: int | None
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]:
+    m = _unwrap(model)
+    num_local_experts = (m.config.num_moe_experts or 0) // layout.ep.size
+    for name, p in m.named_parameters():
+        gname = name
+        lm = _LAYER.match(gname)
+        if lm:  # local layer index -> global (PP stage offset); layer_number is 1-based and global
+            gname = f"{lm.group(1)}{m.decoder.layers[int(lm.group(2))].layer_number - 1}{lm.group(3)}"
+        em = _EXPERT.search(gname)
+        is_expert = em is not None
+        if em:  # local expert index -> global (EP offset)
+            gname = _EXPERT.sub(f"experts.local_experts.{layout.ep.rank * num_local_experts + int(em.group(1))}.", gname)
+        group = layout.etp if is_expert else layout.tp
+        tp_split = getattr(p, "tensor_model_parallel", False) and group.size > 1
+        yield LocalParam(name, p, gname, is_expert, group if tp_split else None,
+                         p.partition_dim if tp_split else None)
+
+
+def _maps_by_name(bridge: ModelBridge, padded_vocab: int) -> dict[str, ParamMap]:
+    maps = {pm.mcore_name: pm for pm in bridge.param_maps(padded_vocab)}
+    if bridge.tied_embeddings:
+        # tied + PP>1: the last stage holds its own output_layer copy of the embedding
+        emb = maps["embedding.word_embeddings.weight"]
+        maps["output_layer.weight"] = ParamMap("output_layer.weight", emb.segments, emb.num_cols)
+    return maps
+
+
+def _segment_rows(seg: tuple[Part, ...], start: int, stop: int) -> list[tuple[Part, int, int]]:
+    """(part, r0, r1) pieces covering rows [start, stop) of the segment, in part coordinates."""
+    out, off = [], 0
+    for p in seg:
+        lo, hi = max(start, off), min(stop, off + p.num_rows)
+        if lo < hi:
+            out.append((p, p.start + lo - off, p.start + hi - off))
+        off += p.num_rows
+    return out
+
+
+def read_shard(ckpt: HFCheckpoint, pm: ParamMap, group: GroupInfo | None, partition_dim: int | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shard of ``pm``, read slice by slice from the checkpoint."""
+    ws, r = (group.size, group.rank) if group is not None else (1, 0)
+    if partition_dim == 1:
+        (seg,) = pm.segments
+        (part,) = seg
+        cols = pm.num_cols // ws
+        return ckpt.read(part.hf_name, (part.start, part.stop), (r * cols, (r + 1) * cols)).to(dtype)
+    pieces = []
+    for seg in pm.segments:
+        n = sum(p.num_rows for p in seg)
+        if n % ws:
+            raise ValueError(f"{pm.mcore_name}: {n} rows cannot be split over {ws} ranks")
+        lo, hi = (r * n // ws, (r + 1) * n // ws) if partition_dim == 0 else (0, n)
+        for part, r0, r1 in _segment_rows(seg, lo, hi):
+            if part.hf_name is None:
+                shape = (r1 - r0,) + ((pm.num_cols,) if pm.num_cols else ())
+                pieces.append(torch.zeros(shape, dtype=dtype))
+            else:
+                pieces.append(ckpt.read(part.hf_name, (r0, r1)).to(dtype))
+    return torch.cat(pieces, 0)
+
+
+def load_hf_into(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, ckpt: HFCheckpoint,
+                 padded_vocab: int) -> int:
+    """Fill every local param of ``model`` from the HF checkpoint; returns how many were loaded."""
+    ckpt.check_against(bridge.hf_tensor_shapes(padded_vocab))
+    maps = _maps_by_name(bridge, padded_vocab)
+    n = 0
+    for lp in local_params(model, layout):
+        pm = maps.get(lp.global_name)
+        if pm is None:
+            raise KeyError(f"megatron param {lp.global_name} ({lp.name}) has no HF mapping in {type(bridge).__name__}")
+        t = read_shard(ckpt, pm, lp.shard_group, lp.partition_dim, lp.param.dtype)
+        if tuple(t.shape) != tuple(lp.param.shape):
+            raise ValueError(f"{lp.global_name}: shard shape {list(t.shape)} != param shape {list(lp.param.shape)}")
+        with torch.no_grad():
+            lp.param.copy_(t)
+        n += 1
+    return n
+
+
+def gather_full(lp: LocalParam, pm: ParamMap, tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather a TP-split tensor into the full (TP1) tensor; segment-aware for SwiGLU fc1."""
+    if lp.shard_group is None:
+        return tensor
+    g = lp.shard_group
+    parts = [torch.empty_like(tensor) for _ in range(g.size)]
+    dist.all_gather(parts, tensor.contiguous(), group=g.group)
+    if lp.partition_dim == 1:
+        return torch.cat(parts, 1)
+    if len(pm.segments) == 1:
+        return torch.cat(parts, 0)
+    # each rank holds [seg0 chunk; seg1 chunk; ...]: regroup by segment
+    sizes = [sum(p.num_rows for p in seg) // g.size for seg in pm.segments]
+    per_rank = [torch.split(t, sizes, 0) for t in parts]
+    return torch.cat([per_rank[r][s] for s in range(len(sizes)) for r in range(g.size)], 0)
+
+
+def _is_owner(lp: LocalParam, layout: Layout) -> bool:
+    """One copy per global param: TP rank 0 (of its split group) on data-parallel rank 0."""
+    if lp.shard_group is not None and lp.shard_group.rank != 0:
+        return False
+    if lp.is_expert:
+        return layout.edp.rank == 0 and (lp.shard_group is not None or layout.etp.rank == 0)
+    return layout.dp.rank == 0 and (lp.shard_group is not None or layout.tp.rank == 0)
+
+
+def export_hf(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
+              dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Full HF-named tensors on global rank ``dst`` (None elsewhere).
+
+    Collects through ``gather_object``: fine for checkpoints that fit one host's memory; the
+    streamed, bucketed path for large models is the weight-sync executor.
+    """
+    maps = _maps_by_name(bridge, padded_vocab)
+    mine: dict[str, torch.Tensor] = {}
+    for lp in local_params(model, layout):
+        if bridge.tied_embeddings and lp.global_name == "output_layer.weight":
+            continue  # a copy of the embedding
+        pm = maps[lp.global_name]
+        full = gather_full(lp, pm, lp.param.detach())
+        if _is_owner(lp, layout):
+            for k, v in split_full(pm, full.cpu()).items():
+                mine[k] = v.clone()
+    objs = [None] * layout.world_size if layout.world_rank == dst else None
+    dist.gather_object(mine, objs, dst=dst)
+    if layout.world_rank != dst:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for o in objs:
+        for k, v in o.items():
+            if k in out:
+                raise AssertionError(f"{k} exported by two ranks")
+            out[k] = v
+    return out

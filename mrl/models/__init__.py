@@ -1,0 +1,27 @@
+"""HF <-> Megatron bridges, one file per architecture, and the registry that picks one."""
+
+from __future__ import annotations
+
+from mrl.models.bridge import ModelBridge, UnsupportedModelError, read_config_json
+from mrl.models.qwen3_moe import Qwen3MoeBridge
+
+# Adding Mixtral or DeepSeek-V3 = one file with a ModelBridge subclass + one entry here.
+BRIDGES: dict[str, type[ModelBridge]] = {arch: cls for cls in (Qwen3MoeBridge,) for arch in cls.architectures}
+
+
+def get_bridge(path: str) -> ModelBridge:
+    """Bridge for the HF checkpoint at ``path``; a clear error for architectures mrl does not map."""
+    raw = read_config_json(path)
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in BRIDGES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{path}/config.json: unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"mrl maps {sorted(BRIDGES)}"
+        )
+    from transformers import AutoConfig  # the config class normalises key names across versions
+
+    return BRIDGES[arch](AutoConfig.from_pretrained(path), path=path)
+
+
+__all__ = ["BRIDGES", "ModelBridge", "UnsupportedModelError", "get_bridge"]

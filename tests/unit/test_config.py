@@ -1,0 +1,100 @@
+"""Hydra/OmegaConf schema: composition, typed values, and errors that name the field."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from mrl.config.load import compose
+from mrl.config.schema import Config, Dispatcher, ParallelConfig
+
+
+def test_config_package_imports_without_torch_megatron_sglang():
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'megatron', 'sglang', 'transformers'): sys.modules[m] = None\n"
+        "import mrl.config, mrl.config.store, mrl.config.load\n"
+        "print(mrl.config.Config().parallel.tp)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
+def test_default_composition_is_typed():
+    cfg = compose()
+    assert isinstance(cfg, Config)
+    assert cfg.parallel.tp == 1 and cfg.parallel.dispatcher is Dispatcher.alltoall
+    assert cfg.model.hf_path == "runs/models/tiny"
+
+
+@pytest.mark.parametrize("preset,tp,ep,etp", [("tp2_ep2", 2, 2, 1), ("pp2", 1, 1, None), ("tp2_sp", 2, 1, None)])
+def test_parallel_presets(preset, tp, ep, etp):
+    cfg = compose([f"parallel={preset}"])
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.etp) == (tp, ep, etp)
+
+
+def test_experiment_preset_overrides_groups():
+    cfg = compose(["+experiment=tiny_tp2_ep2"])
+    assert cfg.parallel.tp == 2 and cfg.parallel.ep == 2 and cfg.run_dir == "runs/tiny_tp2_ep2"
+
+
+def test_invalid_enum_names_field_and_allowed_values():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["parallel.dispatcher=flex"])
+    msg = str(e.value) + str(e.value.__cause__)
+    assert "parallel.dispatcher" in msg and "alltoall" in msg and "allgather" in msg
+
+
+def test_unknown_key_is_rejected():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["parallel.eps=4"])
+    assert "eps" in str(e.value) + str(e.value.__cause__)
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["parallel.tp=two"])
+    assert "parallel.tp" in str(e.value) + str(e.value.__cause__)
+
+
+def test_tp_without_sequence_parallel_is_refused():
+    with pytest.raises(ValueError, match=r"parallel\.sequence_parallel"):
+        compose(["parallel=tp2_sp", "parallel.sequence_parallel=false"])
+
+
+def test_top_p_range_is_checked():
+    with pytest.raises(ValueError, match=r"rollout\.top_p"):
+        compose(["rollout.top_p=0"])
+
+
+def test_world_size_mismatch_names_fields():
+    p = ParallelConfig(tp=2, ep=2, etp=1)
+    with pytest.raises(ValueError, match=r"parallel\.tp/pp/cp.*world size 3"):
+        p.check_world_size(3)
+    with pytest.raises(ValueError, match=r"parallel\.world_size"):
+        ParallelConfig(tp=2, world_size=4).check_world_size(2)
+    with pytest.raises(ValueError, match=r"parallel\.ep/etp/pp"):
+        ParallelConfig(tp=1, ep=4).check_world_size(2)
+
+
+def test_model_sharding_checks_name_fields():
+    with pytest.raises(ValueError, match=r"parallel\.ep.*8 experts"):
+        ParallelConfig(ep=3).check_model(num_experts=8, num_layers=4, num_query_groups=2)
+    with pytest.raises(ValueError, match=r"parallel\.pp.*3 layers"):
+        ParallelConfig(pp=2).check_model(num_experts=8, num_layers=3, num_query_groups=2)
+    with pytest.raises(ValueError, match=r"parallel\.tp.*KV heads"):
+        ParallelConfig(tp=3).check_model(num_experts=8, num_layers=3, num_query_groups=2)
+    ParallelConfig(tp=4, ep=8).check_model(num_experts=128, num_layers=48, num_query_groups=4)
+
+
+def test_invalid_values_fail_at_load_of_resolved_config(tmp_path):
+    from mrl.config.load import load_resolved
+
+    p = tmp_path / "config.yaml"
+    p.write_text("parallel:\n  dispatcher: nope\n")
+    with pytest.raises(ValidationError) as e:
+        load_resolved(str(p))
+    assert "dispatcher" in str(e.value) and "alltoall" in str(e.value)
