@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atol", type=float, default=1e-4)
     ap.add_argument("--out", default=None, help="write the report as JSON here (rank 0)")
     ap.add_argument("--export", default=None, help="also save the exported HF checkpoint here")
+    ap.add_argument("--reference-hf", default=None,
+                    help="compare against transformers loaded from this checkpoint instead of --hf (tests)")
     a = ap.parse_args(argv)
 
     pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, dispatcher=Dispatcher(a.dispatcher))
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     checker = layout.is_last_stage and layout.tp.rank == 0 and layout.dp.rank == 0
     if checker:
-        ref = hf_reference(a.hf, ids, cfg.params_dtype)
+        ref = hf_reference(a.reference_hf or a.hf, ids, cfg.params_dtype)
         mc = logits[..., : bridge.vocab_size].float()
         report["logits_max_abs_diff"] = (mc - ref).abs().max().item()
         report["logprobs_max_abs_diff"] = (

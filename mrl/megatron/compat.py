@@ -99,23 +99,23 @@ def _stub_paged_stash() -> None:
 # ----------------------------------------------------------------------------------------------
 CUDA_API_SITES = {
     # megatron calls torch.cuda.current_device() ~200 times to place buffers; these are the sites
-    # on the paths mrl runs (model build, fwd/bwd, DDP, optimizer, dist-checkpointing).
+    # on the paths mrl runs (model build, SP/EP/PP fwd+bwd through the schedules, DDP, optimizer).
     "cuda.current_device": (
+        "distributed/param_and_grad_buffer.py:1180",
+        "distributed/param_and_grad_buffer.py:1186",
         "models/common/embeddings/rotary_pos_embedding.py:162",
-        "transformer/moe/router.py:98",
-        "utils.py:715",
+        "pipeline_parallel/p2p_communication.py:334",
+        "pipeline_parallel/p2p_communication.py:342",
         "tensor_parallel/layers.py:647",
         "tensor_parallel/mappings.py:145",
         "tensor_parallel/mappings.py:185",
         "tensor_parallel/mappings.py:447",
-        "pipeline_parallel/p2p_communication.py:342",
-        "distributed/param_and_grad_buffer.py:1180",
-        "distributed/param_and_grad_buffer.py:1186",
-        "optimizer/distrib_optimizer.py:1362",
-        "dist_checkpointing/strategies/state_dict_saver.py:252",
-        "dist_checkpointing/strategies/filesystem_async.py:248",
+        "transformer/moe/router.py:98",
+        "utils.py:715",
     ),
-    "cuda.rng": ("tensor_parallel/random.py:303", "tensor_parallel/random.py:490"),
+    # model_parallel_cuda_manual_seed / CudaRNGStatesTracker.add
+    "cuda.rng": ("tensor_parallel/random.py:303", "tensor_parallel/random.py:305",
+                 "tensor_parallel/random.py:306", "tensor_parallel/random.py:490"),
     "cuda.streams": ("distributed/param_and_grad_buffer.py:632", "pipeline_parallel/p2p_communication.py:419"),
 }
 
@@ -171,8 +171,8 @@ def _patch_megatron_rng() -> None:
     ``CudaRNGStatesTracker`` (dropout, recompute, init) keeps its fork/restore semantics."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    shim = _shim("megatron_rng", "tensor_parallel/random.py:318", "tensor_parallel/random.py:323",
-                 "tensor_parallel/random.py:341", "tensor_parallel/random.py:345")
+    shim = _shim("megatron_rng", "tensor_parallel/random.py:308", "tensor_parallel/random.py:318",
+                 "tensor_parallel/random.py:323", "tensor_parallel/random.py:341", "tensor_parallel/random.py:345")
 
     def _get(device="cuda", clone=False, graph_safe=False):
         _hit("megatron_rng")
@@ -198,8 +198,8 @@ def _patch_alltoall_dispatcher() -> None:
     from megatron.core.transformer.moe import token_dispatcher as td
     from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
 
-    shim = _shim("alltoall_dispatcher", "transformer/moe/token_dispatcher.py:469",
-                 "transformer/moe/token_dispatcher.py:922")
+    # :469 never runs: the class attribute set below makes __init__ skip torch.cuda.Stream()
+    shim = _shim("alltoall_dispatcher", "transformer/moe/token_dispatcher.py:922")
     cls = td.MoEAlltoAllTokenDispatcher
     cls.cuda_dtoh_stream = torch.cpu.Stream()
 
@@ -234,7 +234,8 @@ def _patch_uneven_allgather() -> None:
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
-    shim = _shim("uneven_allgather", "tensor_parallel/mappings.py:154")
+    # recorded at the callers: gather_from_sequence_parallel_region with output_split_sizes
+    shim = _shim("uneven_allgather", "tensor_parallel/mappings.py:329", "tensor_parallel/mappings.py:377")
     orig = mappings._gather_along_first_dim
 
     def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -302,9 +303,12 @@ _MODE: CudaToCpuMode | None = None
 
 def _enter_cuda_to_cpu_mode() -> None:
     global _MODE
-    _shim("cuda_to_cpu_mode", "pipeline_parallel/schedules.py:749", "optimizer/optimizer.py:315",
-          "optimizer/clip_grads.py:108", "optimizer/clip_grads.py:174", "optimizer/distrib_optimizer.py:401",
-          "optimizer/distrib_optimizer.py:1374").applied = True
+    _shim("cuda_to_cpu_mode",
+          "optimizer/clip_grads.py:108", "optimizer/clip_grads.py:112", "optimizer/clip_grads.py:174",
+          "optimizer/clip_grads.py:180", "optimizer/distrib_optimizer.py:401", "optimizer/distrib_optimizer.py:466",
+          "optimizer/distrib_optimizer.py:758", "optimizer/optimizer.py:315", "optimizer/optimizer.py:698",
+          "optimizer/optimizer.py:702", "pipeline_parallel/schedules.py:749", "pipeline_parallel/schedules.py:2292",
+          "transformer/utils.py:39", "utils.py:1332").applied = True
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
 
