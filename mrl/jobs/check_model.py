@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node 2 -m mrl.jobs.check_model --hf DIR --tp 2 [--ep 2 --etp 1 --pp 1] --out report.json
 
-Checks (fp32 tolerance 1e-4 by default): logits and next-token logprobs vs ``Qwen3MoeForCausalLM`` on
-the same ids; HF -> megatron -> HF export bit-exact against the input checkpoint. Exit code 1 on a
+Checks: logits and next-token logprobs vs ``Qwen3MoeForCausalLM`` (fp32) on the same ids -- fp32:
+within ``--atol`` (1e-4); bf16: mean |logprob diff| within 2x that of transformers' own bf16 run; HF -> megatron -> HF export bit-exact against the input checkpoint. Exit code 1 on a
 mismatch. ``mrl check-model`` starts it with torchrun from a Hydra config.
 """
 
@@ -72,35 +72,50 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     checker = layout.is_last_stage and layout.tp.rank == 0 and layout.dp.rank == 0
     if checker:
-        ref = hf_reference(a.reference_hf or a.hf, ids, cfg.params_dtype)
+        lp_mc = token_logprobs(logits, ids, bridge.vocab_size)
         mc = logits[..., : bridge.vocab_size].float()
+        ref = hf_reference(a.reference_hf or a.hf, ids, torch.float32)
+        lp_ref = token_logprobs(ref, ids, bridge.vocab_size)
         report["logits_max_abs_diff"] = (mc - ref).abs().max().item()
-        report["logprobs_max_abs_diff"] = (
-            token_logprobs(logits, ids, bridge.vocab_size) - token_logprobs(ref, ids, bridge.vocab_size)
-        ).abs().max().item()
+        report["logprobs_max_abs_diff"] = (lp_mc - lp_ref).abs().max().item()
+        report["logprobs_mean_abs_diff"] = (lp_mc - lp_ref).abs().mean().item()
         report["max_abs_logit"] = ref.abs().max().item()
-        ok = report["logits_max_abs_diff"] <= a.atol and report["logprobs_max_abs_diff"] <= a.atol
+        if cfg.params_dtype == torch.bfloat16:
+            # bf16 tolerance = transformers' own bf16 error against fp32, with 2x headroom: megatron
+            # in bf16 must be as close to the fp32 model as transformers in bf16 is
+            ref16 = hf_reference(a.reference_hf or a.hf, ids, torch.bfloat16)
+            lp16 = token_logprobs(ref16, ids, bridge.vocab_size)
+            report["hf_bf16_logprobs_max_abs_diff"] = (lp16 - lp_ref).abs().max().item()
+            report["hf_bf16_logprobs_mean_abs_diff"] = (lp16 - lp_ref).abs().mean().item()
+            report["mc_vs_hf_bf16_logprobs_max_abs_diff"] = (lp_mc - lp16).abs().max().item()
+            # gated on the mean: single tokens can differ more where a near-tied router decision flips
+            # in bf16 (megatron routes in fp32, transformers in bf16) -- the mismatch Keep Routing removes
+            report["tolerance"] = {"mean": 2 * report["hf_bf16_logprobs_mean_abs_diff"] + 1e-3}
+        else:
+            report["tolerance"] = {"max": a.atol}
     # every rank learns the checker's verdict and numbers
     box = [report if checker else None]
     objs = [None] * layout.world_size
     dist.all_gather_object(objs, box[0])
     report = next(o for o in objs if o is not None)
-    ok = report["logits_max_abs_diff"] <= a.atol and report["logprobs_max_abs_diff"] <= a.atol
+    tol = report["tolerance"]
+    if "mean" in tol:
+        ok = report["logprobs_mean_abs_diff"] <= tol["mean"]
+    else:
+        ok = report["logits_max_abs_diff"] <= tol["max"] and report["logprobs_max_abs_diff"] <= tol["max"]
 
     exported = export_hf(model, layout, bridge, vocab_p)
     if layout.world_rank == 0:
         want = {k: ckpt.read(k) for k in ckpt.shapes}
         same_keys = set(exported) == set(want)
-        exact = same_keys and all(
-            exported[k].dtype == want[k].dtype and torch.equal(exported[k], want[k].to(exported[k].dtype))
-            for k in want
-        ) if a.dtype == "fp32" else None
+        # bf16 runs compare against the checkpoint cast to bf16: the cast is deterministic, so the
+        # round trip must still be bit-exact in the trainer's dtype
+        exact = same_keys and all(torch.equal(exported[k], want[k].to(exported[k].dtype)) for k in want)
         report.update(roundtrip_tensors=len(exported), roundtrip_bit_exact=exact,
                       roundtrip_missing=sorted(set(want) - set(exported))[:5],
                       roundtrip_extra=sorted(set(exported) - set(want))[:5],
                       wall_s=round(time.perf_counter() - t0, 2))
-        if a.dtype == "fp32":
-            ok = ok and bool(exact)
+        ok = ok and bool(exact)
         if a.export:
             from mrl.models.checkpoint import save_hf
 
