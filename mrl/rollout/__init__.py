@@ -1,0 +1,1 @@
+"""Rollouts from real SGLang engines: launcher (CPU mode and GPUs), async client, rollout manager."""

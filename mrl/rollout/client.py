@@ -1,0 +1,246 @@
+"""Async HTTP client for one SGLang 0.5.10 server: every endpoint the RL loop needs, with timeouts.
+
+    client = EngineClient("http://127.0.0.1:30000")
+    out = await client.generate([1, 17, 42], {"max_new_tokens": 8, "temperature": 0.0}, rid="s0")
+    await client.pause("abort"); await client.flush_cache(); ...; await client.resume()
+
+Guards make the calls that kill or wedge a 0.5.10 server impossible to issue (docs/sglang.md §9-10):
+an update on a weight-update group this client did not create, ``flush_cache: true`` (or a flush)
+after a retract/in-place pause, ``update_weights_from_tensor`` on CPU, health checks while paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from mrl.rollout.protocol import (
+    EngineError,
+    EngineGuardError,
+    EngineHTTPError,
+    EngineProtocolError,
+    EngineUnavailable,
+    GenerateOutput,
+    error_message,
+    parse_generate,
+    parse_model_info,
+    parse_status_ok,
+    parse_success,
+)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(kw_only=True)
+class ClientTimeouts:
+    """Seconds; ``None`` = no limit. Generation may legitimately block while the engine is paused."""
+
+    connect: float = 10.0
+    control: float = 60.0
+    generate: float | None = 3600.0
+    weight_update: float = 900.0
+
+
+class EngineClient:
+    def __init__(self, url: str, *, timeouts: ClientTimeouts | None = None, api_key: str | None = None,
+                 admin_key: str | None = None, max_connections: int = 256):
+        self.url = url.rstrip("/")
+        self.timeouts = timeouts or ClientTimeouts()
+        self._keys = (api_key, admin_key or api_key)
+        self._http: httpx.AsyncClient | None = None
+        self._max_connections = max_connections
+        self.groups: set[str] = set()  # weight-update groups this client created
+        self.paused: str | None = None  # pause mode in force, if any
+
+    # -- transport -------------------------------------------------------------------------------
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None or self._http.is_closed:
+            self._http = httpx.AsyncClient(
+                base_url=self.url, limits=httpx.Limits(max_connections=self._max_connections,
+                                                       max_keepalive_connections=32))
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _call(self, method: str, endpoint: str, *, json: Any = None, timeout: float | None,
+                    admin: bool = False, ok: tuple[int, ...] = (200,)) -> tuple[int, Any, str]:
+        key = self._keys[1] if admin else self._keys[0]
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        t = httpx.Timeout(timeout, connect=self.timeouts.connect)
+        try:
+            r = await self._client().request(method, endpoint, json=json, headers=headers, timeout=t)
+        except httpx.TimeoutException as e:
+            raise EngineUnavailable(self.url, endpoint, f"timed out after {timeout}s ({type(e).__name__})") from e
+        except (httpx.TransportError, httpx.RemoteProtocolError) as e:
+            raise EngineUnavailable(self.url, endpoint, f"connection failed: {type(e).__name__}: {e}") from e
+        text = r.text
+        body: Any = None
+        if text:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+        if r.status_code not in ok:
+            if r.status_code in (502, 503, 504):
+                raise EngineUnavailable(self.url, endpoint, f"HTTP {r.status_code}: {error_message(body, text)}")
+            raise EngineHTTPError(self.url, endpoint, r.status_code, error_message(body, text))
+        return r.status_code, body, text
+
+    # -- generation ------------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str,
+                       return_logprob: bool = True, return_routed_experts: bool = False,
+                       top_logprobs_num: int = 0) -> GenerateOutput:
+        """One sample (one rid: abortable, own logprobs and routes). ``n > 1`` is refused: SGLang
+        replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted."""
+        if not input_ids:
+            raise ValueError("generate: input_ids is empty")
+        if sampling_params.get("n", 1) != 1:
+            raise ValueError("generate: send one request per sample (sampling_params.n must be 1)")
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid,
+                "return_logprob": return_logprob}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        _, data, _ = await self._call("POST", "/generate", json=body, timeout=self.timeouts.generate)
+        out = parse_generate(data, (self.url, "/generate"), expect_logprobs=return_logprob)
+        if isinstance(out, list):
+            raise EngineProtocolError(self.url, "/generate", "expected one result for one request, got a list")
+        if out.rid != rid:
+            raise EngineProtocolError(self.url, "/generate", f"reply for rid {out.rid!r}, asked {rid!r}")
+        return out
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request (by rid) or all; the aborted /generate returns its partial output."""
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort: give exactly one of rid or abort_all=True")
+        body = {"abort_all": True} if abort_all else {"rid": rid}
+        await self._call("POST", "/abort_request", json=body, timeout=self.timeouts.control, admin=True)
+
+    # -- flow control ----------------------------------------------------------------------------
+    async def pause(self, mode: str = "abort") -> None:
+        """abort: returns after every in-flight request has returned its partial (abort). retract/in_place:
+        requests stay open and continue after ``resume``; flushing is then impossible in 0.5.10."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        _, body, _ = await self._call("POST", "/pause_generation", json={"mode": mode},
+                                      timeout=self.timeouts.control, admin=True)
+        parse_status_ok(body, (self.url, "/pause_generation"))
+        self.paused = mode
+
+    async def resume(self) -> None:
+        _, body, _ = await self._call("POST", "/continue_generation", json={}, timeout=self.timeouts.control,
+                                      admin=True)
+        parse_status_ok(body, (self.url, "/continue_generation"))
+        self.paused = None
+
+    async def flush_cache(self, *, retries: int = 60, interval: float = 1.0) -> None:
+        """Flush the radix/KV cache; retried while requests are still draining (400 'Flush cache failed')."""
+        if self.paused in ("retract", "in_place"):
+            raise EngineGuardError(self.url, "/flush_cache", f"cannot flush while paused in {self.paused!r} mode "
+                                   "(0.5.10 keeps those requests queued; pause with mode='abort' first)")
+        for attempt in range(retries):
+            try:
+                await self._call("POST", "/flush_cache", timeout=self.timeouts.control, admin=True)
+                return
+            except EngineHTTPError as e:
+                if e.status != 400 or attempt == retries - 1:
+                    raise
+                await asyncio.sleep(interval)
+
+    # -- weights ---------------------------------------------------------------------------------
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Blocks until the trainer joins the rendezvous: run it concurrently with the trainer side."""
+        if group_name in self.groups:
+            raise EngineGuardError(self.url, "/init_weights_update_group", f"group {group_name!r} already exists")
+        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                    world_size=world_size, group_name=group_name, backend=backend)
+        _, data, _ = await self._call("POST", "/init_weights_update_group", json=body,
+                                      timeout=self.timeouts.weight_update, admin=True, ok=(200, 400))
+        parse_success(data, (self.url, "/init_weights_update_group"))
+        self.groups.add(group_name)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        _, data, _ = await self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name},
+                                      timeout=self.timeouts.control, admin=True, ok=(200, 400))
+        self.groups.discard(group_name)
+        parse_success(data, (self.url, "/destroy_weights_update_group"))
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              weight_version: str | None = None, flush_cache: bool = False,
+                                              load_format: str | None = None) -> str:
+        """Returns after the engine received the broadcasts: post it while the trainer broadcasts."""
+        ep = "/update_weights_from_distributed"
+        if group_name not in self.groups:  # an unknown group kills the 0.5.10 scheduler
+            raise EngineGuardError(self.url, ep, f"group {group_name!r} was not created by this client")
+        if flush_cache and self.paused in ("retract", "in_place"):  # trips an assert in 0.5.10
+            raise EngineGuardError(self.url, ep, f"flush_cache=True while paused in {self.paused!r} mode")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError(f"{ep}: names/dtypes/shapes must be non-empty and of equal length")
+        if any(d.startswith("torch.") for d in dtypes):
+            raise ValueError(f"{ep}: dtypes are torch attribute names without 'torch.' (e.g. 'bfloat16')")
+        body = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
+                    weight_version=weight_version, load_format=load_format)
+        _, data, _ = await self._call("POST", ep, json=body, timeout=self.timeouts.weight_update, admin=True,
+                                      ok=(200, 400))
+        return parse_success(data, (self.url, ep))
+
+    async def update_weights_from_tensor(self, *_a, **_k) -> str:
+        raise EngineGuardError(self.url, "/update_weights_from_tensor",
+                               "not supported by mrl: CPU tensors across processes crash a 0.5.10 server; "
+                               "use update_weights_from_distributed or update_weights_from_disk")
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> str:
+        ep = "/update_weights_from_disk"
+        _, data, _ = await self._call("POST", ep, json={"model_path": model_path, "weight_version": weight_version},
+                                      timeout=self.timeouts.weight_update, admin=True, ok=(200, 400))
+        return parse_success(data, (self.url, ep))
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        """0.5.10's default aborts every request: mrl passes False unless asked."""
+        ep = "/update_weight_version"
+        _, data, _ = await self._call("POST", ep, json={"new_version": new_version,
+                                                        "abort_all_requests": abort_all_requests},
+                                      timeout=self.timeouts.control, admin=True, ok=(200, 400))
+        parse_success(data, (self.url, ep))
+
+    # -- introspection ---------------------------------------------------------------------------
+    async def model_info(self) -> dict:
+        _, data, _ = await self._call("GET", "/model_info", timeout=self.timeouts.control)
+        return parse_model_info(data, (self.url, "/model_info"))
+
+    async def weight_version(self) -> str:
+        return (await self.model_info())["weight_version"]
+
+    async def server_info(self) -> dict:
+        _, data, _ = await self._call("GET", "/server_info", timeout=self.timeouts.control)
+        if not isinstance(data, dict) or "version" not in data:
+            raise EngineProtocolError(self.url, "/server_info", "no 'version' key")
+        return data
+
+    async def check_version(self, supported: tuple[str, ...] = ("0.5.10",)) -> str:
+        """Version gate: the client speaks 0.5.10's API (routes start_len ignored, flush rules, 404s)."""
+        v = str((await self.server_info())["version"])
+        if v not in supported:
+            raise EngineError(self.url, "/server_info", f"SGLang {v} is not one of the verified versions {supported}")
+        return v
+
+    async def health(self, timeout: float = 20.0) -> bool:
+        if self.paused:
+            raise EngineGuardError(self.url, "/health", "health checks block while the engine is paused")
+        try:
+            await self._call("GET", "/health", timeout=timeout)
+            return True
+        except EngineError:
+            return False
+
+    async def loads(self) -> dict:
+        _, data, _ = await self._call("GET", "/v1/loads", timeout=self.timeouts.control)
+        return data

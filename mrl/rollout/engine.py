@@ -1,0 +1,207 @@
+"""Start and stop unmodified SGLang HTTP servers as child processes.
+
+    with Engine(model_path="runs/models/tiny", tp=1, cpu_mode=True, log_dir="runs/x/engines") as eng:
+        eng.wait_healthy()
+        ... EngineClient(eng.url) ...
+
+Each server runs in its own process group (``start_new_session``) and dies with its parent
+(``PR_SET_PDEATHSIG``; SGLang's scheduler/detokenizer processes do the same towards the server), so no
+engine process outlives the launcher even when it crashes. ``stop`` terminates the whole group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrl.rollout import cpu_mode
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def server_args_to_cli(args: dict[str, Any]) -> list[str]:
+    """``{"enable_dp_attention": True, "mem_fraction_static": 0.8}`` -> ``--enable-dp-attention --mem-fraction-static 0.8``."""
+    out: list[str] = []
+    for k, v in args.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is False or v is None:
+            continue
+        elif isinstance(v, (list, tuple)):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@dataclass(kw_only=True)
+class Engine:
+    """One SGLang server (one DP replica with its own TP/EP)."""
+
+    model_path: str
+    tp: int = 1
+    ep: int = 1
+    cpu_mode: bool = True
+    host: str = "127.0.0.1"
+    port: int | None = None
+    log_dir: str = "runs/engines"
+    name: str = "engine0"
+    weight_version: str = "0"
+    max_running_requests: int = 8
+    max_total_tokens: int | None = 4096
+    return_routed_experts: bool = True
+    server_args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.cpu_mode and self.ep > 1:
+            raise ValueError("rollout: SGLang CPU mode does not support ep > 1 (its native MoE path crashes)")
+        self.port = self.port or free_port(self.host)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.log_dir, f"{self.name}.log")
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp),
+               "--skip-tokenizer-init", "--weight-version", self.weight_version,
+               "--max-running-requests", str(self.max_running_requests), "--skip-server-warmup"]
+        if self.ep > 1:
+            cmd += ["--ep-size", str(self.ep)]
+        if self.max_total_tokens:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        if self.cpu_mode:
+            cmd += cpu_mode.CPU_SERVER_ARGS
+        return cmd + server_args_to_cli(self.server_args)
+
+    def start(self) -> "Engine":
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        os.makedirs(self.log_dir, exist_ok=True)
+        env = cpu_mode.cpu_env(self.tp) if self.cpu_mode else dict(os.environ)
+        env.update(self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        log = open(self.log_path, "ab")
+        log.write(("$ " + " ".join(self.command()) + "\n").encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        log.close()
+        _LIVE.add(self)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout: float = 300.0) -> "Engine":
+        """Poll ``/health_generate`` until 200; raise with the log tail if the server dies or times out."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise EngineStartError(f"{self.name} exited with code {self.proc.returncode} during startup; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health_generate", timeout=10.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineStartError(f"{self.name} not healthy after {timeout:.0f}s; log {self.log_path}:\n"
+                                       f"{self.log_tail()}")
+            time.sleep(1.0)
+
+    def pids(self) -> list[int]:
+        """The server and every process it started (same session)."""
+        import psutil
+
+        if self.proc is None:
+            return []
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.info["pid"]) == self.proc.pid:
+                    out.append(p.info["pid"])
+            except (ProcessLookupError, PermissionError):
+                continue
+        return out
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to the whole process group, SIGKILL whatever is left after ``timeout``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and (self.alive() or self.pids()):
+                time.sleep(0.2)
+            if not self.pids():
+                break
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=5)
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "Engine":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def stop_all() -> None:
+    for eng in list(_LIVE):
+        eng.stop(timeout=5.0)
+
+
+atexit.register(stop_all)

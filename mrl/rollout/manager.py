@@ -1,0 +1,162 @@
+"""Rollout manager: GRPO groups over several SGLang engines, partial rollouts, per-token versions.
+
+    mgr = RolloutManager([EngineClient(u) for u in urls], sampling=SamplingSpec(max_new_tokens=64),
+                         codec=RoutesCodec.from_bridge(bridge))
+    samples = await mgr.generate_group(prompt_ids, n=8, group_id=0)
+
+Each sample is its own request (own rid: abortable, own logprobs and routes). Dispatch goes to the
+healthy engine with the fewest requests in flight, under a per-engine concurrency limit. An aborted
+request (``/abort_request``, or a pause in abort mode for a weight update) returns its partial output;
+the sample is resubmitted as prompt + partial with the remaining budget, and blocks in the engine
+until it continues -- so partial rollouts survive weight updates, and each token keeps the version
+that produced it. A dead or hung engine is taken out of rotation and its samples go to the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, field
+
+from mrl.rollout.client import EngineClient
+from mrl.rollout.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable, GenerateOutput
+from mrl.rollout.sample import Sample, SamplingSpec
+from mrl.routing.codec import RoutesCodec, RoutesError
+
+
+class NoEngineAvailable(RuntimeError):
+    pass
+
+
+@dataclass
+class _Slot:
+    client: EngineClient
+    sem: asyncio.Semaphore
+    inflight: int = 0
+    healthy: bool = True
+    failures: int = 0
+
+
+@dataclass
+class RolloutStats:
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    segments: int = 0
+    aborted_segments: int = 0
+    retries: int = 0
+    engine_failures: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class RolloutManager:
+    def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
+                 max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None):
+        if not clients:
+            raise ValueError("RolloutManager needs at least one engine client")
+        self.slots = [_Slot(c, asyncio.Semaphore(max_inflight_per_engine)) for c in clients]
+        self.sampling = sampling
+        self.codec = codec
+        self.max_retries = max_retries
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        self.stats = RolloutStats()
+        self._seq = itertools.count()
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def _pick(self) -> _Slot:
+        healthy = [s for s in self.slots if s.healthy]
+        if not healthy:
+            raise NoEngineAvailable(f"no healthy engine left: {[s.client.url for s in self.slots]}")
+        return min(healthy, key=lambda s: s.inflight)
+
+    async def generate_group(self, prompt_ids: list[int], n: int, group_id: int) -> list[Sample]:
+        samples = [Sample(prompt_ids=list(prompt_ids), group_id=group_id, index=i,
+                          max_new_tokens=self.sampling.max_new_tokens) for i in range(n)]
+        return list(await asyncio.gather(*(self.run_sample(s) for s in samples)))
+
+    async def run_sample(self, sample: Sample) -> Sample:
+        """Drive one sample to completion (or to a counted error). Never raises for engine faults."""
+        self.stats.submitted += 1
+        try:
+            while not sample.done:
+                if sample.remaining <= 0:
+                    sample.finish_reason = "length"
+                    break
+                await self._one_call(sample)
+        except NoEngineAvailable as e:
+            sample.error = str(e)
+        if sample.error is None:
+            sample.check()
+            self.stats.completed += 1
+        else:
+            self.stats.failed += 1
+            self.stats.errors.append(sample.error)
+        return sample
+
+    async def _one_call(self, sample: Sample) -> None:
+        slot = self._pick()
+        rid = f"{self.run_id}-g{sample.group_id}-s{sample.index}-{next(self._seq)}"
+        inputs = sample.tokens
+        async with slot.sem:
+            slot.inflight += 1
+            try:
+                out = await slot.client.generate(inputs, self.sampling.to_request(sample.remaining), rid=rid,
+                                                 return_logprob=True, return_routed_experts=self.codec is not None)
+            except (EngineUnavailable, EngineProtocolError) as e:
+                # crash, hang or garbage: take the engine out, retry the sample elsewhere
+                slot.healthy = False
+                slot.failures += 1
+                self.stats.engine_failures += 1
+                self._retry_or_fail(sample, e)
+                return
+            except EngineHTTPError as e:  # the request itself is bad (400): retrying cannot help
+                sample.error = str(e)
+                return
+            finally:
+                slot.inflight -= 1
+        try:
+            self._apply(sample, inputs, out)
+        except (RoutesError, ValueError) as e:
+            self._retry_or_fail(sample, e)
+
+    def _retry_or_fail(self, sample: Sample, err: Exception) -> None:
+        sample.num_retries += 1
+        self.stats.retries += 1
+        if sample.num_retries > self.max_retries:
+            sample.error = f"gave up after {self.max_retries} retries: {err}"
+
+    def _apply(self, sample: Sample, inputs: list[int], out: GenerateOutput) -> None:
+        new = out.output_ids
+        if len(new) > sample.remaining:
+            raise ValueError(f"engine returned {len(new)} tokens for a budget of {sample.remaining}")
+        try:
+            version = int(out.weight_version)
+        except ValueError:
+            raise ValueError(f"weight_version {out.weight_version!r} is not an integer (mrl numbers versions)")
+        routes = None
+        if self.codec is not None and new:
+            if out.routed_experts is None:
+                raise RoutesError(f"no routed_experts in the reply for {out.rid} (engine started without "
+                                  "--enable-return-routed-experts?)")
+            # the last call covers the whole sequence: its routes replace the earlier ones
+            routes = self.codec.decode(out.routed_experts, prompt_len=len(inputs), response_len=len(new))
+        sample.response_ids += new
+        sample.response_logprobs += out.output_logprobs or []
+        sample.versions += [version] * len(new)
+        if routes is not None:
+            sample.routes = routes
+        sample.num_segments += 1
+        self.stats.segments += 1
+        if out.finish is not None and out.finish.aborted:
+            sample.num_aborts += 1
+            self.stats.aborted_segments += 1
+        elif out.finish is not None:
+            sample.finish_reason = out.finish.type
+
+    # -- engine-wide control (weight updates) ---------------------------------------------------
+    async def pause_all(self, mode: str = "abort") -> None:
+        await asyncio.gather(*(s.client.pause(mode) for s in self.slots if s.healthy))
+
+    async def resume_all(self) -> None:
+        await asyncio.gather(*(s.client.resume() for s in self.slots if s.healthy))

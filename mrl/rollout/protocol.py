@@ -1,0 +1,168 @@
+"""Typed, defensive parsing of SGLang 0.5.10 HTTP responses (shapes recorded in tests/fixtures/sglang-0.5.10).
+
+Anything that does not match raises ``EngineProtocolError`` naming the endpoint and the field, so a
+malformed reply can never turn into silently wrong training data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class EngineError(RuntimeError):
+    """Base of every engine-side failure; carries the engine URL and endpoint."""
+
+    def __init__(self, url: str, endpoint: str, message: str):
+        super().__init__(f"{url}{endpoint}: {message}")
+        self.url, self.endpoint, self.detail = url, endpoint, message
+
+
+class EngineHTTPError(EngineError):
+    """The server answered with an error status (400 validation, 503 unavailable, ...)."""
+
+    def __init__(self, url: str, endpoint: str, status: int, message: str):
+        super().__init__(url, endpoint, f"HTTP {status}: {message}")
+        self.status = status
+
+
+class EngineProtocolError(EngineError):
+    """The reply does not have the shape SGLang 0.5.10 gives."""
+
+
+class EngineUnavailable(EngineError):
+    """Connection refused/reset, or a timeout: the engine may be dead or hung (retry elsewhere)."""
+
+
+class EngineGuardError(EngineError):
+    """Refused locally: the call is known to crash or wedge a 0.5.10 server (never sent)."""
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: str  # "length" | "stop" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.type == "abort"
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish: FinishReason | None  # None only in intermediate stream chunks
+    weight_version: str
+    prompt_tokens: int | None  # absent when aborted in the waiting queue
+    completion_tokens: int
+    cached_tokens: int | None
+    total_retractions: int
+    routed_experts: str | None  # base64 int32 [prompt + output - 1, layers, top_k]; decode with mrl.routing.codec
+    output_top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def _req(d: dict, key: str, typ, where: str, ctx: tuple[str, str]):
+    if key not in d:
+        raise EngineProtocolError(*ctx, f"{where}: missing '{key}'")
+    v = d[key]
+    if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
+        raise EngineProtocolError(*ctx, f"{where}.{key}: expected {typ}, got {type(v).__name__} {v!r:.80}")
+    return v
+
+
+def _finish(v: Any, ctx) -> FinishReason | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict) or v.get("type") not in ("length", "stop", "abort"):
+        raise EngineProtocolError(*ctx, f"meta_info.finish_reason: unexpected {v!r:.120}")
+    return FinishReason(v["type"], v.get("matched"), v.get("message"))
+
+
+def _logprob_triples(v: Any, n: int, where: str, ctx) -> list[float]:
+    if not isinstance(v, list) or len(v) != n:
+        raise EngineProtocolError(*ctx, f"{where}: expected {n} [logprob, id, text] triples, got {v!r:.120}")
+    out = []
+    for i, t in enumerate(v):
+        if not isinstance(t, list) or len(t) < 2:
+            raise EngineProtocolError(*ctx, f"{where}[{i}]: not a [logprob, id, text] triple: {t!r:.80}")
+        lp = t[0]
+        if lp is None or not isinstance(lp, (int, float)) or math.isnan(lp):
+            raise EngineProtocolError(*ctx, f"{where}[{i}]: logprob is {lp!r} (NaN from the engine?)")
+        out.append(float(lp))
+    return out
+
+
+def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: bool = False) -> GenerateOutput:
+    if not isinstance(body, dict):
+        raise EngineProtocolError(*ctx, f"expected a JSON object, got {type(body).__name__}")
+    ids = _req(body, "output_ids", list, "response", ctx)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise EngineProtocolError(*ctx, "response.output_ids: not a list of token ids")
+    meta = _req(body, "meta_info", dict, "response", ctx)
+    rid = _req(meta, "id", str, "meta_info", ctx)
+    finish = _finish(meta.get("finish_reason"), ctx)
+    lps = None
+    if "output_token_logprobs" in meta:
+        lps = _logprob_triples(meta["output_token_logprobs"], len(ids), "meta_info.output_token_logprobs", ctx)
+    elif expect_logprobs:
+        raise EngineProtocolError(*ctx, "meta_info.output_token_logprobs missing although return_logprob was set")
+    top = None
+    if meta.get("output_top_logprobs") is not None:
+        top = [[(float(x[0]), int(x[1])) for x in (step or [])] for step in meta["output_top_logprobs"]]
+    routes = meta.get("routed_experts")
+    if routes is not None and not isinstance(routes, str):
+        raise EngineProtocolError(*ctx, f"meta_info.routed_experts: expected base64 str, got {type(routes).__name__}")
+    version = meta.get("weight_version")
+    if not isinstance(version, str):
+        raise EngineProtocolError(*ctx, f"meta_info.weight_version: expected str, got {version!r:.40}")
+    completion = meta.get("completion_tokens", len(ids))
+    if completion != len(ids):
+        raise EngineProtocolError(*ctx, f"meta_info.completion_tokens={completion} but {len(ids)} output_ids")
+    return GenerateOutput(
+        rid=rid, output_ids=list(ids), output_logprobs=lps, finish=finish, weight_version=version,
+        prompt_tokens=meta.get("prompt_tokens"), completion_tokens=completion,
+        cached_tokens=meta.get("cached_tokens"), total_retractions=int(meta.get("total_retractions") or 0),
+        routed_experts=routes, output_top_logprobs=top,
+    )
+
+
+def parse_generate(body: Any, ctx: tuple[str, str], *, expect_logprobs: bool = False) -> GenerateOutput | list[GenerateOutput]:
+    """One object for a single request; a list for batch input or ``n > 1``."""
+    if isinstance(body, list):
+        return [parse_generate_item(b, ctx, expect_logprobs=expect_logprobs) for b in body]
+    return parse_generate_item(body, ctx, expect_logprobs=expect_logprobs)
+
+
+def error_message(body: Any, text: str) -> str:
+    """The human message of an SGLang error reply, whatever its shape."""
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict):
+            return str(body["error"].get("message", body["error"]))
+        if "message" in body:
+            return str(body["message"])
+    return (text or "").strip()[:500] or "<empty body>"
+
+
+def parse_success(body: Any, ctx: tuple[str, str]) -> str:
+    """``{"success": bool, "message": str}`` replies of weight/group endpoints."""
+    if not isinstance(body, dict) or not isinstance(body.get("success"), bool):
+        raise EngineProtocolError(*ctx, f"expected {{success, message}}, got {body!r:.160}")
+    if not body["success"]:
+        raise EngineHTTPError(*ctx, 400, str(body.get("message")))
+    return str(body.get("message", ""))
+
+
+def parse_status_ok(body: Any, ctx: tuple[str, str]) -> None:
+    """``{"message": ..., "status": "ok"}`` replies of pause/continue."""
+    if not isinstance(body, dict) or body.get("status") != "ok":
+        raise EngineProtocolError(*ctx, f"expected status 'ok', got {body!r:.160}")
+
+
+def parse_model_info(body: Any, ctx: tuple[str, str]) -> dict:
+    if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+        raise EngineProtocolError(*ctx, f"model_info without a weight_version: {body!r:.160}")
+    return body

@@ -1,0 +1,72 @@
+"""Routes codec: SGLang base64 int32 -> compact uint8/uint16 [T, moe_layers, K], validated."""
+
+import base64
+
+import numpy as np
+import pytest
+
+from mrl.rollout.protocol import parse_generate, parse_generate_item
+from mrl.routing.codec import RoutesCodec, RoutesError
+from tests.fakes.fake_sglang import fixture
+
+CTX = ("http://fixture", "/generate")
+TINY = RoutesCodec(num_layers=3, top_k=2, num_experts=8, moe_layers=(0, 1, 2))
+
+
+def test_decode_recorded_routes():
+    out = parse_generate(fixture("gen_routed.json")["body"], CTX)
+    r = TINY.decode(out.routed_experts, prompt_len=5, response_len=6)
+    assert r.dtype == np.uint8 and r.shape == (10, 3, 2)
+    assert r[0].tolist() == [[2, 6], [7, 4], [5, 3]]  # top-k order kept
+    # 4x smaller than int32, and base64 JSON costs another 4/3
+    assert TINY.compact_bytes_per_token() == 6
+    assert TINY.wire_bytes_per_token(out.routed_experts, 10) == pytest.approx(32, abs=1)
+
+
+def test_stop_abort_and_zero_token_row_rules():
+    stop = parse_generate(fixture("gen_stop_token.json")["body"], CTX)
+    assert TINY.decode(stop.routed_experts, prompt_len=5, response_len=len(stop.output_ids)).shape[0] == 7
+    ab = parse_generate(fixture("gen_aborted_by_rid.json")["body"], CTX)
+    assert TINY.decode(ab.routed_experts, prompt_len=5, response_len=len(ab.output_ids)).shape[0] == 35
+    zero = parse_generate(fixture("gen_max_new_0.json")["body"], CTX)
+    assert zero.output_ids == [] and TINY.decode(zero.routed_experts, prompt_len=5, response_len=0).shape[0] == 5
+
+
+def test_resumed_routes_cover_the_whole_sequence_and_agree_on_the_prefix():
+    d = fixture("partial_resume.json")
+    a, b = parse_generate_item(d["aborted"], CTX), parse_generate_item(d["resumed"], CTX)
+    ra = TINY.decode(a.routed_experts, prompt_len=5, response_len=len(a.output_ids))
+    rb = TINY.decode(b.routed_experts, prompt_len=5 + len(a.output_ids), response_len=len(b.output_ids))
+    assert rb.shape[0] == 5 + len(a.output_ids) + len(b.output_ids) - 1 == 404
+    assert np.array_equal(rb[: ra.shape[0]], ra)
+
+
+def _b64(arr):
+    return base64.b64encode(np.asarray(arr, dtype="<i4").tobytes()).decode()
+
+
+def test_dense_layers_are_dropped():
+    codec = RoutesCodec(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 3))
+    raw = np.arange(3 * 4 * 2).reshape(3, 4, 2) % 8
+    raw[:, [0, 2]] = 0
+    r = codec.decode(_b64(raw), prompt_len=2, response_len=2)
+    assert r.shape == (3, 2, 2) and np.array_equal(r, raw[:, [1, 3]])
+
+
+def test_uint16_above_256_experts():
+    codec = RoutesCodec(num_layers=1, top_k=2, num_experts=300, moe_layers=(0,))
+    r = codec.decode(_b64([[[299, 3]], [[256, 0]]]), prompt_len=2, response_len=1)
+    assert r.dtype == np.uint16 and r.max() == 299
+    assert RoutesCodec(num_layers=1, top_k=1, num_experts=256, moe_layers=(0,)).dtype == np.uint8
+
+
+@pytest.mark.parametrize("b64,kw,msg", [
+    (_b64(np.zeros((4, 3, 2))), dict(prompt_len=5, response_len=6), "4 rows, expected 10"),
+    (_b64(np.full((10, 3, 2), 8)), dict(prompt_len=5, response_len=6), "outside"),
+    (_b64(np.full((10, 3, 2), -1)), dict(prompt_len=5, response_len=6), "outside"),
+    ("not base64!!", dict(prompt_len=5, response_len=6), "base64"),
+    (_b64(np.zeros(7)), dict(prompt_len=5, response_len=6), "multiple"),
+])
+def test_invalid_routes_are_refused(b64, kw, msg):
+    with pytest.raises(RoutesError, match=msg):
+        TINY.decode(b64, **kw)
