@@ -1,0 +1,29 @@
+"""Real SGLang 0.5.10 engines in CPU mode, started once per test session (TP=1 and TP=2, tiny model)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from mrl.rollout.engine import Engine
+
+
+@pytest.fixture(scope="session")
+def engines(ckpt_dir, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("engine_logs"))
+    specs = {"tp1": Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=logs, name="tp1"),
+             "tp2": Engine(model_path=ckpt_dir["tiny"], tp=2, log_dir=logs, name="tp2")}
+    for e in specs.values():
+        e.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda e: e.wait_healthy(timeout=600), specs.values()))
+        yield specs
+    finally:
+        pids = {n: e.pids() for n, e in specs.items()}
+        for e in specs.values():
+            e.stop()
+        left = {n: e.pids() for n, e in specs.items()}
+        assert all(pids.values()), f"engine process groups were empty before stop: {pids}"
+        assert not any(left.values()), f"engine processes survived stop(): {left}"
