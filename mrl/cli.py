@@ -2,6 +2,7 @@
 
     mrl train [overrides...]              main job on the configured model/layout (tiny CPU default)
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
+    mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
 
 Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
@@ -95,7 +96,36 @@ def make_tiny(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "check-model": check_model}
+def engine(cfg: Config) -> int:
+    """Start the rollout engines of ``cfg.rollout`` and serve until interrupted."""
+    import signal
+    import threading
+
+    from mrl.rollout.engine import Engine
+
+    path = ensure_model(cfg)
+    r = cfg.rollout
+    engines = [Engine(model_path=path, tp=r.engine_tp, cpu_mode=r.cpu_mode, name=f"engine{i}",
+                      log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
+               for i in range(r.num_engines)]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_healthy()
+            print(f"[mrl] {e.name} ready at {e.url} (log {e.log_path})", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for e in engines:
+            e.stop()
+    return 0
+
+
+COMMANDS = {"train": train, "check-model": check_model, "engine": engine}
 
 
 def main() -> None:

@@ -19,6 +19,8 @@ PYSHIM_DIR = os.path.join(HERE, "pyshim")
 CPU_SERVER_ARGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
     "--disable-cuda-graph", "--dtype", "float32",
+    # an idle scheduler otherwise busy-polls a whole core: on a 2-core box that starves the trainer
+    "--sleep-on-idle",
 ]
 
 
@@ -43,20 +45,26 @@ def ensure_cuda_stub(build_dir: str | None = None) -> str:
 
 
 def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment of an SGLang server process in CPU mode."""
+    """Environment of an SGLang server process in CPU mode, its ranks sharing ``cpus`` (default: all).
+
+    With CUDA-only sgl_kernel builds SGLang cannot bind OpenMP threads itself (it needs the AMX
+    kernels), so the launcher pins the process group to ``cpus`` and sizes each rank's thread pool:
+    two engines on one box must not both spin threads on every core.
+    """
     env = dict(base if base is not None else os.environ)
     stub = ensure_cuda_stub()
+    cpus = cpus or sorted(os.sched_getaffinity(0))
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["LD_LIBRARY_PATH"] = stub + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     env["PYTHONPATH"] = PYSHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    per = max(1, len(cpus) // tp)
+    env["OMP_NUM_THREADS"] = str(per)
+    # one block of cores per TP rank ("0|1" for TP2 on 2 cores); ranks share cores when there are fewer
+    blocks = [cpus[(r * per) % len(cpus):(r * per) % len(cpus) + per] for r in range(tp)]
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, b)) for b in blocks)
     if tp > 1:
         env["SGLANG_NCCL_SO_PATH"] = "/nonexistent"  # keeps pynccl from probing a CUDA device
-        cpus = cpus or sorted(os.sched_getaffinity(0))
-        # one block of cores per TP rank ("0|1" on 2 cores); ranks share cores when there are fewer
-        per = max(1, len(cpus) // tp)
-        blocks = [cpus[(r * per) % len(cpus):(r * per) % len(cpus) + per] for r in range(tp)]
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, b)) for b in blocks)
     return env
 
 

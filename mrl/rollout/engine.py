@@ -36,9 +36,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _child_setup(cpus: list[int] | None):
+    def setup() -> None:  # runs in the child between fork and exec
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # inherited by the scheduler/detokenizer processes
+
+    return setup
 
 
 def server_args_to_cli(args: dict[str, Any]) -> list[str]:
@@ -78,6 +83,8 @@ class Engine:
     return_routed_experts: bool = True
     server_args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    cpus: list[int] | None = None
+    """CPU mode: cores this engine may use (several engines on one box get disjoint sets)."""
     proc: subprocess.Popen | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +122,7 @@ class Engine:
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already started")
         os.makedirs(self.log_dir, exist_ok=True)
-        env = cpu_mode.cpu_env(self.tp) if self.cpu_mode else dict(os.environ)
+        env = cpu_mode.cpu_env(self.tp, cpus=self.cpus) if self.cpu_mode else dict(os.environ)
         env.update(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         log = open(self.log_path, "ab")
@@ -123,7 +130,7 @@ class Engine:
         log.flush()
         self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_child_setup(self.cpus if self.cpu_mode else None))
         log.close()
         _LIVE.add(self)
         return self

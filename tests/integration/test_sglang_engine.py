@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -109,12 +110,14 @@ def test_recorded_routes_equal_megatron_router(engine_samples, megatron_scores, 
 def test_abort_and_resume_reproduce_uninterrupted_greedy(engines, codec, tp):
     async def go(url):
         client = EngineClient(url)
+        t0 = time.perf_counter()
         ref = await client.generate(PROMPTS[0], {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True},
                                     rid=f"ref-{tp}", return_routed_experts=True)
+        duration = time.perf_counter() - t0
         mgr = RolloutManager([client], sampling=SamplingSpec(max_new_tokens=300, temperature=0.0, ignore_eos=True),
                              codec=codec)
         task = asyncio.create_task(mgr.run_sample(_sample(PROMPTS[0], 300)))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.4 * duration)  # mid-generation
         await client.pause("abort")  # in-flight request returns its partial; the resubmission blocks
         await client.resume()
         s = await task
@@ -139,10 +142,14 @@ def _sample(prompt, n):
 def test_per_token_versions_across_a_version_change(engines, codec, tp):
     async def go(url):
         client = EngineClient(url)
+        t0 = time.perf_counter()
+        await client.generate(PROMPTS[2], {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True},
+                              rid=f"timing-{tp}")
+        duration = time.perf_counter() - t0
         mgr = RolloutManager([client], sampling=SamplingSpec(max_new_tokens=300, temperature=0.0, ignore_eos=True),
                              codec=codec)
         task = asyncio.create_task(mgr.generate_group(PROMPTS[1], n=2, group_id=0))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.4 * duration)  # mid-generation
         await client.pause("abort")
         await client.flush_cache()
         await client.update_weight_version("1", abort_all_requests=False)
