@@ -72,7 +72,12 @@ class Engine:
     model_path: str
     tp: int = 1
     ep: int = 1
+    dp: int = 1
+    """DP inside one server: only with DP attention (weight updates assert dp == 1 otherwise);
+    plain data parallelism = several Engines."""
     cpu_mode: bool = True
+    memory_saver: bool = False
+    """GPU: --enable-memory-saver, so release/resume_memory_occupation really free memory (colocated runs)."""
     host: str = "127.0.0.1"
     port: int | None = None
     log_dir: str = "runs/engines"
@@ -89,7 +94,12 @@ class Engine:
 
     def __post_init__(self) -> None:
         if self.cpu_mode and self.ep > 1:
-            raise ValueError("rollout: SGLang CPU mode does not support ep > 1 (its native MoE path crashes)")
+            raise ValueError("rollout.engine_ep: SGLang CPU mode does not support ep > 1 (its native MoE path crashes)")
+        if self.cpu_mode and self.memory_saver:
+            raise ValueError("rollout.memory_saver: needs GPUs (torch_memory_saver); not available in CPU mode")
+        if self.dp > 1 and not self.server_args.get("enable_dp_attention"):
+            raise ValueError("rollout.engine_dp > 1 needs server_args.enable_dp_attention (SGLang's weight updates "
+                             "assert dp_size == 1 otherwise); for plain data parallelism start more engines")
         self.port = self.port or free_port(self.host)
 
     def __hash__(self) -> int:
@@ -110,6 +120,10 @@ class Engine:
                "--max-running-requests", str(self.max_running_requests), "--skip-server-warmup"]
         if self.ep > 1:
             cmd += ["--ep-size", str(self.ep)]
+        if self.dp > 1:
+            cmd += ["--dp-size", str(self.dp)]
+        if self.memory_saver:
+            cmd.append("--enable-memory-saver")
         if self.max_total_tokens:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.return_routed_experts:
