@@ -1,0 +1,173 @@
+"""Weight-sync planner: a pure function from the trainer layout and the bridge's parameter maps to
+ordered buckets of HF-named full tensors, and which trainer rank sends each.
+
+No torch.distributed, no model: unit-tested on CPU with layouts up to 64 ranks. Rules:
+- every HF tensor of the checkpoint is sent exactly once (tied embeddings: once, from the embedding);
+- a megatron parameter's HF tensors travel together (q/k/v of one ``linear_qkv``, gate/up of one
+  ``linear_fc1``), so each bucket needs whole gathers only;
+- senders: for each PP stage, the dense params are sent by (tp=0, cp=0, dp=0) of that stage; experts
+  by (etp=0, edp=0) of the EP rank that holds them. Each sender owns one weight-update group, so PP
+  stages and EP ranks stream in parallel;
+- buckets of one sender keep parameter order and stay <= ``bucket_bytes`` (a single tensor larger
+  than that gets a bucket of its own).
+Global ranks follow megatron-core's default order "tp-cp-ep-dp-pp" (first varies fastest).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from mrl.models.bridge import ParamMap
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    world_size: int
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size % (self.tp * self.cp * self.pp) or self.world_size % (self.etp * self.ep * self.pp):
+            raise ValueError(f"world_size {self.world_size} does not fit tp={self.tp} cp={self.cp} pp={self.pp} "
+                             f"ep={self.ep} etp={self.etp}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    def dense_rank(self, *, pp: int, tp: int = 0, cp: int = 0, dp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def expert_rank(self, *, pp: int, ep: int, etp: int = 0, edp: int = 0) -> int:
+        return etp + self.etp * (ep + self.ep * (edp + self.edp * pp))
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class PlannedParam:
+    mcore_name: str
+    """Global megatron name (TP1/EP1/PP1 numbering)."""
+    stage: int
+    expert: int | None
+    """Global expert index, None for dense params."""
+    sender: int
+    tensors: tuple[HFTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class Bucket:
+    sender: int
+    group: str
+    index: int
+    params: list[PlannedParam] = field(default_factory=list)
+
+    @property
+    def tensors(self) -> list[HFTensor]:
+        return [t for p in self.params for t in p.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+
+@dataclass
+class SyncPlan:
+    layout: TrainerLayout
+    buckets: list[Bucket]
+    groups: dict[int, str]
+    """sender global rank -> weight-update group name"""
+
+    def for_sender(self, rank: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.sender == rank]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+def layer_stage(layer: int, num_layers: int, pp: int) -> int:
+    """megatron's even split (no uneven first/last stage): stage of a global layer index."""
+    if num_layers % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide {num_layers} layers")
+    return layer // (num_layers // pp)
+
+
+def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
+                dtype: str = "float32", tied: bool = False) -> list[PlannedParam]:
+    if num_experts and num_experts % layout.ep:
+        raise ValueError(f"parallel.ep={layout.ep} does not divide {num_experts} experts")
+    per_ep = num_experts // layout.ep if num_experts else 0
+    out = []
+    for pm in maps:
+        if tied and pm.mcore_name == "output_layer.weight":
+            continue
+        m = _LAYER.match(pm.mcore_name)
+        if m:
+            stage = layer_stage(int(m.group(1)), num_layers, layout.pp)
+        elif pm.mcore_name.startswith("embedding."):
+            stage = 0
+        else:  # final norm, output layer
+            stage = layout.pp - 1
+        e = _EXPERT.search(pm.mcore_name)
+        expert = int(e.group(1)) if e else None
+        sender = (layout.expert_rank(pp=stage, ep=expert // per_ep) if expert is not None
+                  else layout.dense_rank(pp=stage))
+        shapes: dict[str, int] = {}
+        for seg in pm.segments:
+            for p in seg:
+                if p.hf_name is not None:
+                    shapes[p.hf_name] = shapes.get(p.hf_name, 0) + p.num_rows
+        tensors = tuple(HFTensor(n, (rows,) + ((pm.num_cols,) if pm.num_cols else ()), dtype)
+                        for n, rows in shapes.items())
+        out.append(PlannedParam(pm.mcore_name, stage, expert, sender, tensors))
+    return out
+
+
+def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
+              bucket_bytes: int, dtype: str = "float32", tied: bool = False, group_prefix: str = "mrl") -> SyncPlan:
+    """Ordered buckets per sender; bucket i of every sender can be streamed concurrently."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_bytes} bytes")
+    params = plan_params(maps, layout, num_layers=num_layers, num_experts=num_experts, dtype=dtype, tied=tied)
+    senders = sorted({p.sender for p in params})
+    groups = {r: f"{group_prefix}-r{r}" for r in senders}
+    buckets: list[Bucket] = []
+    for r in senders:
+        cur: Bucket | None = None
+        n = 0
+        for p in (p for p in params if p.sender == r):
+            if cur is None or (cur.params and cur.nbytes + p.nbytes > bucket_bytes):
+                cur = Bucket(sender=r, group=groups[r], index=n)
+                buckets.append(cur)
+                n += 1
+            cur.params.append(p)
+    return SyncPlan(layout=layout, buckets=buckets, groups=groups)
