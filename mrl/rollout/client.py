@@ -94,7 +94,7 @@ class EngineClient:
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str,
                        return_logprob: bool = True, return_routed_experts: bool = False,
-                       top_logprobs_num: int = 0) -> GenerateOutput:
+                       top_logprobs_num: int = 0, logprob_start_len: int | None = None) -> GenerateOutput:
         """One sample (one rid: abortable, own logprobs and routes). ``n > 1`` is refused: SGLang
         replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted."""
         if not input_ids:
@@ -107,6 +107,8 @@ class EngineClient:
             body["return_routed_experts"] = True
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
+        if logprob_start_len is not None:  # 0: also the logprobs of every prompt token (first is null)
+            body["logprob_start_len"] = logprob_start_len
         _, data, _ = await self._call("POST", "/generate", json=body, timeout=self.timeouts.generate)
         out = parse_generate(data, (self.url, "/generate"), expect_logprobs=return_logprob)
         if isinstance(out, list):

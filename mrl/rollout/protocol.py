@@ -63,6 +63,7 @@ class GenerateOutput:
     total_retractions: int
     routed_experts: str | None  # base64 int32 [prompt + output - 1, layers, top_k]; decode with mrl.routing.codec
     output_top_logprobs: list[list[tuple[float, int]]] | None
+    input_logprobs: list[float | None] | None = None  # with logprob_start_len >= 0; first entry None
 
 
 def _req(d: dict, key: str, typ, where: str, ctx: tuple[str, str]):
@@ -113,6 +114,9 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
     top = None
     if meta.get("output_top_logprobs") is not None:
         top = [[(float(x[0]), int(x[1])) for x in (step or [])] for step in meta["output_top_logprobs"]]
+    inp = None
+    if meta.get("input_token_logprobs"):
+        inp = [None if t[0] is None else float(t[0]) for t in meta["input_token_logprobs"]]
     routes = meta.get("routed_experts")
     if routes is not None and not isinstance(routes, str):
         raise EngineProtocolError(*ctx, f"meta_info.routed_experts: expected base64 str, got {type(routes).__name__}")
@@ -126,7 +130,7 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
         rid=rid, output_ids=list(ids), output_logprobs=lps, finish=finish, weight_version=version,
         prompt_tokens=meta.get("prompt_tokens"), completion_tokens=completion,
         cached_tokens=meta.get("cached_tokens"), total_retractions=int(meta.get("total_retractions") or 0),
-        routed_experts=routes, output_top_logprobs=top,
+        routed_experts=routes, output_top_logprobs=top, input_logprobs=inp,
     )
 
 

@@ -1,0 +1,175 @@
+"""Executes a weight-sync plan: gathers shards, converts to HF names, streams flattened buckets.
+
+    sync = DistributedWeightSync(model=m, layout=layout, bridge=bridge, padded_vocab=vp,
+                                 engines=[EngineEndpoint(url, tp=1)], bucket_bytes=512 << 20)
+    sync.connect()            # one weight-update group per sender (PP stage x EP rank)
+    stats = sync.push()       # every rank calls it; engines must be paused by the controller
+    sync.close()
+
+Per sender, bucket k is broadcast asynchronously while bucket k+1 is gathered (TP / expert-TP
+all-gathers only, never the whole model on one rank); the matching ``update_weights_from_distributed``
+HTTP calls are in flight at the same time. Each collective and HTTP call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mrl.megatron import compat
+from mrl.megatron.parallel import Layout
+from mrl.megatron.weights import _maps_by_name, gather_full, local_params
+from mrl.models.bridge import ModelBridge, split_full
+from mrl.rollout.client import EngineClient
+from mrl.rollout.engine import free_port
+from mrl.weight_sync.group import create_sender_group, destroy_sender_group
+from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    url: str
+    tp: int = 1
+    """Engine ranks that join each weight-update group (all GPUs of the server)."""
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread, so blocking trainer code can keep HTTP calls in flight."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@dataclass
+class PushStats:
+    seconds: float
+    bytes_sent: int
+    buckets_sent: int
+
+
+def trainer_layout(layout: Layout) -> TrainerLayout:
+    c = layout.config
+    return TrainerLayout(tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp, world_size=layout.world_size, cp=c.cp)
+
+
+class DistributedWeightSync:
+    def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
+                 engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
+                 master_address: str = "127.0.0.1", group_prefix: str = "mrl", timeout_s: float = 300.0):
+        self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
+        self.master_address = master_address
+        self.maps = _maps_by_name(bridge, padded_vocab)
+        self.local = {lp.global_name: lp for lp in local_params(model, layout)}
+        self.plan: SyncPlan = plan_sync(bridge.param_maps(padded_vocab), trainer_layout(layout),
+                                        num_layers=bridge.num_layers, num_experts=bridge.num_experts,
+                                        bucket_bytes=bucket_bytes, dtype=dtype, tied=bridge.tied_embeddings,
+                                        group_prefix=group_prefix)
+        me = layout.world_rank
+        self.group_name = self.plan.groups.get(me)
+        self.is_sender = self.group_name is not None
+        self._pg = None
+        self._io = _LoopThread() if self.is_sender else None
+        self._clients = [EngineClient(e.url) for e in engines] if self.is_sender else []
+        # every bucket touching my stage, in one global order, so group members run their gathers in step
+        stage = layout.pp.rank
+        self._order = sorted((b for b in self.plan.buckets if any(p.stage == stage for p in b.params)),
+                             key=lambda b: (b.index, b.sender))
+
+    # -- groups ----------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Create my weight-update group (if I send) with every engine rank; all trainer ranks call it."""
+        if self.is_sender:
+            port = free_port(self.master_address)
+            world = 1 + sum(e.tp for e in self.engines)
+            offsets = [1 + sum(e.tp for e in self.engines[:i]) for i in range(len(self.engines))]
+            futs = [self._io.submit(c.init_weights_update_group(
+                master_address=self.master_address, master_port=port, rank_offset=off, world_size=world,
+                group_name=self.group_name, backend=compat.BACKEND)) for c, off in zip(self._clients, offsets)]
+            self._pg = create_sender_group(master_address=self.master_address, master_port=port, world_size=world,
+                                           group_name=self.group_name, backend=compat.BACKEND,
+                                           timeout_s=self.timeout_s)
+            for f in futs:
+                f.result(self.timeout_s)
+        dist.barrier()
+
+    def close(self) -> None:
+        if self.is_sender:
+            for c in self._clients:
+                self._io.submit(c.destroy_weights_update_group(self.group_name)).result(self.timeout_s)
+            if self._pg is not None:
+                destroy_sender_group(self._pg)
+            self._io.close()
+        dist.barrier()
+
+    # -- one sync --------------------------------------------------------------------------------
+    def _gather_bucket(self, bucket: Bucket) -> dict[str, torch.Tensor] | None:
+        """Join the gathers this rank belongs to; the bucket's sender gets its HF tensors."""
+        me = self.layout.world_rank
+        out: dict[str, torch.Tensor] = {}
+        for p in bucket.params:
+            lp = self.local.get(p.mcore_name)
+            if lp is None:
+                continue
+            # only the DP (expert-DP) replica 0 gathers: the sender's group
+            if (self.layout.edp.rank if lp.is_expert else self.layout.dp.rank) != 0:
+                continue
+            if lp.shard_group is None and me != bucket.sender:
+                continue
+            full = gather_full(lp, self.maps[p.mcore_name], lp.param.detach())
+            if me == bucket.sender:
+                for name, t in split_full(self.maps[p.mcore_name], full).items():
+                    out[name] = t.to(_TORCH_DTYPES[self.dtype])
+        return out if me == bucket.sender else None
+
+    def push(self) -> PushStats:
+        """Stream every bucket to every engine. Engines must be paused (and flushed) by the controller."""
+        t0 = time.perf_counter()
+        pending = None
+        sent = nbytes = 0
+        for bucket in self._order:
+            tensors = self._gather_bucket(bucket)
+            if tensors is None:
+                continue
+            meta = bucket.tensors
+            flat = torch.cat([tensors[t.name].contiguous().view(-1).view(torch.uint8) for t in meta])
+            if pending is not None:
+                self._finish(*pending)
+            futs = [self._io.submit(c.update_weights_from_distributed(
+                names=[t.name for t in meta], dtypes=[t.dtype for t in meta], shapes=[list(t.shape) for t in meta],
+                group_name=self.group_name, load_format="flattened_bucket", flush_cache=False))
+                for c in self._clients]
+            work = dist.broadcast(flat.to(compat.DEVICE), src=0, group=self._pg, async_op=True)
+            pending = (work, futs, bucket)
+            sent += 1
+            nbytes += flat.numel()
+        if pending is not None:
+            self._finish(*pending)
+        dist.barrier()
+        return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent)
+
+    def _finish(self, work, futs: list[Future], bucket: Bucket) -> None:
+        if not work.wait(timeout=_td(self.timeout_s)):
+            raise TimeoutError(f"weight sync: broadcast of bucket {bucket.index} over {bucket.group} timed out")
+        for f in futs:  # raises EngineHTTPError("...partially updated...") if an engine rejected it
+            f.result(self.timeout_s)
+
+
+def _td(s: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=s)
