@@ -24,19 +24,24 @@ def other_weights(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("seed1") / "tiny"), seed=1)
 
 
-@pytest.fixture(scope="module")
-def restore(engines, ckpt_dir):
-    yield
-
+def _reload_original(engines, path):
     async def go():
         for e in engines.values():
             c = EngineClient(e.url)
             await c.pause("abort")
-            await c.update_weights_from_disk(ckpt_dir["tiny"], weight_version="0")
+            await c.update_weights_from_disk(path, weight_version="0")
             await c.resume()
             await c.close()
 
     asyncio.run(go())
+
+
+@pytest.fixture
+def restore(engines, ckpt_dir):
+    """Each sync starts from (and the module ends with) the engines' own seed-0 weights."""
+    _reload_original(engines, ckpt_dir["tiny"])
+    yield
+    _reload_original(engines, ckpt_dir["tiny"])
 
 
 @pytest.mark.parametrize("nproc,args", LAYOUTS, ids=["tp1", "tp2", "ep2", "tp2ep2"])
@@ -50,18 +55,18 @@ def test_sync_into_tp1_and_tp2_engines(engines, other_weights, restore, tmp_path
     rep = json.loads(out.read_text())
     assert rep["engine_versions"] == [version, version]
     assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3, rep
-    # only the FIRST layout sees the seed-0 weights before; later ones already hold seed 1
+    assert min(rep["probe_max_abs_logprob_diff_before"]) > 0.05, rep  # the engines really changed
     assert rep["bytes"] > 0 and rep["senders"] == (2 if "--ep" in args else 1)
 
 
-def test_disk_restore_puts_engines_back(engines, ckpt_dir, restore):
+def test_disk_restore_puts_engines_back(engines, ckpt_dir, other_weights):
+    _reload_original(engines, other_weights)
+    _reload_original(engines, ckpt_dir["tiny"])
+
     async def go():
         outs = []
         for e in engines.values():
             c = EngineClient(e.url)
-            await c.pause("abort")
-            await c.update_weights_from_disk(ckpt_dir["tiny"], weight_version="0")
-            await c.resume()
             outs.append((await c.generate([1, 17, 42, 99, 7], {"max_new_tokens": 6, "temperature": 0.0,
                                                               "ignore_eos": True}, rid=f"restore-{e.name}"),
                          await c.weight_version()))
