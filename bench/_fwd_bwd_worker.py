@@ -9,32 +9,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from mrl.config.schema import ParallelConfig
-from mrl.megatron.model import build_gpt_model, transformer_config
-from mrl.megatron.parallel import destroy, init_parallel
-from mrl.megatron.weights import load_hf_into
-from mrl.models import get_bridge
-from mrl.models.checkpoint import HFCheckpoint
+from mrl.jobs.common import add_layout_args, load_model
+from mrl.megatron.parallel import destroy
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--hf", required=True)
-for k in ("tp", "pp", "ep"):
-    ap.add_argument(f"--{k}", type=int, default=1)
-ap.add_argument("--etp", type=int, default=None)
+add_layout_args(ap)
 ap.add_argument("--batch", type=int, default=4)
 ap.add_argument("--seq", type=int, default=128)
 ap.add_argument("--steps", type=int, default=8)
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
-pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp)
-layout = init_parallel(pcfg)
-bridge = get_bridge(a.hf)
-cfg = transformer_config(bridge, pcfg)
-vp = bridge.padded_vocab(128, a.tp)
-model = build_gpt_model(bridge, cfg, layout, vp)
-load_hf_into(model, layout, bridge, HFCheckpoint(a.hf), vp)
+m = load_model(a)
+layout, bridge, model = m.layout, m.bridge, m.model
 # every DP rank gets its own micro-batch of the global batch: global tokens per step are fixed
 dp = layout.world_size // (a.tp * a.pp)
 mb = max(1, a.batch // dp)

@@ -17,14 +17,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from mrl.config.schema import Dispatcher, DType, ParallelConfig
+from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron import compat
 from mrl.megatron.forward import forward_logits, token_logprobs
-from mrl.megatron.model import build_gpt_model, transformer_config
-from mrl.megatron.parallel import destroy, init_parallel
-from mrl.megatron.weights import export_hf, load_hf_into
-from mrl.models import get_bridge
-from mrl.models.checkpoint import HFCheckpoint
+from mrl.megatron.parallel import destroy
+from mrl.megatron.weights import export_hf
 
 
 def hf_reference(path: str, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -38,12 +35,7 @@ def hf_reference(path: str, input_ids: torch.Tensor, dtype: torch.dtype) -> torc
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hf", required=True)
-    for k in ("tp", "pp", "ep"):
-        ap.add_argument(f"--{k}", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=None)
-    ap.add_argument("--dispatcher", default="alltoall", choices=[d.value for d in Dispatcher])
-    ap.add_argument("--dtype", default="fp32", choices=[d.value for d in DType])
+    add_layout_args(ap)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--atol", type=float, default=1e-4)
@@ -53,15 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare against transformers loaded from this checkpoint instead of --hf (tests)")
     a = ap.parse_args(argv)
 
-    pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, dispatcher=Dispatcher(a.dispatcher))
     t0 = time.perf_counter()
-    layout = init_parallel(pcfg)
-    bridge = get_bridge(a.hf)
-    cfg = transformer_config(bridge, pcfg, dtype=DType(a.dtype))
-    vocab_p = bridge.padded_vocab(128, pcfg.tp)
-    model = build_gpt_model(bridge, cfg, layout, vocab_p).eval()
-    ckpt = HFCheckpoint(a.hf)
-    n_loaded = load_hf_into(model, layout, bridge, ckpt, vocab_p)
+    m = load_model(a)
+    layout, bridge, cfg, vocab_p, model, ckpt = m.layout, m.bridge, m.cfg, m.padded_vocab, m.model.eval(), m.ckpt
+    n_loaded = m.params_loaded
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, bridge.vocab_size, (a.batch, a.seq), generator=g).to(compat.DEVICE)

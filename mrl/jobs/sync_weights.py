@@ -18,14 +18,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mrl.config.schema import ParallelConfig
 from mrl.megatron import compat
 from mrl.megatron.forward import forward_logits, token_logprobs
-from mrl.megatron.model import build_gpt_model, transformer_config
-from mrl.megatron.parallel import destroy, init_parallel
-from mrl.megatron.weights import load_hf_into
-from mrl.models import get_bridge
-from mrl.models.checkpoint import HFCheckpoint
+from mrl.jobs.common import add_layout_args, load_model
+from mrl.megatron.parallel import destroy
 from mrl.rollout.client import EngineClient
 from mrl.weight_sync.executor import DistributedWeightSync, EngineEndpoint
 
@@ -66,23 +62,16 @@ async def _probe_engine(c, probe, tag):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hf", required=True)
-    for k in ("tp", "pp", "ep"):
-        ap.add_argument(f"--{k}", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=None)
+    add_layout_args(ap)
     ap.add_argument("--engines", required=True, help="url@tp,url@tp")
     ap.add_argument("--version", required=True)
     ap.add_argument("--bucket-mb", type=float, default=0.25)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
-    pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp)
-    layout = init_parallel(pcfg)
-    bridge = get_bridge(a.hf)
-    cfg = transformer_config(bridge, pcfg)
-    vp = bridge.padded_vocab(128, pcfg.tp)
-    model = build_gpt_model(bridge, cfg, layout, vp).eval()
-    load_hf_into(model, layout, bridge, HFCheckpoint(a.hf), vp)
+    m = load_model(a)
+    layout, bridge, vp, model = m.layout, m.bridge, m.padded_vocab, m.model.eval()
+    pcfg = layout.config
     engines = parse_engines(a.engines)
 
     probe = torch.randint(0, bridge.vocab_size, (1, 48), generator=torch.Generator().manual_seed(7))

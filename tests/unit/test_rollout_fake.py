@@ -6,7 +6,6 @@ clear error or a retry on another engine, and no sample is lost (samples in = sa
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from mrl.rollout.client import ClientTimeouts, EngineClient
@@ -14,7 +13,7 @@ from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec
-from tests.fakes.fake_sglang import FakeSGLang, FakeState, Faults, next_token
+from tests.fakes.fake_sglang import FakeSGLang, Faults, next_token
 
 CODEC = RoutesCodec(num_layers=3, top_k=2, num_experts=8, moe_layers=(0, 1, 2))
 PROMPT = [1, 17, 42, 99, 7]

@@ -1,0 +1,49 @@
+"""What every torchrun job shares: layout flags, and the HF checkpoint loaded into megatron."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from mrl.config.schema import Dispatcher, DType, ParallelConfig
+from mrl.megatron.model import build_gpt_model, transformer_config
+from mrl.megatron.parallel import Layout, init_parallel
+from mrl.megatron.weights import load_hf_into
+from mrl.models import ModelBridge, get_bridge
+from mrl.models.checkpoint import HFCheckpoint
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def add_layout_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--hf", required=True, help="HF checkpoint directory")
+    for k in ("tp", "pp", "ep"):
+        ap.add_argument(f"--{k}", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
+    ap.add_argument("--dispatcher", default="alltoall", choices=[d.value for d in Dispatcher])
+    ap.add_argument("--dtype", default="fp32", choices=[d.value for d in DType])
+
+
+@dataclass
+class Loaded:
+    layout: Layout
+    bridge: ModelBridge
+    cfg: TransformerConfig
+    padded_vocab: int
+    model: torch.nn.Module
+    ckpt: HFCheckpoint
+    params_loaded: int
+
+
+def load_model(a: argparse.Namespace) -> Loaded:
+    """Init the layout, build megatron's GPTModel for ``a.hf`` and read this rank's slices into it."""
+    pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, dispatcher=Dispatcher(a.dispatcher))
+    layout = init_parallel(pcfg)
+    bridge = get_bridge(a.hf)
+    cfg = transformer_config(bridge, pcfg, dtype=DType(a.dtype))
+    vp = bridge.padded_vocab(128, pcfg.tp)
+    model = build_gpt_model(bridge, cfg, layout, vp)
+    ckpt = HFCheckpoint(a.hf)
+    n = load_hf_into(model, layout, bridge, ckpt, vp)
+    return Loaded(layout, bridge, cfg, vp, model, ckpt, n)
