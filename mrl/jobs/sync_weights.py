@@ -4,7 +4,8 @@
         --version 1 --out report.json
 
 Sequence (rank 0 is the controller): pause(abort) + flush every engine -> every sender streams its
-buckets -> stamp ``weight_version`` -> continue. Then verify: engine logprobs of a probe sequence
+buckets -> engines that rejected a bucket or lost the broadcast are reloaded through the disk path
+(safetensors export + update_weights_from_disk) -> stamp ``weight_version`` -> continue. Then verify: engine logprobs of a probe sequence
 (teacher-forced, ``logprob_start_len=0``) against Megatron's, and the version each engine reports.
 """
 
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,9 @@ from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
 from mrl.rollout.client import EngineClient
-from mrl.weight_sync.executor import DistributedWeightSync, EngineEndpoint
+from mrl.megatron.weights import export_hf
+from mrl.models.checkpoint import save_hf
+from mrl.weight_sync.executor import DistributedWeightSync, EngineEndpoint, SyncFault
 
 
 def parse_engines(s: str) -> list[EngineEndpoint]:
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", required=True, help="url@tp,url@tp")
     ap.add_argument("--version", required=True)
     ap.add_argument("--bucket-mb", type=float, default=0.25)
+    ap.add_argument("--repair-dir", default=None, help="where the disk-path repair writes the checkpoint")
+    ap.add_argument("--fault-bucket", type=int, default=None, help="tests: send this bucket one row short")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -78,13 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     probe[0, 0] = 1
     before = asyncio.run(_controller(engines, lambda c: _probe_engine(c, probe, "before"))) \
         if layout.world_rank == 0 else None
+    fault = SyncFault(a.fault_bucket) if a.fault_bucket is not None else None
     sync = DistributedWeightSync(model=model, layout=layout, bridge=bridge, padded_vocab=vp, engines=engines,
-                                 bucket_bytes=int(a.bucket_mb * (1 << 20)))
+                                 bucket_bytes=int(a.bucket_mb * (1 << 20)), fault=fault)
     sync.connect()
     if layout.world_rank == 0:
         asyncio.run(_controller(engines, _pause))
     dist.barrier()
     stats = sync.push()
+    repaired: list[str] = []
+    if not stats.ok:  # never leave an engine on partial weights: reload it through the disk path
+        exported = export_hf(model, layout, bridge, vp)  # collective: every rank takes part
+        if layout.world_rank == 0:
+            path = a.repair_dir or tempfile.mkdtemp(prefix=f"mrl_repair_v{a.version}_")
+            save_hf(exported, path, config_src=a.hf)
+            bad = [e for e in engines if e.url in stats.failed_engines]
+            asyncio.run(_controller(bad, lambda c: c.update_weights_from_disk(path, weight_version=a.version)))
+            repaired = [e.url for e in bad]
     if layout.world_rank == 0:
         asyncio.run(_controller(engines, lambda c: _finish(c, a.version)))
     sync.close()
@@ -103,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                   "probe_max_abs_logprob_diff": diffs,
                   "probe_max_abs_logprob_diff_before": diffs_before, "engine_versions": [v for _, v in res],
                   "push_seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets_rank0": stats.buckets_sent,
-                  "senders": len(sync.plan.groups), "buckets_total": len(sync.plan.buckets)}
+                  "senders": len(sync.plan.groups), "buckets_total": len(sync.plan.buckets),
+                  "failed_engines": stats.failed_engines, "repaired_from_disk": repaired}
         print(json.dumps(report), flush=True)
         with open(a.out, "w") as f:
             json.dump(report, f)

@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,20 @@ class PushStats:
     seconds: float
     bytes_sent: int
     buckets_sent: int
+    failed_engines: dict[str, str] = field(default_factory=dict)
+    """url -> first error, for every engine whose weights may now be partial (union over senders)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_engines
+
+
+@dataclass(frozen=True)
+class SyncFault:
+    """Test-only fault injection: declare (and send) bucket ``bucket`` with its first 2-D tensor one row
+    short, as a trainer bug would; the engine must reject it ("partially updated")."""
+
+    bucket: int = 0
 
 
 def trainer_layout(layout: Layout) -> TrainerLayout:
@@ -70,8 +84,10 @@ def trainer_layout(layout: Layout) -> TrainerLayout:
 class DistributedWeightSync:
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
-                 master_address: str = "127.0.0.1", group_prefix: str = "mrl", timeout_s: float = 300.0):
+                 master_address: str = "127.0.0.1", group_prefix: str = "mrl", timeout_s: float = 300.0,
+                 fault: SyncFault | None = None):
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
+        self.fault = fault
         self.master_address = master_address
         self.maps = _maps_by_name(bridge, padded_vocab)
         self.local = {lp.global_name: lp for lp in local_params(model, layout)}
@@ -137,18 +153,23 @@ class DistributedWeightSync:
         return out if me == bucket.sender else None
 
     def push(self) -> PushStats:
-        """Stream every bucket to every engine. Engines must be paused (and flushed) by the controller."""
+        """Stream every bucket to every engine; all trainer ranks call it. Engines must be paused (and
+        flushed) by the controller. Never raises for engine-side failures: they are collected (all
+        ranks get the union) so the controller can repair those engines -- never a silent partial update."""
         t0 = time.perf_counter()
         pending = None
         sent = nbytes = 0
+        failed: dict[str, str] = {}
         for bucket in self._order:
             tensors = self._gather_bucket(bucket)
-            if tensors is None:
-                continue
+            if tensors is None or failed.get("*group*"):
+                continue  # still joined the gathers above, so the other ranks never wait on us
             meta = bucket.tensors
+            if self.fault is not None and bucket.index == self.fault.bucket:
+                meta, tensors = _cut_one_row(meta, tensors)
             flat = torch.cat([tensors[t.name].contiguous().view(-1).view(torch.uint8) for t in meta])
             if pending is not None:
-                self._finish(*pending)
+                self._finish(*pending, failed)
             futs = [self._io.submit(c.update_weights_from_distributed(
                 names=[t.name for t in meta], dtypes=[t.dtype for t in meta], shapes=[list(t.shape) for t in meta],
                 group_name=self.group_name, load_format="flattened_bucket", flush_cache=False))
@@ -158,15 +179,38 @@ class DistributedWeightSync:
             sent += 1
             nbytes += flat.numel()
         if pending is not None:
-            self._finish(*pending)
-        dist.barrier()
-        return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent)
+            self._finish(*pending, failed)
+        failed.pop("*group*", None)
+        everyone = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, failed)
+        union: dict[str, str] = {}
+        for f in everyone:
+            for url, err in f.items():
+                union.setdefault(url, err)
+        return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
+                         failed_engines=union)
 
-    def _finish(self, work, futs: list[Future], bucket: Bucket) -> None:
-        if not work.wait(timeout=_td(self.timeout_s)):
-            raise TimeoutError(f"weight sync: broadcast of bucket {bucket.index} over {bucket.group} timed out")
-        for f in futs:  # raises EngineHTTPError("...partially updated...") if an engine rejected it
-            f.result(self.timeout_s)
+    def _finish(self, work, futs: list[Future], bucket: Bucket, failed: dict[str, str]) -> None:
+        try:
+            if not work.wait(timeout=_td(self.timeout_s)):
+                raise TimeoutError("timed out")
+        except Exception as e:  # a dead engine breaks the collective for every engine of the group
+            msg = f"broadcast of bucket {bucket.index} over {bucket.group} failed: {e}"
+            failed["*group*"] = msg
+            for c in self._clients:
+                failed.setdefault(c.url, msg)
+        for c, f in zip(self._clients, futs):
+            try:  # EngineHTTPError "...partially updated..." when an engine rejected the bucket
+                f.result(self.timeout_s)
+            except Exception as e:
+                failed.setdefault(c.url, f"bucket {bucket.index}: {e}")
+
+
+def _cut_one_row(meta, tensors):
+    i = next(i for i, t in enumerate(meta) if len(t.shape) == 2)
+    t = meta[i]
+    short = type(t)(t.name, (t.shape[0] - 1,) + tuple(t.shape[1:]), t.dtype)
+    return meta[:i] + [short] + meta[i + 1:], dict(tensors, **{t.name: tensors[t.name][:-1]})
 
 
 def _td(s: float):

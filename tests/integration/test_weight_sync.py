@@ -59,6 +59,21 @@ def test_sync_into_tp1_and_tp2_engines(engines, other_weights, restore, tmp_path
     assert rep["bytes"] > 0 and rep["senders"] == (2 if "--ep" in args else 1)
 
 
+def test_rejected_bucket_is_detected_and_repaired_from_disk(engines, other_weights, restore, tmp_path):
+    """Bucket 1 goes out one row short: both engines reject it ("partially updated"); the job reloads
+    them through the disk path, so they end on exactly the trainer's weights -- never a partial update."""
+    out = tmp_path / "sync.json"
+    eng = ",".join(f"{engines[n].url}@{engines[n].tp}" for n in ("tp1", "tp2"))
+    r = run_torchrun("mrl.jobs.sync_weights", ["--hf", other_weights, "--engines", eng, "--version", "21",
+                                               "--out", str(out), "--fault-bucket", "1", "--tp", "2"], 2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    assert set(rep["failed_engines"]) == {engines["tp1"].url, engines["tp2"].url}
+    assert all("partially updated" in m for m in rep["failed_engines"].values())
+    assert sorted(rep["repaired_from_disk"]) == sorted(rep["failed_engines"])
+    assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3 and rep["engine_versions"] == ["21", "21"]
+
+
 def test_disk_restore_puts_engines_back(engines, ckpt_dir, other_weights):
     _reload_original(engines, other_weights)
     _reload_original(engines, ckpt_dir["tiny"])
