@@ -40,7 +40,7 @@ def timed(fn) -> float:
     fn()
     if compat.HAS_CUDA:
         torch.cuda.synchronize()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the sync is done when the slowest sender is done
     return t.item()
 
