@@ -69,7 +69,7 @@ class Receiver:
 
     async def destroy(self, req):
         name = (await req.json())["group_name"]
-        dist.destroy_process_group(self.groups.pop(name))
+        await asyncio.to_thread(dist.destroy_process_group, self.groups.pop(name))
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def ok(self, req):

@@ -125,10 +125,12 @@ class DistributedWeightSync:
 
     def close(self) -> None:
         if self.is_sender:
-            for c in self._clients:
-                self._io.submit(c.destroy_weights_update_group(self.group_name)).result(self.timeout_s)
+            # both sides tear down at once: an NCCL communicator's destroy can wait for its peers
+            futs = [self._io.submit(c.destroy_weights_update_group(self.group_name)) for c in self._clients]
             if self._pg is not None:
                 destroy_sender_group(self._pg)
+            for f in futs:
+                f.result(self.timeout_s)
             self._io.close()
         dist.barrier()
 
