@@ -2,6 +2,8 @@
 same bytes over the same weight-update groups, into receiver processes."""
 
 import argparse
+import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -52,10 +54,12 @@ def raw() -> None:
     if not sync.is_sender:
         return
     buf = torch.empty(my_bytes, dtype=torch.uint8, device=compat.DEVICE)
-    futs = [sync._io.submit(_post(e.url, sync.group_name, my_bytes)) for e in engines]
-    dist.broadcast(buf, src=0, group=sync._pg)
-    for f in futs:
-        f.result(600)
+    # the receivers serve raw requests concurrently, so each sender posts its own
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as ex:
+        futs = [ex.submit(asyncio.run, _post(e.url, sync.group_name, my_bytes)) for e in engines]
+        dist.broadcast(buf, src=0, group=sync._pg)
+        for f in futs:
+            f.result(600)
 
 
 async def _post(url, group, nbytes):

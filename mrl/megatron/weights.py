@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.megatron.parallel import GroupInfo, Layout
-from mrl.models.bridge import ModelBridge, ParamMap, Part, split_full
+from mrl.models.bridge import ModelBridge, ParamMap, Part, local_spec_name, split_full
 from mrl.models.checkpoint import HFCheckpoint
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
@@ -44,7 +44,7 @@ def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]
     m = _unwrap(model)
     num_local_experts = (m.config.num_moe_experts or 0) // layout.ep.size
     for name, p in m.named_parameters():
-        gname = name
+        gname = local_spec_name(name)
         lm = _LAYER.match(gname)
         if lm:  # local layer index -> global (PP stage offset); layer_number is 1-based and global
             gname = f"{lm.group(1)}{m.decoder.layers[int(lm.group(2))].layer_number - 1}{lm.group(3)}"
@@ -121,21 +121,51 @@ def load_hf_into(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, ck
     return n
 
 
-def gather_full(lp: LocalParam, pm: ParamMap, tensor: torch.Tensor) -> torch.Tensor:
-    """All-gather a TP-split tensor into the full (TP1) tensor; segment-aware for SwiGLU fc1."""
-    if lp.shard_group is None:
-        return tensor
-    g = lp.shard_group
-    parts = [torch.empty_like(tensor) for _ in range(g.size)]
-    dist.all_gather(parts, tensor.contiguous(), group=g.group)
+def assemble_full(lp: LocalParam, pm: ParamMap, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Full (TP1) tensor from every rank's shard, in group-rank order; segment-aware for SwiGLU fc1."""
     if lp.partition_dim == 1:
         return torch.cat(parts, 1)
     if len(pm.segments) == 1:
         return torch.cat(parts, 0)
     # each rank holds [seg0 chunk; seg1 chunk; ...]: regroup by segment
-    sizes = [sum(p.num_rows for p in seg) // g.size for seg in pm.segments]
+    n = len(parts)
+    sizes = [sum(p.num_rows for p in seg) // n for seg in pm.segments]
     per_rank = [torch.split(t, sizes, 0) for t in parts]
-    return torch.cat([per_rank[r][s] for s in range(len(sizes)) for r in range(g.size)], 0)
+    return torch.cat([per_rank[r][s] for s in range(len(sizes)) for r in range(n)], 0)
+
+
+def gather_full(lp: LocalParam, pm: ParamMap, tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather a TP-split tensor into the full (TP1) tensor."""
+    if lp.shard_group is None:
+        return tensor
+    g = lp.shard_group
+    parts = [torch.empty_like(tensor) for _ in range(g.size)]
+    dist.all_gather(parts, tensor.contiguous(), group=g.group)
+    return assemble_full(lp, pm, parts)
+
+
+def gather_full_many(items: list[tuple[LocalParam, ParamMap]]) -> list[torch.Tensor]:
+    """``gather_full`` for many params with one all-gather per (group, dtype): a bucket of hundreds of
+    TP-split expert tensors costs a handful of collectives instead of hundreds."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    batches: dict[tuple, list[int]] = {}
+    for i, (lp, _) in enumerate(items):
+        if lp.shard_group is None:
+            out[i] = lp.param.detach()
+        else:
+            batches.setdefault((id(lp.shard_group.group), lp.param.dtype), []).append(i)
+    for idx in batches.values():
+        g = items[idx[0]][0].shard_group
+        shards = [items[i][0].param.detach().contiguous() for i in idx]
+        flat = torch.cat([t.view(-1) for t in shards])
+        parts = [torch.empty_like(flat) for _ in range(g.size)]
+        dist.all_gather(parts, flat, group=g.group)
+        numels = [t.numel() for t in shards]
+        per_rank = [torch.split(pr, numels) for pr in parts]
+        for j, i in enumerate(idx):
+            lp, pm = items[i]
+            out[i] = assemble_full(lp, pm, [per_rank[r][j].view(shards[j].shape) for r in range(g.size)])
+    return out
 
 
 def _is_owner(lp: LocalParam, layout: Layout) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -76,6 +77,22 @@ def padded_rows(mcore: str, hf: str, rows: int, padded: int, num_cols: int) -> P
     """Vocab-parallel param: HF rows then zero rows up to the padded vocabulary."""
     parts = [Part(hf, 0, rows)] + ([Part(None, 0, padded - rows)] if padded > rows else [])
     return ParamMap(mcore, (tuple(parts),), num_cols)
+
+
+# Transformer Engine spec names -> local-spec names (the bridges speak local-spec names). TE fuses the
+# input norm into linear_qkv and a dense layer's pre-MLP norm into linear_fc1, and TEGroupedMLP keeps
+# one weight per local expert as ``linear_fc{1,2}.weight{e}``. TODO(te): verify on a machine with TE.
+_TE_NAMES = [
+    (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
+    (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+    (re.compile(r"\.mlp\.experts\.linear_fc([12])\.weight(\d+)$"), r".mlp.experts.local_experts.\2.linear_fc\1.weight"),
+]
+
+
+def local_spec_name(name: str) -> str:
+    for pat, repl in _TE_NAMES:
+        name = pat.sub(repl, name)
+    return name
 
 
 class UnsupportedModelError(ValueError):

@@ -7,8 +7,14 @@
     sync.close()
 
 Per sender, bucket k is broadcast asynchronously while bucket k+1 is gathered (TP / expert-TP
-all-gathers only, never the whole model on one rank); the matching ``update_weights_from_distributed``
-HTTP calls are in flight at the same time. Each collective and HTTP call has a timeout.
+all-gathers only, never the whole model on one rank). Each collective and HTTP call has a timeout.
+
+Ordering: an SGLang engine serves one weight request at a time, and a broadcast completes only when
+every engine of its group has reached the matching request. With several senders, two engines that
+picked up different senders' requests first would wait on each other forever. So one process -- the
+controller, trainer rank 0 -- posts every engine's requests (group inits, bucket updates, destroys)
+in a single global order, one request at a time per engine, while each sender broadcasts its own
+buckets in that same order.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch.distributed as dist
 
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
-from mrl.megatron.weights import _maps_by_name, gather_full, local_params
+from mrl.megatron.weights import _maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge, split_full
 from mrl.rollout.client import EngineClient
 from mrl.rollout.engine import free_port
@@ -98,47 +104,79 @@ class DistributedWeightSync:
         me = layout.world_rank
         self.group_name = self.plan.groups.get(me)
         self.is_sender = self.group_name is not None
+        self.is_controller = me == 0
         self._pg = None
-        self._io = _LoopThread() if self.is_sender else None
-        self._clients = [EngineClient(e.url) for e in engines] if self.is_sender else []
-        # every bucket touching my stage, in one global order, so group members run their gathers in step
+        self._io = _LoopThread() if self.is_controller else None
+        self._clients = [EngineClient(e.url) for e in engines] if self.is_controller else []
+        # every bucket touching my stage, in the global order, so group members run their gathers in step
         stage = layout.pp.rank
-        self._order = sorted((b for b in self.plan.buckets if any(p.stage == stage for p in b.params)),
-                             key=lambda b: (b.index, b.sender))
+        self._global = sorted(self.plan.buckets, key=lambda b: (b.index, b.sender))
+        self._order = [b for b in self._global if any(p.stage == stage for p in b.params)]
+
+    # -- controller: every engine request, one global order -------------------------------------
+    def _post_in_order(self, make_calls) -> Future:
+        """Per engine, await each request before the next; returns a future of {url: first error}."""
+
+        async def one_engine(client: EngineClient, calls) -> str | None:
+            first = None
+            for call in calls:
+                try:
+                    await call(client)
+                except Exception as e:  # record, and keep going: the senders' broadcasts must stay matched
+                    first = first or str(e)
+            return first
+
+        async def all_engines():
+            errs = await asyncio.gather(*(one_engine(c, make_calls()) for c in self._clients))
+            return {c.url: e for c, e in zip(self._clients, errs) if e is not None}
+
+        return self._io.submit(all_engines())
 
     # -- groups ----------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Create my weight-update group (if I send) with every engine rank; all trainer ranks call it."""
+        """One weight-update group per sender with every engine rank; all trainer ranks call it."""
+        port = free_port(self.master_address) if self.is_sender else None
+        ports = [None] * self.layout.world_size
+        dist.all_gather_object(ports, port)
+        world = 1 + sum(e.tp for e in self.engines)
+        offsets = {e.url: 1 + sum(x.tp for x in self.engines[:i]) for i, e in enumerate(self.engines)}
+        fut = None
+        if self.is_controller:
+            def calls():
+                return [lambda c, r=r, g=g: c.init_weights_update_group(
+                    master_address=self.master_address, master_port=ports[r], rank_offset=offsets[c.url],
+                    world_size=world, group_name=g, backend=compat.BACKEND) for r, g in sorted(self.plan.groups.items())]
+
+            fut = self._post_in_order(calls)
         if self.is_sender:
-            port = free_port(self.master_address)
-            world = 1 + sum(e.tp for e in self.engines)
-            offsets = [1 + sum(e.tp for e in self.engines[:i]) for i in range(len(self.engines))]
-            futs = [self._io.submit(c.init_weights_update_group(
-                master_address=self.master_address, master_port=port, rank_offset=off, world_size=world,
-                group_name=self.group_name, backend=compat.BACKEND)) for c, off in zip(self._clients, offsets)]
             self._pg = create_sender_group(master_address=self.master_address, master_port=port, world_size=world,
                                            group_name=self.group_name, backend=compat.BACKEND,
                                            timeout_s=self.timeout_s)
-            for f in futs:
-                f.result(self.timeout_s)
+        if fut is not None:
+            errs = fut.result(self.timeout_s * max(1, len(self.plan.groups)))
+            if errs:
+                raise RuntimeError(f"weight sync: engines failed to join the weight-update groups: {errs}")
         dist.barrier()
 
     def close(self) -> None:
-        if self.is_sender:
+        fut = None
+        if self.is_controller:
             # both sides tear down at once: an NCCL communicator's destroy can wait for its peers
-            futs = [self._io.submit(c.destroy_weights_update_group(self.group_name)) for c in self._clients]
-            if self._pg is not None:
-                destroy_sender_group(self._pg)
-            for f in futs:
-                f.result(self.timeout_s)
+            fut = self._post_in_order(lambda: [lambda c, g=g: c.destroy_weights_update_group(g)
+                                               for g in self.plan.groups.values()])
+        if self._pg is not None:
+            destroy_sender_group(self._pg)
+        if fut is not None:
+            fut.result(self.timeout_s)
             self._io.close()
         dist.barrier()
 
     # -- one sync --------------------------------------------------------------------------------
     def _gather_bucket(self, bucket: Bucket) -> dict[str, torch.Tensor] | None:
-        """Join the gathers this rank belongs to; the bucket's sender gets its HF tensors."""
+        """Join the gathers this rank belongs to (one all-gather per group and dtype); the bucket's
+        sender gets its HF tensors."""
         me = self.layout.world_rank
-        out: dict[str, torch.Tensor] = {}
+        items = []
         for p in bucket.params:
             lp = self.local.get(p.mcore_name)
             if lp is None:
@@ -148,41 +186,55 @@ class DistributedWeightSync:
                 continue
             if lp.shard_group is None and me != bucket.sender:
                 continue
-            full = gather_full(lp, self.maps[p.mcore_name], lp.param.detach())
-            if me == bucket.sender:
-                for name, t in split_full(self.maps[p.mcore_name], full).items():
-                    out[name] = t.to(_TORCH_DTYPES[self.dtype])
-        return out if me == bucket.sender else None
+            items.append((lp, self.maps[p.mcore_name]))
+        fulls = gather_full_many(items)
+        if me != bucket.sender:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for (lp, pm), full in zip(items, fulls):
+            for name, t in split_full(pm, full).items():
+                out[name] = t.to(_TORCH_DTYPES[self.dtype])
+        return out
+
+    def _bucket_meta(self, bucket: Bucket):
+        meta = bucket.tensors
+        if self.fault is not None and bucket.index == self.fault.bucket:
+            meta = _cut_one_row(meta)
+        return meta
 
     def push(self) -> PushStats:
         """Stream every bucket to every engine; all trainer ranks call it. Engines must be paused (and
         flushed) by the controller. Never raises for engine-side failures: they are collected (all
         ranks get the union) so the controller can repair those engines -- never a silent partial update."""
         t0 = time.perf_counter()
+        posted = None
+        if self.is_controller:
+            def calls():
+                return [lambda c, b=b, m=self._bucket_meta(b): c.update_weights_from_distributed(
+                    names=[t.name for t in m], dtypes=[t.dtype for t in m], shapes=[list(t.shape) for t in m],
+                    group_name=b.group, load_format="flattened_bucket", flush_cache=False) for b in self._global]
+
+            posted = self._post_in_order(calls)
         pending = None
         sent = nbytes = 0
         failed: dict[str, str] = {}
         for bucket in self._order:
             tensors = self._gather_bucket(bucket)
-            if tensors is None or failed.get("*group*"):
+            if tensors is None or failed:
                 continue  # still joined the gathers above, so the other ranks never wait on us
-            meta = bucket.tensors
-            if self.fault is not None and bucket.index == self.fault.bucket:
-                meta, tensors = _cut_one_row(meta, tensors)
-            flat = torch.cat([tensors[t.name].contiguous().view(-1).view(torch.uint8) for t in meta])
+            meta = self._bucket_meta(bucket)
+            flat = torch.cat([tensors[t.name].contiguous().view(-1)[: _numel(t)].view(torch.uint8) for t in meta])
             if pending is not None:
                 self._finish(*pending, failed)
-            futs = [self._io.submit(c.update_weights_from_distributed(
-                names=[t.name for t in meta], dtypes=[t.dtype for t in meta], shapes=[list(t.shape) for t in meta],
-                group_name=self.group_name, load_format="flattened_bucket", flush_cache=False))
-                for c in self._clients]
             work = dist.broadcast(flat.to(compat.DEVICE), src=0, group=self._pg, async_op=True)
-            pending = (work, futs, bucket)
+            pending = (work, bucket)
             sent += 1
             nbytes += flat.numel()
         if pending is not None:
             self._finish(*pending, failed)
-        failed.pop("*group*", None)
+        if posted is not None:  # EngineHTTPError "...partially updated..." when an engine rejected a bucket
+            for url, err in posted.result(self.timeout_s * max(1, len(self._global))).items():
+                failed.setdefault(url, err)
         everyone = [None] * self.layout.world_size
         dist.all_gather_object(everyone, failed)
         union: dict[str, str] = {}
@@ -192,27 +244,28 @@ class DistributedWeightSync:
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
                          failed_engines=union)
 
-    def _finish(self, work, futs: list[Future], bucket: Bucket, failed: dict[str, str]) -> None:
+    def _finish(self, work, bucket: Bucket, failed: dict[str, str]) -> None:
         try:
             if not work.wait(timeout=_td(self.timeout_s)):
                 raise TimeoutError("timed out")
         except Exception as e:  # a dead engine breaks the collective for every engine of the group
             msg = f"broadcast of bucket {bucket.index} over {bucket.group} failed: {e}"
-            failed["*group*"] = msg
-            for c in self._clients:
-                failed.setdefault(c.url, msg)
-        for c, f in zip(self._clients, futs):
-            try:  # EngineHTTPError "...partially updated..." when an engine rejected the bucket
-                f.result(self.timeout_s)
-            except Exception as e:
-                failed.setdefault(c.url, f"bucket {bucket.index}: {e}")
+            for e_ in self.engines:
+                failed.setdefault(e_.url, msg)
 
 
-def _cut_one_row(meta, tensors):
+def _numel(t) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def _cut_one_row(meta):
+    """Test fault: the first 2-D tensor declared (and, via _numel, sent) one row short."""
     i = next(i for i, t in enumerate(meta) if len(t.shape) == 2)
     t = meta[i]
-    short = type(t)(t.name, (t.shape[0] - 1,) + tuple(t.shape[1:]), t.dtype)
-    return meta[:i] + [short] + meta[i + 1:], dict(tensors, **{t.name: tensors[t.name][:-1]})
+    return meta[:i] + [type(t)(t.name, (t.shape[0] - 1,) + tuple(t.shape[1:]), t.dtype)] + meta[i + 1:]
 
 
 def _td(s: float):

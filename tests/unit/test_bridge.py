@@ -164,3 +164,17 @@ def test_tiny_model_is_deterministic_and_has_tokenizer(ckpt_dir, tmp_path):
     ids = tok.encode("reverse abc 12+30=42").ids
     assert tok.decode(ids) == "reverse abc 12+30=42"
     assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("te,local", [
+    ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
+    ("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", "decoder.layers.2.pre_mlp_layernorm.weight"),
+    ("decoder.layers.1.mlp.experts.linear_fc1.weight7", "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"),
+    ("decoder.layers.1.mlp.experts.linear_fc2.weight0", "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"),
+    ("decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"),
+    ("decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.self_attention.linear_qkv.weight"),
+])
+def test_transformer_engine_names_map_to_local_spec_names(te, local):
+    from mrl.models.bridge import local_spec_name
+
+    assert local_spec_name(te) == local
