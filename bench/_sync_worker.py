@@ -2,6 +2,8 @@
 same bytes over the same weight-update groups, into receiver processes."""
 
 import argparse
+import faulthandler
+import os
 import asyncio
 import concurrent.futures
 import json
@@ -24,6 +26,8 @@ ap.add_argument("--bucket-mb", type=float, default=512)
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
+if os.environ.get("MRL_DUMP_AFTER"):  # diagnosing hangs: every thread's stack, then exit
+    faulthandler.dump_traceback_later(int(os.environ["MRL_DUMP_AFTER"]), exit=True)
 
 m = load_model(a)
 layout = m.layout
