@@ -11,7 +11,6 @@ Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 from mrl.config.schema import Config, TinyPreset
@@ -53,14 +52,6 @@ def trainer_world_size(cfg: Config) -> int:
     return p.world_size or max(p.tp * p.pp * p.cp, p.ep * p.expert_tp * p.pp)
 
 
-def torchrun(module: str, args: list[str], nproc: int) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *args]
-    print("[mrl] " + " ".join(cmd), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
-
-
 def check_model(cfg: Config) -> int:
     path = ensure_model(cfg)
     p = cfg.parallel
@@ -71,7 +62,9 @@ def check_model(cfg: Config) -> int:
             "--export", os.path.join(cfg.run_dir, "export_hf")]
     if p.etp is not None:
         args += ["--etp", str(p.etp)]
-    return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg))
+    from mrl.jobs import torchrun
+
+    return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg), capture=False).returncode
 
 
 def train(cfg: Config) -> int:
@@ -105,7 +98,8 @@ def engine(cfg: Config) -> int:
 
     path = ensure_model(cfg)
     r = cfg.rollout
-    engines = [Engine(model_path=path, tp=r.engine_tp, cpu_mode=r.cpu_mode, name=f"engine{i}",
+    engines = [Engine(model_path=path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
+                      memory_saver=r.memory_saver, name=f"engine{i}",
                       log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
                for i in range(r.num_engines)]
     stop = threading.Event()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 
 import pytest
+
+from mrl.jobs import torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,19 +24,7 @@ def ckpt_dir(tmp_path_factory):
 
 
 def run_torchrun(module: str, args: list[str], nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # own session: on a timeout the whole tree (torchrun and its workers) is killed, no orphans
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{module} timed out after {timeout}s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return torchrun(module, args, nproc, timeout=timeout, cwd=REPO)
 
 
 def read_json(path) -> dict:

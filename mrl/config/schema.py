@@ -141,8 +141,14 @@ class RolloutConfig:
     """SGLang engine pool and sampling."""
 
     num_engines: int = 1
+    """SGLang servers (one per DP replica)."""
     engine_tp: int = 1
+    engine_ep: int = 1
+    engine_dp: int = 1
+    """DP inside one server: only with server_args.enable_dp_attention."""
     cpu_mode: bool = True
+    memory_saver: bool = False
+    """GPU only: --enable-memory-saver (colocated runs release/resume engine memory)."""
     """Run engines on CPU (fp32, torch_native attention, CUDA driver stub)."""
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 32

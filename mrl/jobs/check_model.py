@@ -22,6 +22,7 @@ from mrl.megatron import compat
 from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.megatron.parallel import destroy
 from mrl.megatron.weights import export_hf
+from mrl.models.checkpoint import save_hf
 
 
 def hf_reference(path: str, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"layout": f"tp{a.tp}_pp{a.pp}_ep{a.ep}_etp{a.etp or a.tp}", "world_size": layout.world_size,
               "dispatcher": a.dispatcher, "dtype": a.dtype, "params_loaded_rank0": n_loaded}
-    ok = True
     checker = layout.is_last_stage and layout.tp.rank == 0 and layout.dp.rank == 0
     if checker:
         lp_mc = token_logprobs(logits, ids, bridge.vocab_size)
@@ -80,10 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             report["tolerance"] = {"mean": 2 * report["hf_bf16_logprobs_mean_abs_diff"] + 1e-3}
         else:
             report["tolerance"] = {"max": a.atol}
-    # every rank learns the checker's verdict and numbers
-    box = [report if checker else None]
+    # every rank learns the checker's numbers
     objs = [None] * layout.world_size
-    dist.all_gather_object(objs, box[0])
+    dist.all_gather_object(objs, report if checker else None)
     report = next(o for o in objs if o is not None)
     tol = report["tolerance"]
     if "mean" in tol:
@@ -104,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                       wall_s=round(time.perf_counter() - t0, 2))
         ok = ok and bool(exact)
         if a.export:
-            from mrl.models.checkpoint import save_hf
-
             save_hf(exported, a.export, config_src=a.hf)
         report["pass"] = ok
         print(json.dumps(report, indent=1), flush=True)

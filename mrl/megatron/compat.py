@@ -28,7 +28,6 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 BACKEND = "nccl" if HAS_CUDA else "gloo"
-MCORE_VERSION = "0.19.2"
 
 
 @dataclass
@@ -313,16 +312,6 @@ def _enter_cuda_to_cpu_mode() -> None:
     _MODE.__enter__()
 
 
-def ensure_cuda_to_cpu_mode() -> None:
-    """Enter the mode in the calling thread (it is thread-local; the import only enters it in one thread)."""
-    if HAS_CUDA or os.environ.get("MRL_COMPAT_DISABLE") == "1":
-        return
-    from torch.overrides import _get_current_function_mode_stack
-
-    if not any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack()):
-        CudaToCpuMode().__enter__()
-
-
 # ----------------------------------------------------------------------------------------------
 # 6. DistributedOptimizer with the torch-Adam backend (no apex/TE): any device
 # ----------------------------------------------------------------------------------------------
@@ -363,28 +352,6 @@ def _patch_distopt_torch_adam() -> None:
     do.DistributedOptimizer._set_main_param_and_optimizer_states = _set
     do.DistributedOptimizer.load_state_dict = load_state_dict
     shim.applied = True
-
-
-def unhit_shims(names: list[str]) -> list[str]:
-    return [n for n in names if SHIMS[n].applied and not SHIMS[n].hits]
-
-
-def unknown_sites() -> dict[str, set[str]]:
-    """Call sites that went through a shim but are not in its ``covers`` list."""
-    out = {}
-    for s in SHIMS.values():
-        extra = s.hits - set(s.covers)
-        if extra:
-            out[s.name] = extra
-    return out
-
-
-def report() -> str:
-    lines = []
-    for s in SHIMS.values():
-        lines.append(f"{s.name:22s} applied={s.applied!s:5s} hits={len(s.hits)}")
-        lines.extend(f"    {site}" for site in sorted(s.hits))
-    return "\n".join(lines)
 
 
 def _apply() -> None:

@@ -58,7 +58,7 @@ def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]
                          p.partition_dim if tp_split else None)
 
 
-def _maps_by_name(bridge: ModelBridge, padded_vocab: int) -> dict[str, ParamMap]:
+def maps_by_name(bridge: ModelBridge, padded_vocab: int) -> dict[str, ParamMap]:
     maps = {pm.mcore_name: pm for pm in bridge.param_maps(padded_vocab)}
     if bridge.tied_embeddings:
         # tied + PP>1: the last stage holds its own output_layer copy of the embedding
@@ -106,7 +106,7 @@ def load_hf_into(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, ck
                  padded_vocab: int) -> int:
     """Fill every local param of ``model`` from the HF checkpoint; returns how many were loaded."""
     ckpt.check_against(bridge.hf_tensor_shapes(padded_vocab))
-    maps = _maps_by_name(bridge, padded_vocab)
+    maps = maps_by_name(bridge, padded_vocab)
     n = 0
     for lp in local_params(model, layout):
         pm = maps.get(lp.global_name)
@@ -134,19 +134,10 @@ def assemble_full(lp: LocalParam, pm: ParamMap, parts: list[torch.Tensor]) -> to
     return torch.cat([per_rank[r][s] for s in range(len(sizes)) for r in range(n)], 0)
 
 
-def gather_full(lp: LocalParam, pm: ParamMap, tensor: torch.Tensor) -> torch.Tensor:
-    """All-gather a TP-split tensor into the full (TP1) tensor."""
-    if lp.shard_group is None:
-        return tensor
-    g = lp.shard_group
-    parts = [torch.empty_like(tensor) for _ in range(g.size)]
-    dist.all_gather(parts, tensor.contiguous(), group=g.group)
-    return assemble_full(lp, pm, parts)
-
-
 def gather_full_many(items: list[tuple[LocalParam, ParamMap]]) -> list[torch.Tensor]:
-    """``gather_full`` for many params with one all-gather per (group, dtype): a bucket of hundreds of
-    TP-split expert tensors costs a handful of collectives instead of hundreds."""
+    """Full (TP1) tensors of many params, all-gathering TP-split ones with one collective per
+    (group, dtype): hundreds of TP-split expert tensors cost a handful of collectives. Every member of
+    a split group must pass the same params in the same order."""
     out: list[torch.Tensor | None] = [None] * len(items)
     batches: dict[tuple, list[int]] = {}
     for i, (lp, _) in enumerate(items):
@@ -184,13 +175,11 @@ def export_hf(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padde
     Collects through ``gather_object``: fine for checkpoints that fit one host's memory; the
     streamed, bucketed path for large models is the weight-sync executor.
     """
-    maps = _maps_by_name(bridge, padded_vocab)
+    maps = maps_by_name(bridge, padded_vocab)
+    items = [(lp, maps[lp.global_name]) for lp in local_params(model, layout)
+             if not (bridge.tied_embeddings and lp.global_name == "output_layer.weight")]  # embedding copy
     mine: dict[str, torch.Tensor] = {}
-    for lp in local_params(model, layout):
-        if bridge.tied_embeddings and lp.global_name == "output_layer.weight":
-            continue  # a copy of the embedding
-        pm = maps[lp.global_name]
-        full = gather_full(lp, pm, lp.param.detach())
+    for (lp, pm), full in zip(items, gather_full_many(items)):
         if _is_owner(lp, layout):
             for k, v in split_full(pm, full.cpu()).items():
                 mine[k] = v.clone()

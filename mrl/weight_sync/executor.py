@@ -24,13 +24,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
-from mrl.megatron.weights import _maps_by_name, gather_full_many, local_params
+from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge, split_full
 from mrl.rollout.client import EngineClient
 from mrl.rollout.engine import free_port
@@ -95,7 +96,7 @@ class DistributedWeightSync:
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
         self.fault = fault
         self.master_address = master_address
-        self.maps = _maps_by_name(bridge, padded_vocab)
+        self.maps = maps_by_name(bridge, padded_vocab)
         self.local = {lp.global_name: lp for lp in local_params(model, layout)}
         self.plan: SyncPlan = plan_sync(bridge.param_maps(padded_vocab), trainer_layout(layout),
                                         num_layers=bridge.num_layers, num_experts=bridge.num_experts,
@@ -246,7 +247,7 @@ class DistributedWeightSync:
 
     def _finish(self, work, bucket: Bucket, failed: dict[str, str]) -> None:
         try:
-            if not work.wait(timeout=_td(self.timeout_s)):
+            if not work.wait(timeout=timedelta(seconds=self.timeout_s)):
                 raise TimeoutError("timed out")
         except Exception as e:  # a dead engine breaks the collective for every engine of the group
             msg = f"broadcast of bucket {bucket.index} over {bucket.group} failed: {e}"
@@ -266,9 +267,3 @@ def _cut_one_row(meta):
     i = next(i for i, t in enumerate(meta) if len(t.shape) == 2)
     t = meta[i]
     return meta[:i] + [type(t)(t.name, (t.shape[0] - 1,) + tuple(t.shape[1:]), t.dtype)] + meta[i + 1:]
-
-
-def _td(s: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=s)
