@@ -82,6 +82,11 @@ class ParallelConfig:
     """MoE token dispatcher."""
     world_size: Optional[int] = None
     """Expected number of trainer processes; null means whatever torchrun provides."""
+    pp_first_layers: Optional[int] = None
+    """Uneven pipeline: transformer layers on the first stage (megatron's
+    ``num_layers_in_first_pipeline_stage``); the stages in between split the rest evenly."""
+    pp_last_layers: Optional[int] = None
+    """Uneven pipeline: transformer layers on the last stage."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp"):
@@ -124,12 +129,34 @@ class ParallelConfig:
         if self.world_size is not None and self.world_size != world_size:
             _fail("parallel.world_size", f"is {self.world_size} but {world_size} processes were started")
 
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers per pipeline stage, megatron's rule (first/last fixed, middle even)."""
+        first, last = self.pp_first_layers, self.pp_last_layers
+        if first is None and last is None:
+            if num_layers % self.pp:
+                _fail("parallel.pp", f"={self.pp} does not divide the model's {num_layers} layers; set "
+                      "parallel.pp_first_layers / parallel.pp_last_layers for an uneven split")
+            return [num_layers // self.pp] * self.pp
+        for key, n in (("pp_first_layers", first), ("pp_last_layers", last)):
+            if n is not None and not 0 < n < num_layers:
+                _fail(f"parallel.{key}", f"={n} must be in [1, {num_layers - 1}] for a {num_layers}-layer model")
+        if self.pp < 2:
+            _fail("parallel.pp_first_layers", f"an uneven split needs parallel.pp >= 2, got {self.pp}")
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+                middle_stages and middle_layers % middle_stages):
+            _fail("parallel.pp_first_layers/pp_last_layers",
+                  f"first={first} last={last} leave {middle_layers} layers for {middle_stages} middle "
+                  f"stage(s) of a {num_layers}-layer model with parallel.pp={self.pp}: not an even split")
+        mid = [middle_layers // middle_stages] * middle_stages if middle_stages else []
+        return ([first] if first is not None else []) + mid + ([last] if last is not None else [])
+
     def check_model(self, *, num_experts: int, num_layers: int, num_query_groups: int) -> None:
         """Raise a ValueError naming the fields when the layout cannot shard this model."""
         if num_experts and num_experts % self.ep:
             _fail("parallel.ep", f"={self.ep} does not divide the model's {num_experts} experts")
-        if num_layers % self.pp:
-            _fail("parallel.pp", f"={self.pp} does not divide the model's {num_layers} layers")
+        self.stage_layers(num_layers)
         if self.tp > num_query_groups and self.tp % num_query_groups:
             _fail("parallel.tp", f"={self.tp} is neither a divisor nor a multiple of {num_query_groups} KV heads")
         if self.tp <= num_query_groups and num_query_groups % self.tp:
@@ -157,6 +184,11 @@ class RolloutConfig:
     top_k: int = -1
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` flags, passed through (``+rollout.server_args.x=1``)."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Attach to already-running engines (http://host:port) instead of starting them."""
+    engine_url_dir: Optional[str] = None
+    """Attach to engines that announce themselves as ``<dir>/<name>.url`` files (written by
+    ``mrl engine`` on cluster engine nodes); waits for ``num_engines`` of them."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.top_p <= 1.0:
@@ -166,46 +198,239 @@ class RolloutConfig:
 
 
 class AdvEstimator(str, enum.Enum):
-    grpo = "grpo"
-    rloo = "rloo"
+    """How scalar rewards become per-sample advantages (``mrl.algo.advantages``)."""
+
+    grpo = "grpo"  # (r - group mean) / (group std + adv_eps); std division optional (Dr. GRPO)
+    rloo = "rloo"  # r - mean of the other samples of the group (leave-one-out)
 
 
 class LossType(str, enum.Enum):
-    grpo = "grpo"
-    dapo = "dapo"
-    gspo = "gspo"
+    """Importance ratio of the clipped surrogate (``mrl.algo.losses``)."""
+
+    grpo = "grpo"  # per-token ratio pi/pi_old, PPO clip
+    dapo = "dapo"  # same surrogate as grpo; DAPO is its settings: clip-higher, token_mean, dynamic sampling, overlong
+    gspo = "gspo"  # per-sequence ratio exp(mean_t log(pi/pi_old)), clipped per sequence
+
+
+class Aggregation(str, enum.Enum):
+    """How per-token losses reduce to one scalar (``mrl.algo.aggregation``)."""
+
+    token_mean = "token_mean"  # sum over tokens / tokens in the batch (DAPO)
+    seq_mean_token_mean = "seq_mean_token_mean"  # mean over sequences of each one's token mean (GRPO)
+    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"  # mean over seqs of token sum / max_response_len (Dr. GRPO)
+
+
+class Correction(str, enum.Enum):
+    """Off-policy correction with w = pi_old / pi_behav (``mrl.algo.correction``)."""
+
+    none = "none"
+    tis = "tis"  # truncated IS: loss_t * min(w, is_cap)
+    mis = "mis"  # masked IS: loss_t * w if w in [mis_low, mis_high] else 0; token or sequence level
+    icepop = "icepop"  # IcePop: loss_t * w if w in [icepop_low, icepop_high] else 0; token level
+
+
+class CorrectionLevel(str, enum.Enum):
+    token = "token"  # one w per token
+    sequence = "sequence"  # one w per sequence: geometric mean exp(mean_t log w_t)
+
+
+class KLEstimator(str, enum.Enum):
+    """Schulman's per-token estimators of KL(pi || pi_ref) (``mrl.algo.kl``)."""
+
+    k1 = "k1"  # log(pi / pi_ref)
+    k2 = "k2"  # 0.5 * log(pi_ref / pi)^2
+    k3 = "k3"  # pi_ref / pi - 1 - log(pi_ref / pi)
 
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """RL algorithm: advantage estimator, policy loss, corrections."""
+    """RL algorithm: advantage estimator, policy loss, off-policy correction, KL; defaults are GRPO.
+
+    Logprob names used below: ``logp`` = current trainer policy pi; ``old_logp`` = trainer recompute
+    before this step's updates (pi_old); ``behav_logp`` = the SGLang engine's logprobs of the tokens it
+    sampled (pi_behav, possibly several weight versions old and numerically different from the
+    trainer). The PPO ratio is pi/pi_old; the correction weight w = pi_old/pi_behav covers staleness
+    and train/inference mismatch. conf/algo/{grpo,dapo,gspo}.yaml hold the presets.
+    """
 
     adv_estimator: AdvEstimator = AdvEstimator.grpo
+    """Advantage estimator."""
+    std_normalize: bool = True
+    """GRPO only: divide by the group std; false = Dr. GRPO (centred rewards only)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
     loss: LossType = LossType.grpo
+    """Policy-loss ratio: per token (grpo, dapo) or per sequence (gspo)."""
     clip_low: float = 0.2
+    """Ratio lower clip: 1 - clip_low (GRPO/DAPO 0.2; GSPO 3e-4)."""
     clip_high: float = 0.2
+    """Ratio upper clip: 1 + clip_high (GRPO 0.2; DAPO clip-higher 0.28; GSPO 4e-4)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip c > 1: for A < 0 the per-token loss is capped at -c*A; null = off."""
+    aggregation: Aggregation = Aggregation.seq_mean_token_mean
+    """Reduction of per-token losses (GRPO: seq_mean_token_mean; DAPO: token_mean)."""
+    max_response_len: Optional[int] = None
+    """L_max for seq_mean_token_sum_norm and overlong shaping; the presets set ${rollout.max_new_tokens}."""
+    correction: Correction = Correction.tis
+    """Off-policy correction against the engine's (behaviour) logprobs."""
+    correction_level: CorrectionLevel = CorrectionLevel.token
+    """Per-token or per-sequence (geometric mean) weight for tis and mis; icepop is per token."""
+    is_cap: float = 2.0
+    """TIS truncation C: weight = min(w, C)."""
+    mis_low: float = 0.5
+    """MIS band: tokens (or sequences) with w outside [mis_low, mis_high] get weight 0."""
+    mis_high: float = 2.0
+    icepop_low: float = 0.5
+    """IcePop band [alpha, beta]: tokens with w outside it get weight 0 (zero gradient)."""
+    icepop_high: float = 2.0
     kl_coef: float = 0.0
+    """Weight of the KL-to-reference term; > 0 needs the reference model's logprobs."""
+    kl_estimator: KLEstimator = KLEstimator.k3
+    """Per-token KL estimator for the reference term."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (zero advantage) and sample more."""
+    overlong_shaping: bool = False
+    """DAPO soft overlong punishment added to the reward: 0 up to max_response_len - overlong_buffer_len,
+    linear to -1 at max_response_len, -1 beyond."""
+    overlong_buffer_len: int = 8
+    """DAPO's L_cache (the paper: 4096 of 20480)."""
     lr: float = 1e-5
+    """Adam learning rate of the trainer."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.clip_low < 1.0:
+            _fail("algo.clip_low", f"must be in (0, 1), got {self.clip_low}")
+        if self.clip_high <= 0.0:
+            _fail("algo.clip_high", f"must be > 0, got {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            _fail("algo.dual_clip", f"must be > 1 or null, got {self.dual_clip}")
+        if self.adv_eps < 0.0:
+            _fail("algo.adv_eps", f"must be >= 0, got {self.adv_eps}")
+        if self.max_response_len is not None and self.max_response_len < 1:
+            _fail("algo.max_response_len", f"must be >= 1 or null, got {self.max_response_len}")
+        if self.is_cap <= 0.0:
+            _fail("algo.is_cap", f"must be > 0, got {self.is_cap}")
+        for name in ("mis", "icepop"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if not 0.0 <= low <= 1.0 <= high:
+                _fail(f"algo.{name}_low/{name}_high", f"must satisfy 0 <= low <= 1 <= high, got [{low}, {high}]")
+        if self.correction is Correction.icepop and self.correction_level is CorrectionLevel.sequence:
+            _fail("algo.correction_level", "icepop is per token; use correction=mis for a per-sequence mask")
+        if self.kl_coef < 0.0:
+            _fail("algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        if self.aggregation is Aggregation.seq_mean_token_sum_norm and self.max_response_len is None:
+            _fail("algo.max_response_len", "must be set for aggregation=seq_mean_token_sum_norm")
+        if self.overlong_shaping:
+            if self.max_response_len is None:
+                _fail("algo.max_response_len", "must be set for overlong_shaping")
+            if not 0 < self.overlong_buffer_len <= self.max_response_len:
+                _fail(
+                    "algo.overlong_buffer_len",
+                    f"must be in [1, max_response_len={self.max_response_len}], got {self.overlong_buffer_len}",
+                )
+        if self.lr <= 0.0:
+            _fail("algo.lr", f"must be > 0, got {self.lr}")
+
+
+class BadRowPolicy(str, enum.Enum):
+    """What a JSONL dataset does with a malformed row."""
+
+    skip = "skip"    # skip it, counted per reason in the dataset's stats
+    error = "error"  # raise a ValueError naming file:line
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Prompt source: a built-in synthetic task or a JSONL file."""
+    """Prompt source: a built-in synthetic task (``task``) or a JSONL file (``path``)."""
 
     task: str = "reverse"
+    """Built-in synthetic task (``mrl.data.tasks.TASKS``: reverse, add_mod, copy_last), or ``jsonl``
+    (the ``data=jsonl`` preset), which requires ``path``. Unused when ``path`` is set."""
     path: Optional[str] = None
+    """JSONL prompt file, one JSON object per line; replaces ``task`` when set."""
+    eval_path: Optional[str] = None
+    """Held-out JSONL file (only with ``path``; built-in tasks hold out ``eval_fraction`` of their inputs)."""
+    prompt_key: str = "prompt"
+    """JSONL field with the prompt text (a non-empty string)."""
+    answer_key: Optional[str] = "answer"
+    """JSONL field with the label the reward needs (string or number); null when the reward needs none."""
+    id_key: str = "id"
+    """JSONL field used as the prompt id when a row has it; otherwise the id is ``<file name>:<line>``."""
+    on_bad_row: BadRowPolicy = BadRowPolicy.skip
+    """Malformed JSONL rows (invalid JSON, missing key, wrong type, empty prompt): skip and count, or raise."""
+    shuffle: bool = True
+    """Visit prompts in a seeded random order, reshuffled each epoch (``seed`` + epoch)."""
+    seed: int = 1234
+    """Seed of the prompt order (and of nothing else)."""
+    eval_fraction: float = 0.2
+    """Built-in tasks: fraction of the input space held out for eval (a fixed hash of each input)."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task's constructor, e.g. ``+data.task_args.max_len=4`` for reverse."""
+    apply_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one (the tiny model's has none)."""
+
+    def __post_init__(self) -> None:
+        if not self.task:
+            _fail("data.task", "must name a built-in task")
+        if self.path == "":
+            _fail("data.path", "must be a JSONL file path or null")
+        if self.task == "jsonl" and self.path is None:
+            _fail("data.path", "must be set for data.task=jsonl (data=jsonl data.path=FILE.jsonl)")
+        if self.eval_path is not None and self.path is None:
+            _fail("data.eval_path", "is only used with data.path (built-in tasks hold out data.eval_fraction)")
+        if self.path is not None and self.task_args:
+            _fail("data.task_args", "is set but unused: data.path replaces the built-in task")
+        if not self.prompt_key:
+            _fail("data.prompt_key", "must be a non-empty field name")
+        if self.answer_key == "":
+            _fail("data.answer_key", "must be a non-empty field name or null")
+        if not 0.0 < self.eval_fraction < 1.0:
+            _fail("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+
+
+class RewardExecutor(str, enum.Enum):
+    thread = "thread"    # quick or GIL-releasing reward fns
+    process = "process"  # CPU-heavy verifiers; each worker re-imports the fn by its dotted path
+
+
+# "raise" is a keyword, hence the functional form (OmegaConf matches member names).
+RewardOnError = enum.Enum("RewardOnError", [("zero", "zero"), ("drop", "drop"), ("raise", "raise")], type=str)
+RewardOnError.__doc__ = "A reward call that raised or timed out: score error_value, drop the sample, or raise."
 
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    """Reward function by dotted path."""
+    """Reward function by dotted path, scored asynchronously (``mrl.reward.RewardScorer``)."""
 
     fn: str = "mrl.reward.builtin.exact_match"
+    """Dotted path of ``fn(prompt: Prompt, response_text: str) -> float`` (a def or an async def)."""
+    executor: RewardExecutor = RewardExecutor.thread
+    """Where calls run: a thread pool, or a process pool for CPU-heavy verifiers."""
+    num_workers: int = 4
+    """Concurrent reward calls (threads or processes)."""
+    timeout_s: Optional[float] = 30.0
+    """Per-call limit, counted from when a worker takes the call; null for none."""
+    on_error: RewardOnError = RewardOnError.zero
+    """A call that raised, timed out or returned a non-number: ``zero`` scores ``error_value``,
+    ``drop`` drops the sample, ``raise`` stops the run. Always counted."""
+    error_value: float = 0.0
+    """Reward of a failed call under ``on_error=zero``."""
+
+    def __post_init__(self) -> None:
+        if "." not in self.fn.strip("."):
+            _fail("reward.fn", f"must be a dotted path 'package.module.function', got {self.fn!r}")
+        if self.num_workers < 1:
+            _fail("reward.num_workers", f"must be >= 1, got {self.num_workers}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            _fail("reward.timeout_s", f"must be > 0 or null, got {self.timeout_s}")
+        if not abs(self.error_value) < float("inf"):  # also catches nan
+            _fail("reward.error_value", f"must be finite, got {self.error_value}")
 
 
 class WeightTransport(str, enum.Enum):
-    distributed = "distributed"
-    disk = "disk"
+    distributed = "distributed"  # update_weights_from_distributed: NCCL (GPU) / gloo (CPU) broadcast
+    disk = "disk"  # safetensors export + update_weights_from_disk (also the repair path)
+    tensor = "tensor"  # colocated GPUs: CUDA IPC handles via update_weights_from_tensor
 
 
 @dataclass(kw_only=True)
@@ -213,28 +438,113 @@ class WeightSyncConfig:
     """Trainer -> engine weight sync."""
 
     transport: WeightTransport = WeightTransport.distributed
-    bucket_mb: int = 512
+    bucket_mb: float = 512
+    """Upper bound of one streamed bucket (a single larger tensor gets a bucket of its own)."""
     every_n_steps: int = 1
+    """Push new weights to the engines after every N optimizer steps."""
+    export_dir: Optional[str] = None
+    """Where the disk transport / repair path writes safetensors (engines must read it); null = run_dir/weights."""
+    timeout_s: float = 300.0
+    """Limit for each weight-update collective and HTTP call."""
+    verify: bool = True
+    """After every sync, compare engine and trainer logprobs of a probe sequence."""
+    verify_tol: float = 1e-3
+    """Max abs logprob difference the probe accepts (fp32); bf16 runs need ~0.1."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            _fail("weight_sync.bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        if self.every_n_steps < 1:
+            _fail("weight_sync.every_n_steps", f"must be >= 1, got {self.every_n_steps}")
+        if self.timeout_s <= 0:
+            _fail("weight_sync.timeout_s", f"must be > 0, got {self.timeout_s}")
 
 
 class ClusterKind(str, enum.Enum):
-    local = "local"
-    slurm = "slurm"
+    local = "local"  # this machine: torchrun ranks and local SGLang subprocesses (``mrl train``)
+    slurm = "slurm"  # one Slurm job written and submitted by ``mrl launch``
+
+
+class ContainerKind(str, enum.Enum):
+    """How the per-node steps of a Slurm job enter the cluster image (docker/)."""
+
+    none = "none"  # the host environment (e.g. a virtualenv on shared storage)
+    pyxis = "pyxis"  # srun --container-image=... (enroot; image = .sqsh path or registry image)
+    apptainer = "apptainer"  # apptainer exec image.sif ...
 
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    """Where processes run."""
+    """Where processes run: this machine, or one Slurm allocation split into engine and trainer nodes.
+
+    Slurm layout (``mrl launch``, mrl/cluster/): the first ``num_rollout_nodes`` nodes run ``mrl engine``
+    (``rollout.num_engines / num_rollout_nodes`` engines each), the next ``num_train_nodes`` run the
+    trainer (``nproc_per_node`` ranks each). ``num_rollout_nodes=0``: no engine nodes, the trainer starts
+    its engines itself on its node, as a local run does (CPU runs, colocated GPU runs).
+    """
 
     kind: ClusterKind = ClusterKind.local
     nproc_per_node: int = 1
-    """Trainer processes started locally (torchrun --nproc_per_node)."""
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    gpus_per_node: int = 8
+    """Trainer processes per trainer node (torchrun --nproc-per-node); on GPU nodes usually gpus_per_node."""
     num_train_nodes: int = 1
     num_rollout_nodes: int = 1
+    """Engine nodes, first in the allocation; 0 = engines started by the trainer on its own node."""
+    gpus_per_node: int = 8
+    """sbatch --gpus-per-node (0 = CPU nodes: no GPU request, no apptainer --nv)."""
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: str = "04:00:00"
+    """Wall-clock limit (sbatch --time)."""
+    job_name: str = "mrl"
+    exclusive: bool = True
+    """Whole nodes (sbatch --exclusive): no other job's processes or /dev/shm files next to ours."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra sbatch options, one per entry (``--constraint=h100``, ``--mem=0``)."""
+    srun_args: list[str] = field(default_factory=list)
+    """Extra options of every srun step (``--mpi=pmix``, ``--cpu-bind=none``)."""
+    hetjob: bool = False
+    """Heterogeneous job: engine nodes and trainer nodes as two components, for pools that need different
+    partitions or node types. Both components must be free at once; one allocation schedules sooner."""
+    rollout_partition: Optional[str] = None
+    """hetjob only: partition of the engine component (null: ``partition``)."""
+    rollout_gpus_per_node: Optional[int] = None
+    """hetjob only: GPUs per engine node (null: ``gpus_per_node``)."""
+    rollout_sbatch_args: list[str] = field(default_factory=list)
+    """hetjob only: extra sbatch options of the engine component."""
+    container: ContainerKind = ContainerKind.none
     image: Optional[str] = None
+    """pyxis: squashfs path (must start with / or ./) or registry image; apptainer: .sif path."""
+    container_mounts: list[str] = field(default_factory=list)
+    """``src:dst[:flags]`` besides the run directory (always mounted at its own path): models, data."""
+    container_workdir: str = "/opt/mrl"
+    """Working directory inside the image (where docker/Dockerfile installs mrl)."""
+    python: Optional[str] = None
+    """Interpreter that runs ``-m mrl`` on the nodes; null: the launcher's own interpreter without a
+    container (a virtualenv on shared storage), ``python`` inside one."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the batch script runs before the steps start (``module load cuda``, ``source env.sh``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of every step (``CUDA_DEVICE_MAX_CONNECTIONS``, NCCL settings). Never secrets: those go in
+    ``$RUN_DIR/secrets.env`` (mode 0600), which the batch script sources."""
+    signal_seconds: int = 600
+    """USR1 this many seconds before the time limit: the trainer checkpoints and the job requeues (0 = off)."""
+    max_restarts: int = 10
+    """Requeues after USR1 before the job ends instead."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("nproc_per_node", 1), ("num_train_nodes", 1), ("num_rollout_nodes", 0),
+                          ("gpus_per_node", 0), ("signal_seconds", 0), ("max_restarts", 0)):
+            if getattr(self, name) < low:
+                _fail(f"cluster.{name}", f"must be >= {low}, got {getattr(self, name)}")
+        if self.container != ContainerKind.none and not self.image:
+            _fail("cluster.image", f"must be set for cluster.container={self.container.value}")
+        if self.hetjob and self.num_rollout_nodes < 1:
+            _fail("cluster.hetjob", "needs cluster.num_rollout_nodes >= 1 (the engine component)")
+        for name in ("rollout_partition", "rollout_gpus_per_node", "rollout_sbatch_args"):
+            if getattr(self, name) not in (None, []) and not self.hetjob:
+                _fail(f"cluster.{name}", "applies to heterogeneous jobs only: set cluster.hetjob=true "
+                      "(one allocation has one partition and one node type)")
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,8 @@ def add_layout_args(ap: argparse.ArgumentParser) -> None:
     for k in ("tp", "pp", "ep"):
         ap.add_argument(f"--{k}", type=int, default=1)
     ap.add_argument("--etp", type=int, default=None)
+    ap.add_argument("--pp-first", type=int, default=None, help="uneven PP: layers on the first stage")
+    ap.add_argument("--pp-last", type=int, default=None, help="uneven PP: layers on the last stage")
     ap.add_argument("--dispatcher", default="alltoall", choices=[d.value for d in Dispatcher])
     ap.add_argument("--dtype", default="fp32", choices=[d.value for d in DType])
 
@@ -38,7 +40,8 @@ class Loaded:
 
 def load_model(a: argparse.Namespace) -> Loaded:
     """Init the layout, build megatron's GPTModel for ``a.hf`` and read this rank's slices into it."""
-    pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, dispatcher=Dispatcher(a.dispatcher))
+    pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, dispatcher=Dispatcher(a.dispatcher),
+                          pp_first_layers=a.pp_first, pp_last_layers=a.pp_last)
     layout = init_parallel(pcfg)
     bridge = get_bridge(a.hf)
     cfg = transformer_config(bridge, pcfg, dtype=DType(a.dtype))

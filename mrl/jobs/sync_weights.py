@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -24,10 +23,10 @@ from mrl.megatron import compat
 from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
+from mrl.config.schema import WeightTransport
 from mrl.rollout.client import EngineClient
-from mrl.megatron.weights import export_hf
-from mrl.models.checkpoint import save_hf
-from mrl.weight_sync.executor import DistributedWeightSync, EngineEndpoint, SyncFault
+from mrl.weight_sync.executor import EngineEndpoint, SyncFault
+from mrl.weight_sync.transport import EngineSync, make_transport
 
 
 def parse_engines(s: str) -> list[EngineEndpoint]:
@@ -47,16 +46,6 @@ async def _controller(engines, fn):
             await c.close()
 
 
-async def _pause(c):
-    await c.pause("abort")
-    await c.flush_cache()
-
-
-async def _finish(c, version):
-    await c.update_weight_version(version, abort_all_requests=False)
-    await c.resume()
-
-
 async def _probe_engine(c, probe, tag):
     """Teacher-forced logprobs of ``probe`` (logprob_start_len=0) and the engine's weight version."""
     out = await c.generate(probe[0].tolist(), {"max_new_tokens": 1, "temperature": 0.0},
@@ -70,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", required=True, help="url@tp,url@tp")
     ap.add_argument("--version", required=True)
     ap.add_argument("--bucket-mb", type=float, default=0.25)
+    ap.add_argument("--transport", default="distributed", choices=[t.value for t in WeightTransport])
     ap.add_argument("--repair-dir", default=None, help="where the disk-path repair writes the checkpoint")
     ap.add_argument("--fault-bucket", type=int, default=None, help="tests: send this bucket one row short")
     ap.add_argument("--out", required=True)
@@ -85,25 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     before = asyncio.run(_controller(engines, lambda c: _probe_engine(c, probe, "before"))) \
         if layout.world_rank == 0 else None
     fault = SyncFault(a.fault_bucket) if a.fault_bucket is not None else None
-    sync = DistributedWeightSync(model=model, layout=layout, bridge=bridge, padded_vocab=vp, engines=engines,
-                                 bucket_bytes=int(a.bucket_mb * (1 << 20)), fault=fault)
-    sync.connect()
-    if layout.world_rank == 0:
-        asyncio.run(_controller(engines, _pause))
-    dist.barrier()
-    stats = sync.push()
-    repaired: list[str] = []
-    if not stats.ok:  # never leave an engine on partial weights: reload it through the disk path
-        exported = export_hf(model, layout, bridge, vp)  # collective: every rank takes part
-        if layout.world_rank == 0:
-            path = a.repair_dir or tempfile.mkdtemp(prefix=f"mrl_repair_v{a.version}_")
-            save_hf(exported, path, config_src=a.hf)
-            bad = [e for e in engines if e.url in stats.failed_engines]
-            asyncio.run(_controller(bad, lambda c: c.update_weights_from_disk(path, weight_version=a.version)))
-            repaired = [e.url for e in bad]
-    if layout.world_rank == 0:
-        asyncio.run(_controller(engines, lambda c: _finish(c, a.version)))
-    sync.close()
+    transport, disk = make_transport(WeightTransport(a.transport), model=model, layout=layout, bridge=bridge,
+                                     padded_vocab=vp, engines=engines, bucket_bytes=int(a.bucket_mb * (1 << 20)),
+                                     export_dir=a.repair_dir, config_src=a.hf, fault=fault)
+    syncer = EngineSync(transport, disk, layout, engines)
+    syncer.connect()
+    rep = syncer.sync(a.version)
+    syncer.close()
+    ex = getattr(transport, "executor", None)
 
     # verify: teacher-forced logprobs of a probe sequence, engine vs this trainer
     logits = forward_logits(model, layout, probe.to(compat.DEVICE))
@@ -116,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         diffs = [max(abs(x - y) for x, y in zip(lps, mine)) for lps, _ in res]
         diffs_before = [max(abs(x - y) for x, y in zip(lps, mine)) for lps, _ in before]
         report = {"layout": f"tp{a.tp}_pp{a.pp}_ep{a.ep}_etp{pcfg.expert_tp}", "engines": a.engines,
-                  "probe_max_abs_logprob_diff": diffs,
+                  "transport": rep.transport, "probe_max_abs_logprob_diff": diffs,
                   "probe_max_abs_logprob_diff_before": diffs_before, "engine_versions": [v for _, v in res],
-                  "push_seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets_rank0": stats.buckets_sent,
-                  "senders": len(sync.plan.groups), "buckets_total": len(sync.plan.buckets),
-                  "failed_engines": stats.failed_engines, "repaired_from_disk": repaired}
+                  "sync_seconds": rep.seconds, "push_seconds": rep.push_seconds, "bytes": rep.bytes_sent,
+                  "senders": len(ex.plan.groups) if ex else 1, "buckets_total": len(ex.plan.buckets) if ex else 1,
+                  "failed_engines": rep.failed_engines, "repaired_from_disk": rep.repaired_from_disk}
         print(json.dumps(report), flush=True)
         with open(a.out, "w") as f:
             json.dump(report, f)

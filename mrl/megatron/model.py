@@ -71,6 +71,8 @@ def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: 
     kw.update(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        num_layers_in_first_pipeline_stage=parallel.pp_first_layers,
+        num_layers_in_last_pipeline_stage=parallel.pp_last_layers,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,

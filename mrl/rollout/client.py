@@ -194,10 +194,19 @@ class EngineClient:
                                       ok=(200, 400))
         return parse_success(data, (self.url, ep))
 
-    async def update_weights_from_tensor(self, *_a, **_k) -> str:
-        raise EngineGuardError(self.url, "/update_weights_from_tensor",
-                               "not supported by mrl: CPU tensors across processes crash a 0.5.10 server; "
-                               "use update_weights_from_distributed or update_weights_from_disk")
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                         flush_cache: bool = False, weight_version: str | None = None) -> str:
+        """Colocated engines only: element i (consumed by engine TP rank i) carries CUDA IPC handles
+        (``mrl.weight_sync.transport.serialize_named_tensors``). CPU tensors crash a 0.5.10 server,
+        so payloads are built only from CUDA tensors (the tensor transport refuses otherwise)."""
+        ep = "/update_weights_from_tensor"
+        if not serialized_named_tensors:
+            raise ValueError(f"{ep}: serialized_named_tensors must hold one payload per engine TP rank")
+        body = dict(serialized_named_tensors=serialized_named_tensors, load_format=load_format,
+                    flush_cache=flush_cache, abort_all_requests=False, weight_version=weight_version)
+        _, data, _ = await self._call("POST", ep, json=body, timeout=self.timeouts.weight_update, admin=True,
+                                      ok=(200, 400))
+        return parse_success(data, (self.url, ep))
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> str:
         ep = "/update_weights_from_disk"

@@ -83,9 +83,10 @@ class SyncFault:
     bucket: int = 0
 
 
-def trainer_layout(layout: Layout) -> TrainerLayout:
+def trainer_layout(layout: Layout, num_layers: int) -> TrainerLayout:
     c = layout.config
-    return TrainerLayout(tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp, world_size=layout.world_size, cp=c.cp)
+    return TrainerLayout(tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp, world_size=layout.world_size, cp=c.cp,
+                         stage_layers=tuple(c.stage_layers(num_layers)))
 
 
 class DistributedWeightSync:
@@ -98,7 +99,7 @@ class DistributedWeightSync:
         self.master_address = master_address
         self.maps = maps_by_name(bridge, padded_vocab)
         self.local = {lp.global_name: lp for lp in local_params(model, layout)}
-        self.plan: SyncPlan = plan_sync(bridge.param_maps(padded_vocab), trainer_layout(layout),
+        self.plan: SyncPlan = plan_sync(bridge.param_maps(padded_vocab), trainer_layout(layout, bridge.num_layers),
                                         num_layers=bridge.num_layers, num_experts=bridge.num_experts,
                                         bucket_bytes=bucket_bytes, dtype=dtype, tied=bridge.tied_embeddings,
                                         group_prefix=group_prefix)

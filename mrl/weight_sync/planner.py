@@ -33,6 +33,8 @@ class TrainerLayout:
     etp: int
     world_size: int
     cp: int = 1
+    stage_layers: tuple[int, ...] | None = None
+    """Transformer layers per PP stage (uneven pipelines); None = even split."""
 
     def __post_init__(self) -> None:
         if self.world_size % (self.tp * self.cp * self.pp) or self.world_size % (self.etp * self.ep * self.pp):
@@ -114,11 +116,20 @@ class SyncPlan:
         return sum(b.nbytes for b in self.buckets)
 
 
-def layer_stage(layer: int, num_layers: int, pp: int) -> int:
-    """megatron's even split (no uneven first/last stage): stage of a global layer index."""
-    if num_layers % pp:
-        raise ValueError(f"parallel.pp={pp} does not divide {num_layers} layers")
-    return layer // (num_layers // pp)
+def layer_stage(layer: int, num_layers: int, pp: int, stage_layers: tuple[int, ...] | None = None) -> int:
+    """PP stage holding a global layer index (``stage_layers``: per-stage counts of an uneven split)."""
+    if stage_layers is None:
+        if num_layers % pp:
+            raise ValueError(f"parallel.pp={pp} does not divide {num_layers} layers")
+        stage_layers = (num_layers // pp,) * pp
+    if len(stage_layers) != pp or sum(stage_layers) != num_layers:
+        raise ValueError(f"stage layer counts {stage_layers} do not split {num_layers} layers over pp={pp}")
+    end = 0
+    for stage, n in enumerate(stage_layers):
+        end += n
+        if layer < end:
+            return stage
+    raise ValueError(f"layer {layer} is beyond the model's {num_layers} layers")
 
 
 def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
@@ -132,7 +143,7 @@ def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int,
             continue
         m = _LAYER.match(pm.mcore_name)
         if m:
-            stage = layer_stage(int(m.group(1)), num_layers, layout.pp)
+            stage = layer_stage(int(m.group(1)), num_layers, layout.pp, layout.stage_layers)
         elif pm.mcore_name.startswith("embedding."):
             stage = 0
         else:  # final norm, output layer

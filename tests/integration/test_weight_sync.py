@@ -1,4 +1,4 @@
-"""Megatron (TP1, TP2+SP, EP2, TP2xEP2) -> real SGLang CPU engines (TP1 and TP2 at once) over gloo.
+"""Megatron (TP1, TP2+SP, EP2, TP2xEP2, PP2 uneven) -> real SGLang CPU engines (TP1 and TP2 at once) over gloo.
 
 The trainer loads a different checkpoint (tiny, seed 1) than the engines serve (seed 0); after the
 sync each engine's teacher-forced logprobs on a probe equal Megatron's and its version is stamped.
@@ -16,7 +16,9 @@ from mrl.models.tiny import make_tiny_model
 from mrl.rollout.client import EngineClient
 from tests.conftest import run_torchrun
 
-LAYOUTS = [(1, []), (2, ["--tp", "2"]), (2, ["--ep", "2"]), (2, ["--tp", "2", "--ep", "2", "--etp", "1"])]
+# PP2 on the 3-layer tiny model: megatron's uneven split (2 layers on stage 0, 1 on stage 1)
+LAYOUTS = [(1, []), (2, ["--tp", "2"]), (2, ["--ep", "2"]), (2, ["--tp", "2", "--ep", "2", "--etp", "1"]),
+           (2, ["--pp", "2", "--pp-first", "2"])]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def restore(engines, ckpt_dir):
     _reload_original(engines, ckpt_dir["tiny"])
 
 
-@pytest.mark.parametrize("nproc,args", LAYOUTS, ids=["tp1", "tp2", "ep2", "tp2ep2"])
+@pytest.mark.parametrize("nproc,args", LAYOUTS, ids=["tp1", "tp2", "ep2", "tp2ep2", "pp2"])
 def test_sync_into_tp1_and_tp2_engines(engines, other_weights, restore, tmp_path, nproc, args):
     out = tmp_path / "sync.json"
     eng = ",".join(f"{engines[n].url}@{engines[n].tp}" for n in ("tp1", "tp2"))
@@ -56,7 +58,21 @@ def test_sync_into_tp1_and_tp2_engines(engines, other_weights, restore, tmp_path
     assert rep["engine_versions"] == [version, version]
     assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3, rep
     assert min(rep["probe_max_abs_logprob_diff_before"]) > 0.05, rep  # the engines really changed
-    assert rep["bytes"] > 0 and rep["senders"] == (2 if "--ep" in args else 1)
+    assert rep["bytes"] > 0 and rep["senders"] == (2 if "--ep" in args or "--pp" in args else 1)
+
+
+def test_disk_transport_tp2(engines, other_weights, restore, tmp_path):
+    """The same sequence over the disk transport (safetensors export + update_weights_from_disk)."""
+    out = tmp_path / "sync.json"
+    eng = ",".join(f"{engines[n].url}@{engines[n].tp}" for n in ("tp1", "tp2"))
+    r = run_torchrun("mrl.jobs.sync_weights", ["--hf", other_weights, "--engines", eng, "--version", "31",
+                                               "--out", str(out), "--transport", "disk", "--tp", "2",
+                                               "--repair-dir", str(tmp_path / "export")], 2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    assert rep["transport"] == "disk" and rep["engine_versions"] == ["31", "31"]
+    assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3 and min(rep["probe_max_abs_logprob_diff_before"]) > 0.05
+    assert (tmp_path / "export" / "v31" / "model.safetensors").is_file()
 
 
 def test_rejected_bucket_is_detected_and_repaired_from_disk(engines, other_weights, restore, tmp_path):

@@ -60,13 +60,40 @@ def test_qwen3_30b_plan(tp, pp, ep, etp, world):
 
 SMALL = [(p, *lay) for p in ("tiny", "stress_a", "stress_b")
          for lay in [(1, 1, 1, 1, 1), (2, 1, 2, 1, 2), (1, 2, 1, 1, 2), (2, 2, 2, 1, 4)]
-         if not (p == "tiny" and lay[1] == 2)]  # the 3-layer tiny model has no 2-stage split
+         if not (p == "tiny" and lay[1] == 2)]  # the 3-layer tiny model has no even 2-stage split
 
 
 @pytest.mark.parametrize("preset,tp,pp,ep,etp,world", SMALL)
 def test_small_checkpoints_plan(ckpt_dir, preset, tp, pp, ep, etp, world):
     bridge = get_bridge(ckpt_dir[preset])
     _check(bridge, TrainerLayout(tp=tp, pp=pp, ep=ep, etp=etp, world_size=world), bucket_bytes=64 << 10, dtype="float32")
+
+
+@pytest.mark.parametrize("first,last,want", [(2, None, (2, 1)), (None, 2, (1, 2)), (1, None, (1, 2))])
+def test_uneven_pipeline_split(ckpt_dir, first, last, want):
+    """3-layer tiny over PP2: megatron's first/last-stage counts decide which stage sends each layer."""
+    from mrl.config.schema import ParallelConfig
+
+    bridge = get_bridge(ckpt_dir["tiny"])
+    counts = tuple(ParallelConfig(pp=2, pp_first_layers=first, pp_last_layers=last).stage_layers(3))
+    assert counts == want
+    plan = _check(bridge, TrainerLayout(tp=1, pp=2, ep=1, etp=1, world_size=2, stage_layers=counts),
+                  bucket_bytes=64 << 10, dtype="float32")
+    stage_of = {p.mcore_name.split(".")[2]: p.stage for b in plan.buckets for p in b.params
+                if p.mcore_name.startswith("decoder.layers.")}
+    assert [stage_of[str(i)] for i in range(3)] == [0] * want[0] + [1] * want[1]
+
+
+def test_q235b_like_94_layers_pp4_uneven():
+    from mrl.config.schema import ParallelConfig
+
+    assert ParallelConfig(pp=4, pp_first_layers=22, pp_last_layers=24).stage_layers(94) == [22, 24, 24, 24]
+    with pytest.raises(ValueError, match="parallel.pp: =4 does not divide"):
+        ParallelConfig(pp=4).stage_layers(94)
+    with pytest.raises(ValueError, match="pp_first_layers/pp_last_layers"):
+        ParallelConfig(pp=4, pp_first_layers=21).stage_layers(94)
+    with pytest.raises(ValueError, match="parallel.pp_last_layers"):
+        ParallelConfig(pp=2, pp_last_layers=94).stage_layers(94)
 
 
 def test_tied_embedding_sent_once_and_no_lm_head(ckpt_dir):

@@ -1,0 +1,68 @@
+"""The prompt item every data source yields, and its tokenization for the engines and the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Protocol
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt and the label its reward needs.
+
+    ``answer`` is whatever the reward fn compares against (the reference answer of a synthetic task,
+    the ``data.answer_key`` field of a JSONL row, or "" when the reward needs no label). ``meta``
+    carries the rest (task inputs, ``answer_pattern`` for format rewards, extra JSONL fields).
+    Picklable, so process-pool reward workers receive it as is.
+    """
+
+    id: str
+    text: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(Protocol):
+    """What the RL loop draws prompts from: built-in tasks and JSONL datasets.
+
+    ``sample(index)`` is deterministic in (seed, index) and defined for every index >= 0 (epochs
+    wrap), so a resumed run continues from a stored index.
+    """
+
+    name: str
+
+    def sample(self, index: int) -> Prompt: ...
+
+    def __len__(self) -> int: ...  # distinct prompts in one epoch
+
+
+def iter_prompts(source: PromptSource, start: int = 0) -> Iterator[Prompt]:
+    """Endless ``source.sample(start), source.sample(start + 1), ...``."""
+    index = start
+    while True:
+        yield source.sample(index)
+        index += 1
+
+
+def encode_prompts(prompts: Iterable[Prompt], tokenizer: Any, *, chat_template: bool = True) -> list[list[int]]:
+    """Token ids of each prompt.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers tokenizer. With ``chat_template``
+    and a tokenizer that has one, each prompt becomes a single user message rendered with the
+    generation prompt; otherwise the plain text is encoded (the built-in tiny tokenizer has no
+    template and adds no special tokens). The response is not part of the ids: a supervised warm
+    start encodes ``task.reference(prompt)`` and appends the EOS id itself. Built-in prompts end in
+    "=", a pre-tokenizer boundary, so encoding prompt and answer separately equals encoding them joined.
+    """
+    template = getattr(tokenizer, "chat_template", None) if chat_template else None
+    out = []
+    for p in prompts:
+        if template:
+            # The rendered template already holds BOS and role markers: no special tokens on top.
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
+                                                 add_generation_prompt=True)
+            out.append(list(tokenizer.encode(text, add_special_tokens=False)))
+        else:
+            enc = tokenizer.encode(p.text)
+            out.append(list(enc.ids) if hasattr(enc, "ids") else list(enc))
+    return out
