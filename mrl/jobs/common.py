@@ -38,13 +38,13 @@ class Loaded:
     params_loaded: int
 
 
-def load_model(a: argparse.Namespace) -> Loaded:
+def load_model(a: argparse.Namespace, **cfg_overrides) -> Loaded:
     """Init the layout, build megatron's GPTModel for ``a.hf`` and read this rank's slices into it."""
     pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, dispatcher=Dispatcher(a.dispatcher),
                           pp_first_layers=a.pp_first, pp_last_layers=a.pp_last)
     layout = init_parallel(pcfg)
     bridge = get_bridge(a.hf)
-    cfg = transformer_config(bridge, pcfg, dtype=DType(a.dtype))
+    cfg = transformer_config(bridge, pcfg, dtype=DType(a.dtype), **cfg_overrides)
     vp = bridge.padded_vocab(128, pcfg.tp)
     model = build_gpt_model(bridge, cfg, layout, vp)
     ckpt = HFCheckpoint(a.hf)

@@ -1,0 +1,117 @@
+"""Keep Routing check: replay engine-recorded experts in any layout, and report what the routers did.
+
+    torchrun --nproc-per-node 2 -m mrl.jobs.replay_check --hf DIR --tp 2 --input samples.json \\
+        --micro-batches 2 --recompute --out DIR
+
+``samples.json``: ``{"sequences": [[ids]], "routes": [[[[expert]*K]*L]*(n-1)]}`` (engine records, dense
+layers dropped). One training forward/backward with replay (``--micro-batches`` through megatron's
+schedule, optional full activation recompute), then a natural (RECORD) pass. Each rank writes
+``rank<r>.json``: the experts its routers actually dispatched to (from the routing map, forward
+and recompute calls separately) with the token coordinates they belong to, and on the last stage
+the per-token logprobs of both passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+from mrl.jobs.common import add_layout_args, load_model
+from mrl.megatron import compat
+from mrl.megatron.parallel import destroy
+from mrl.megatron.train_step import MicroBatch, forward_backward
+from mrl.models import get_bridge
+from mrl.routing.codec import RoutesCodec
+from mrl.routing.replay import RankSlice, ReplayDriver, ReplayMode, align_routes, stage_moe_columns
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+
+def _router_taps(model):
+    """Forward hooks on every local router: the expert ids of each call's routing map."""
+    calls: list[tuple[int, bool, torch.Tensor]] = []
+    m = model
+    routers = [layer.mlp.router for layer in m.decoder.layers if hasattr(layer.mlp, "router")]
+    for j, r in enumerate(routers):
+        def hook(mod, _inp, out, j=j):
+            routing_map = out[1]
+            k = int(routing_map.sum(1).max())
+            ids = routing_map.float().topk(k, dim=1).indices.sort(1).values  # expert set per token
+            recompute = mod.router_replay is not None and \
+                mod.router_replay.router_replay_action == RouterReplayAction.REPLAY_BACKWARD
+            calls.append((j, recompute, ids.detach().cpu()))
+        r.register_forward_hook(hook)
+    return calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    add_layout_args(ap)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    over = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if a.recompute else {}
+    m = load_model(a, **over)
+    layout, bridge, model = m.layout, m.bridge, m.model
+    pcfg = layout.config
+    with open(a.input) as f:
+        data = json.load(f)
+    seqs = data["sequences"]
+    codec = RoutesCodec.from_bridge(get_bridge(a.hf))
+    # one padded length for all; a multiple of tp (sequence parallelism splits S)
+    seq_len = max(len(s) for s in seqs)
+    seq_len += (-seq_len) % pcfg.tp
+    dp, dp_rank = layout.dp.size, layout.dp.rank
+    per_mb = len(seqs) // (dp * a.micro_batches)
+    if per_mb * dp * a.micro_batches != len(seqs):
+        raise ValueError(f"{len(seqs)} sequences do not split into dp={dp} x {a.micro_batches} micro-batches")
+    mine = list(range(dp_rank * per_mb * a.micro_batches, (dp_rank + 1) * per_mb * a.micro_batches))
+    ids = torch.tensor([seqs[i] + [0] * (seq_len - len(seqs[i])) for i in mine], device=compat.DEVICE)
+    routes = torch.from_numpy(np.stack([align_routes(np.asarray(data["routes"][i]), seq_len, codec.num_experts)
+                                        for i in mine])).to(compat.DEVICE)
+    mbs = [MicroBatch(ids[j * per_mb:(j + 1) * per_mb], routes[j * per_mb:(j + 1) * per_mb])
+           for j in range(a.micro_batches)]
+    stage_layers = pcfg.stage_layers(bridge.num_layers)
+    rs = RankSlice(tp_rank=layout.tp.rank, tp_size=layout.tp.size, sequence_parallel=m.cfg.sequence_parallel,
+                   moe_columns=stage_moe_columns(codec.moe_layers, stage_layers, layout.pp.rank))
+    calls = _router_taps(model)
+
+    def loss_fn(lp, mb):  # any differentiable loss: the check is about routing, not the objective
+        return -lp.mean(), {}
+
+    model.train()
+    replayed = forward_backward(model, layout, mbs, vocab_size=bridge.vocab_size, loss_fn=loss_fn,
+                                driver=ReplayDriver(m.cfg, rs, ReplayMode.replay))
+    replay_calls = list(calls)
+    calls.clear()
+    model.eval()
+    natural = forward_backward(model, layout, mbs, vocab_size=bridge.vocab_size, forward_only=True,
+                               driver=ReplayDriver(m.cfg, rs, ReplayMode.record))
+    fwd = [(j, c.tolist()) for j, rec, c in replay_calls if not rec]
+    rec = [(j, c.tolist()) for j, rec, c in replay_calls if rec]
+    report = {
+        "rank": layout.world_rank, "dp_rank": dp_rank, "tp_rank": layout.tp.rank, "pp_rank": layout.pp.rank,
+        "sequences": mine, "per_mb": per_mb, "seq_len": seq_len, "moe_columns": list(rs.moe_columns),
+        "tp": layout.tp.size, "sp": bool(m.cfg.sequence_parallel),
+        "forward_calls": fwd, "recompute_calls": rec,
+        "natural_calls": [(j, c.tolist()) for j, _, c in calls],
+        "logprobs_replay": [o["logprobs"].tolist() for o in replayed],
+        "logprobs_natural": [o["logprobs"].tolist() for o in natural],
+    }
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"rank{layout.world_rank}.json"), "w") as f:
+        json.dump(report, f)
+    destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
