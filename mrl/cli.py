@@ -3,6 +3,7 @@
     mrl train [overrides...]              main job on the configured model/layout (tiny CPU default)
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
     mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
+    mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
 
 Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
@@ -92,14 +93,22 @@ def make_tiny(argv: list[str]) -> int:
 def engine(cfg: Config) -> int:
     """Start the rollout engines of ``cfg.rollout`` and serve until interrupted."""
     import signal
+    import socket
     import threading
 
+    from mrl.cluster.engines import announce, withdraw
     from mrl.rollout.engine import Engine
 
     path = ensure_model(cfg)
     r = cfg.rollout
+    # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
+    # <dir>/<host>-engine<i>.url: the servers listen on every interface and the URL names this host
+    # (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
+    url_dir = r.engine_url_dir
+    host = socket.gethostname()
     engines = [Engine(model_path=path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
-                      memory_saver=r.memory_saver, name=f"engine{i}",
+                      memory_saver=r.memory_saver, name=f"{host}-engine{i}" if url_dir else f"engine{i}",
+                      host="0.0.0.0" if url_dir else "127.0.0.1",
                       log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
                for i in range(r.num_engines)]
     stop = threading.Event()
@@ -109,14 +118,28 @@ def engine(cfg: Config) -> int:
             e.start()
         for e in engines:
             e.wait_healthy()
-            print(f"[mrl] {e.name} ready at {e.url} (log {e.log_path})", flush=True)
+            url = e.url
+            if url_dir:
+                url = f"http://{os.environ.get('MRL_ENGINE_HOST') or host}:{e.port}"
+                announce(url_dir, e.name, url)
+            print(f"[mrl] {e.name} ready at {url} (log {e.log_path})", flush=True)
         stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
         for e in engines:
+            if url_dir:
+                withdraw(url_dir, e.name)
             e.stop()
     return 0
+
+
+def launch(argv: list[str]) -> int:
+    """``mrl launch``: not a Hydra app, because it takes flags of its own (--dry-run, --wait); it composes
+    the overrides itself (mrl/cluster/launch.py)."""
+    from mrl.cluster.launch import main as launch_main
+
+    return launch_main(argv)
 
 
 COMMANDS = {"train": train, "check-model": check_model, "engine": engine}
@@ -129,8 +152,11 @@ def main() -> None:
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "make-tiny-model":
         sys.exit(make_tiny(rest))
+    if cmd == "launch":
+        sys.exit(launch(rest))
     if cmd not in COMMANDS:
-        print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + ['make-tiny-model']}", file=sys.stderr)
+        print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + ['launch', 'make-tiny-model']}",
+              file=sys.stderr)
         sys.exit(2)
     sys.argv = [f"mrl {cmd}", *rest]
     _hydra_app(COMMANDS[cmd])

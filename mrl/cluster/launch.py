@@ -1,0 +1,116 @@
+"""``mrl launch``: compose the config once, write the run directory, submit its Slurm job, optionally wait.
+
+    mrl launch cluster=slurm model=qwen3_30b_a3b parallel=tp4_ep8 run_dir=/shared/runs/r1 [--dry-run] [--wait]
+
+The run directory gets config.yaml (the resolved config), job.yaml (the Hydra entry every node loads),
+mrl_node.sh (node entry), mrl.sbatch (the rendered batch script) and logs/. ``--dry-run`` writes them and
+prints the script instead of submitting; ``--wait`` follows the job (across requeues) and, when it does not
+complete, prints its state and the tail of its Slurm log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from omegaconf import OmegaConf
+
+from mrl.cluster import render, slurm
+from mrl.config.schema import Config, ContainerKind
+
+LOG_TAIL_LINES = 40
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mrl launch", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for mrl train (cluster=slurm ...)")
+    ap.add_argument("--dry-run", action="store_true", help="write the run directory and print the script; no sbatch")
+    ap.add_argument("--wait", action="store_true", help="wait for the job; report state and log tail on failure")
+    ap.add_argument("--timeout", type=float, default=None, help="--wait: give up after this many seconds")
+    ap.add_argument("--poll", type=float, default=5.0, help="--wait: seconds between scontrol calls")
+    return ap
+
+
+def compose(overrides: list[str]) -> Config:
+    """The run's config, with its paths made absolute and the node interpreter chosen.
+
+    Relative paths are taken against the directory mrl launch runs in: jobs may run elsewhere (containers
+    start in cluster.container_workdir).
+    """
+    from mrl.config.load import compose as hydra_compose
+
+    cfg = hydra_compose(overrides)
+    cfg.run_dir = os.path.abspath(cfg.run_dir)
+    cfg.model.hf_path = os.path.abspath(cfg.model.hf_path)
+    if cfg.data.path:
+        cfg.data.path = os.path.abspath(cfg.data.path)
+    if cfg.rollout.engine_url_dir:
+        cfg.rollout.engine_url_dir = os.path.abspath(cfg.rollout.engine_url_dir)
+    if cfg.cluster.python is None:  # a virtualenv on shared storage, or the image's interpreter
+        cfg.cluster.python = sys.executable if cfg.cluster.container == ContainerKind.none else "python"
+    return cfg
+
+
+def write_run_dir(cfg: Config, script: str) -> str:
+    """config.yaml, job.yaml, mrl_node.sh, mrl.sbatch and logs/ in cfg.run_dir; returns the script's path."""
+    os.makedirs(os.path.join(cfg.run_dir, "logs"), exist_ok=True)  # sbatch does not create --output's directory
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    with open(os.path.join(cfg.run_dir, "job.yaml"), "w") as f:
+        f.write(render.job_yaml(cfg.run_dir))
+    node_sh = os.path.join(cfg.run_dir, render.NODE_ENTRY_NAME)
+    shutil.copyfile(render.NODE_ENTRY, node_sh)
+    os.chmod(node_sh, 0o755)
+    path = os.path.join(cfg.run_dir, render.SCRIPT_NAME)
+    with open(path, "w") as f:
+        f.write(script)
+    return path
+
+
+def report(info: slurm.JobInfo, run_dir: str) -> str:
+    log = info.stdout or os.path.join(run_dir, "logs", f"slurm-{info.job_id}.out")
+    head = (f"job {info.job_id} {info.state} (exit code {info.exit_code or '?'}, reason {info.reason or '-'}, "
+            f"{info.restarts} restart(s))")
+    return f"{head}\nSlurm log {log} (last {LOG_TAIL_LINES} lines):\n{slurm.tail(log, LOG_TAIL_LINES)}"
+
+
+def main(argv: list[str]) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    args = _parser().parse_args(argv)
+    try:
+        cfg = compose(args.overrides)
+        script = render.render_sbatch(cfg, overrides=args.overrides)
+    except (ValueError, HydraException, OmegaConfBaseException) as e:
+        cause = f" ({e.__cause__})" if e.__cause__ else ""
+        print(f"mrl launch: bad config, nothing submitted: {e}{cause}", file=sys.stderr)
+        return 2
+    path = write_run_dir(cfg, script)
+    if args.dry_run:
+        print(script, end="")
+        print(f"\n[mrl] wrote {cfg.run_dir}/{{config.yaml,job.yaml,{render.NODE_ENTRY_NAME},{render.SCRIPT_NAME}}}; "
+              f"submit with: sbatch {path}", file=sys.stderr)
+        return 0
+    try:
+        job_id = slurm.submit(path)
+    except slurm.SlurmError as e:
+        print(f"mrl launch: {e}", file=sys.stderr)
+        return 1
+    print(f"[mrl] submitted job {job_id}: {path} (log {cfg.run_dir}/logs/slurm-{job_id}.out)", flush=True)
+    if not args.wait:
+        return 0
+    try:
+        info = slurm.wait(job_id, poll_s=args.poll, timeout_s=args.timeout, on_change=lambda i: print(
+            f"[mrl] job {i.job_id}: {i.state} (attempt {i.restarts})", flush=True))
+    except (slurm.SlurmError, TimeoutError) as e:
+        print(f"mrl launch: {e}", file=sys.stderr)
+        return 1
+    if info.ok:
+        print(f"[mrl] job {job_id} completed; outputs in {cfg.run_dir}", flush=True)
+        return 0
+    print(f"mrl launch: {report(info, cfg.run_dir)}", file=sys.stderr)
+    return 1
