@@ -1,6 +1,6 @@
 """``mrl`` command line: each sub-command is a Hydra app over ``conf/``.
 
-    mrl train [overrides...]              main job on the configured model/layout (tiny CPU default)
+    mrl train [overrides...]              the RL loop (tiny model, CPU engine, add_mod task by default)
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
     mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
@@ -69,10 +69,19 @@ def check_model(cfg: Config) -> int:
 
 
 def train(cfg: Config) -> int:
-    # TODO(rl-loop): the async GRPO/DAPO/GSPO loop replaces this body (issue: async RL loop). Until
-    # then the main job is the strongest real one: the model in megatron, checked against transformers.
-    print("[mrl] train: RL loop not built yet; running the model check (HF -> megatron -> HF) instead", flush=True)
-    return check_model(cfg)
+    """The RL loop (mrl/train.py) on the trainer ranks; engines are started by rank 0."""
+    from omegaconf import OmegaConf
+
+    from mrl.jobs import torchrun
+
+    path = ensure_model(cfg)
+    if cfg.model.hf_path != path:
+        cfg.model.hf_path = path
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    resolved = os.path.join(cfg.run_dir, "config.yaml")
+    with open(resolved, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return torchrun("mrl.train", [resolved], trainer_world_size(cfg), capture=False).returncode
 
 
 def make_tiny(argv: list[str]) -> int:

@@ -547,6 +547,61 @@ class ClusterConfig:
                       "(one allocation has one partition and one node type)")
 
 
+class LoopMode(str, enum.Enum):
+    overlap = "overlap"  # engines generate continuously; the trainer consumes from the buffer
+    sync = "sync"  # generate -> train -> sync, no overlap (the baseline)
+
+
+class StalePolicy(str, enum.Enum):
+    drop = "drop"  # samples older than max_staleness are dropped (counted)
+    keep = "keep"  # kept; the off-policy correction (algo.correction) weighs them
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The RL loop (mrl/train.py): steps, batch shape, staleness, warm start, logging, checkpoints."""
+
+    mode: LoopMode = LoopMode.overlap
+    steps: int = 60
+    """RL optimizer steps."""
+    prompts_per_step: int = 16
+    """GRPO groups per step (each of rollout.n_samples_per_prompt samples)."""
+    micro_batch_size: int = 16
+    """Samples per micro-batch per DP rank."""
+    max_staleness: int = 1
+    """Oldest token of a trained sample may be this many weight versions behind the trainer."""
+    stale_policy: StalePolicy = StalePolicy.drop
+    max_inflight_groups: int = 32
+    """Groups generating at once (async mode); also bounds the buffer."""
+    sft_warmup_steps: int = 0
+    """Supervised warm start on the task's reference answers, through the same Megatron trainer."""
+    sft_lr: float = 1e-3
+    sft_batch: int = 32
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    lr_warmup_steps: int = 0
+    eval_every: int = 10
+    """Greedy accuracy on the held-out split every N steps (0 = never)."""
+    eval_prompts: int = 32
+    routing_metrics_every: int = 1
+    """A natural-routing (record) forward every N steps: disagreement and replay-on/off KL."""
+    save_every: int = 0
+    """Checkpoint (megatron dist_checkpointing + loop state) every N steps; 0 = only on SIGUSR1/end."""
+    resume: bool = True
+    """Resume from the newest checkpoint in run_dir/checkpoints if there is one."""
+    stop_after: Optional[int] = None
+    """Stop (after checkpointing) once this step is done: for tests of resume."""
+    replay: bool = True
+    """Keep Routing: replay the engine's experts in training."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "micro_batch_size", "max_inflight_groups", "sft_batch"):
+            if getattr(self, name) < 1:
+                _fail(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            _fail("train.max_staleness", f"must be >= 0, got {self.max_staleness}")
+
+
 @dataclass(kw_only=True)
 class Config:
     """Root config: one node per component; YAML presets in conf/ extend it."""
@@ -559,6 +614,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     run_dir: str = "runs/default"
     """Where logs, the resolved config and outputs go."""
     seed: int = 1234

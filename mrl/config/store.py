@@ -17,6 +17,7 @@ GROUPS = {
     "reward": schema.RewardConfig,
     "weight_sync": schema.WeightSyncConfig,
     "cluster": schema.ClusterConfig,
+    "train": schema.TrainConfig,
 }
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))

@@ -7,6 +7,10 @@
 Guards make the calls that kill or wedge a 0.5.10 server impossible to issue (docs/sglang.md §9-10):
 an update on a weight-update group this client did not create, ``flush_cache: true`` (or a flush)
 after a retract/in-place pause, ``update_weights_from_tensor`` on CPU, health checks while paused.
+
+Every call authenticates (``Authorization: Bearer``): the admin key for weight updates and flow control,
+the api key for the rest (SGLang 0.5.10 accepts only that one there, mrl.rollout.secrets). Without
+explicit keys the client takes the run's from ``$MRL_ENGINE_KEYS_FILE``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,19 @@ from mrl.rollout.protocol import (
     parse_status_ok,
     parse_success,
 )
+from mrl.rollout.secrets import ENV_VAR, EngineSecrets
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _without_keys(v: Any) -> Any:
+    """0.5.10's /server_info holds its server args, keys included (top level and per DP in
+    ``internal_states``): keep them out of anything that logs or stores the reply."""
+    if isinstance(v, dict):
+        return {k: _without_keys(x) for k, x in v.items() if k not in ("api_key", "admin_api_key")}
+    if isinstance(v, list):
+        return [_without_keys(x) for x in v]
+    return v
 
 
 @dataclass(kw_only=True)
@@ -49,6 +64,8 @@ class EngineClient:
                  admin_key: str | None = None, max_connections: int = 256):
         self.url = url.rstrip("/")
         self.timeouts = timeouts or ClientTimeouts()
+        if api_key is None and admin_key is None and (run := EngineSecrets.from_env()) is not None:
+            api_key, admin_key = run.api_key, run.admin_api_key
         self._keys = (api_key, admin_key or api_key)
         self._http: httpx.AsyncClient | None = None
         self._max_connections = max_connections
@@ -86,6 +103,9 @@ class EngineClient:
             except ValueError:
                 body = None
         if r.status_code not in ok:
+            if r.status_code in (401, 403):
+                raise EngineHTTPError(self.url, endpoint, r.status_code, "the engine refused this client's "
+                                      f"{'admin' if admin else 'api'} key (is ${ENV_VAR} the run's keys file?)")
             if r.status_code in (502, 503, 504):
                 raise EngineUnavailable(self.url, endpoint, f"HTTP {r.status_code}: {error_message(body, text)}")
             raise EngineHTTPError(self.url, endpoint, r.status_code, error_message(body, text))
@@ -234,7 +254,7 @@ class EngineClient:
         _, data, _ = await self._call("GET", "/server_info", timeout=self.timeouts.control)
         if not isinstance(data, dict) or "version" not in data:
             raise EngineProtocolError(self.url, "/server_info", "no 'version' key")
-        return data
+        return _without_keys(data)
 
     async def check_version(self, supported: tuple[str, ...] = ("0.5.10",)) -> str:
         """Version gate: the client speaks 0.5.10's API (routes start_len ignored, flush rules, 404s)."""

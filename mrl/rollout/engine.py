@@ -4,6 +4,11 @@
         eng.wait_healthy()
         ... EngineClient(eng.url) ...
 
+Every server requires the run's keys (``mrl.rollout.secrets``): SGLang reads them from the 0600 keys
+file (``--config``), so they are on no command line, and its output goes to the log through a filter
+that redacts them (SGLang logs its server args, keys included). Servers bind to loopback unless given
+``host`` (on clusters: the job's interface, ``interface_address``).
+
 Each server runs in its own process group (``start_new_session``) and dies with its parent
 (``PR_SET_PDEATHSIG``; SGLang's scheduler/detokenizer processes do the same towards the server), so no
 engine process outlives the launcher even when it crashes. ``stop`` terminates the whole group.
@@ -18,12 +23,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.rollout import cpu_mode
+from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
 
 
 class EngineStartError(RuntimeError):
@@ -46,6 +53,35 @@ def _child_setup(cpus: list[int] | None):
     return setup
 
 
+def interface_address(peer: str | None = None) -> str:
+    """This node's address on the interface that reaches ``peer`` (default: the address its hostname
+    resolves to, loopback excluded): where a cluster engine binds so that only the job's network reaches
+    it, instead of 0.0.0.0. ``$MRL_ENGINE_HOST`` overrides."""
+    if os.environ.get("MRL_ENGINE_HOST"):
+        return os.environ["MRL_ENGINE_HOST"]
+    if peer:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return s.getsockname()[0]
+    for *_, addr in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+        if not addr[0].startswith("127."):
+            return addr[0]
+    raise RuntimeError(f"{socket.gethostname()} resolves only to loopback: "
+                       "set MRL_ENGINE_HOST to this node's address")
+
+
+def _pump(src, log, secrets: EngineSecrets) -> None:
+    """Copy the server's output to its log line by line, keys redacted (a key never spans lines)."""
+    with src, log:
+        for line in iter(src.readline, b""):
+            log.write(secrets.redact(line.decode(errors="replace")).encode())
+            log.flush()
+
+
+# Set by mrl only: the keys live in the secrets file, never in the config (SGLang reads it via --config).
+_RESERVED_SERVER_ARGS = ("api_key", "admin_api_key", "config")
+
+
 def server_args_to_cli(args: dict[str, Any]) -> list[str]:
     """``{"enable_dp_attention": True, "mem_fraction_static": 0.8}`` -> ``--enable-dp-attention --mem-fraction-static 0.8``."""
     out: list[str] = []
@@ -61,6 +97,9 @@ def server_args_to_cli(args: dict[str, Any]) -> list[str]:
             out += [flag, str(v)]
     return out
 
+
+_TORCHRUN_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                  "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
@@ -90,7 +129,10 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
     cpus: list[int] | None = None
     """CPU mode: cores this engine may use (several engines on one box get disjoint sets)."""
+    secrets: EngineSecrets | None = None
+    """The run's keys; ``start`` takes ``ensure_run_secrets()`` when None."""
     proc: subprocess.Popen | None = field(default=None, init=False)
+    _pump: threading.Thread | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cpu_mode and self.ep > 1:
@@ -100,6 +142,10 @@ class Engine:
         if self.dp > 1 and not self.server_args.get("enable_dp_attention"):
             raise ValueError("rollout.engine_dp > 1 needs server_args.enable_dp_attention (SGLang's weight updates "
                              "assert dp_size == 1 otherwise); for plain data parallelism start more engines")
+        reserved = [k for k in _RESERVED_SERVER_ARGS if k in self.server_args]
+        if reserved:
+            raise ValueError(f"rollout.server_args: {reserved} are set by mrl from the run's keys file "
+                             "(mrl.rollout.secrets), never from the config")
         self.port = self.port or free_port(self.host)
 
     def __hash__(self) -> int:
@@ -130,22 +176,37 @@ class Engine:
             cmd.append("--enable-return-routed-experts")
         if self.cpu_mode:
             cmd += cpu_mode.CPU_SERVER_ARGS
+        if self.secrets is not None:
+            cmd += ["--config", self.secrets.path]  # the keys file: --api-key, --admin-api-key
         return cmd + server_args_to_cli(self.server_args)
 
     def start(self) -> "Engine":
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already started")
+        if self.secrets is None:
+            self.secrets = ensure_run_secrets()
         os.makedirs(self.log_dir, exist_ok=True)
         env = cpu_mode.cpu_env(self.tp, cpus=self.cpus) if self.cpu_mode else dict(os.environ)
+        # started from a trainer rank: torchrun's rendezvous variables would make the server's own
+        # torch.distributed init join the trainer's store and hang there
+        for k in [k for k in env if k in _TORCHRUN_VARS or k.startswith(("TORCHELASTIC_", "PET_"))]:
+            del env[k]
         env.update(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = self.command()
         log = open(self.log_path, "ab")
-        log.write(("$ " + " ".join(self.command()) + "\n").encode())
+        log.write(self.secrets.redact("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_child_setup(self.cpus if self.cpu_mode else None))
-        log.close()
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_child_setup(self.cpus if self.cpu_mode else None))
+        except BaseException:
+            log.close()
+            raise
+        self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, log, self.secrets),
+                                      name=f"{self.name}-log", daemon=True)
+        self._pump.start()
         _LIVE.add(self)
         return self
 
@@ -166,6 +227,8 @@ class Engine:
         deadline = time.monotonic() + timeout
         while True:
             if not self.alive():
+                if self._pump is not None:
+                    self._pump.join(timeout=5)  # the last lines (the error) are still in the pipe
                 raise EngineStartError(f"{self.name} exited with code {self.proc.returncode} during startup; "
                                        f"log {self.log_path}:\n{self.log_tail()}")
             try:
@@ -211,6 +274,8 @@ class Engine:
                 break
         if self.proc.poll() is None:
             self.proc.wait(timeout=5)
+        if self._pump is not None:
+            self._pump.join(timeout=5)  # EOF once the whole group has exited
         _LIVE.discard(self)
 
     def __enter__(self) -> "Engine":

@@ -80,21 +80,43 @@ def _finish(v: Any, ctx) -> FinishReason | None:
         return None
     if not isinstance(v, dict) or v.get("type") not in ("length", "stop", "abort"):
         raise EngineProtocolError(*ctx, f"meta_info.finish_reason: unexpected {v!r:.120}")
-    return FinishReason(v["type"], v.get("matched"), v.get("message"))
+    matched, message = v.get("matched"), v.get("message")
+    if isinstance(matched, bool) or not isinstance(matched, (int, str, type(None))) \
+            or not isinstance(message, (str, type(None))):
+        raise EngineProtocolError(*ctx, f"meta_info.finish_reason: bad matched/message in {v!r:.120}")
+    return FinishReason(v["type"], matched, message)
+
+
+def _count(meta: dict, key: str, ctx, default: int | None = None) -> int | None:
+    v = meta.get(key, default)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise EngineProtocolError(*ctx, f"meta_info.{key}: expected a count, got {v!r:.40}")
+    return v
+
+
+def _logprob(t: Any, where: str, ctx, *, nullable: bool = False) -> float | None:
+    """The logprob of one ``[logprob, id, text]`` triple (orjson sends NaN/inf as null)."""
+    if not isinstance(t, list) or len(t) < 2 or not isinstance(t[1], int) or isinstance(t[1], bool):
+        raise EngineProtocolError(*ctx, f"{where}: not a [logprob, id, text] triple: {t!r:.80}")
+    lp = t[0]
+    if lp is None and nullable:
+        return None
+    if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
+        raise EngineProtocolError(*ctx, f"{where}: logprob is {lp!r} (NaN from the engine?)")
+    return float(lp)
 
 
 def _logprob_triples(v: Any, n: int, where: str, ctx) -> list[float]:
     if not isinstance(v, list) or len(v) != n:
         raise EngineProtocolError(*ctx, f"{where}: expected {n} [logprob, id, text] triples, got {v!r:.120}")
-    out = []
-    for i, t in enumerate(v):
-        if not isinstance(t, list) or len(t) < 2:
-            raise EngineProtocolError(*ctx, f"{where}[{i}]: not a [logprob, id, text] triple: {t!r:.80}")
-        lp = t[0]
-        if lp is None or not isinstance(lp, (int, float)) or math.isnan(lp):
-            raise EngineProtocolError(*ctx, f"{where}[{i}]: logprob is {lp!r} (NaN from the engine?)")
-        out.append(float(lp))
-    return out
+    return [_logprob(t, f"{where}[{i}]", ctx) for i, t in enumerate(v)]
+
+
+def _top_logprobs(v: Any, where: str, ctx) -> list[list[tuple[float, int]]]:
+    """Per position, the top ``[logprob, id, text]`` triples (a position may be null)."""
+    if not isinstance(v, list) or not all(step is None or isinstance(step, list) for step in v):
+        raise EngineProtocolError(*ctx, f"{where}: expected a list of lists of triples, got {v!r:.120}")
+    return [[(_logprob(x, f"{where}[{i}]", ctx), x[1]) for x in (step or [])] for i, step in enumerate(v)]
 
 
 def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: bool = False) -> GenerateOutput:
@@ -113,23 +135,27 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
         raise EngineProtocolError(*ctx, "meta_info.output_token_logprobs missing although return_logprob was set")
     top = None
     if meta.get("output_top_logprobs") is not None:
-        top = [[(float(x[0]), int(x[1])) for x in (step or [])] for step in meta["output_top_logprobs"]]
+        top = _top_logprobs(meta["output_top_logprobs"], "meta_info.output_top_logprobs", ctx)
     inp = None
     if meta.get("input_token_logprobs"):
-        inp = [None if t[0] is None else float(t[0]) for t in meta["input_token_logprobs"]]
+        v = meta["input_token_logprobs"]
+        if not isinstance(v, list):
+            raise EngineProtocolError(*ctx, f"meta_info.input_token_logprobs: expected a list, got {v!r:.80}")
+        inp = [_logprob(t, f"meta_info.input_token_logprobs[{i}]", ctx, nullable=True) for i, t in enumerate(v)]
     routes = meta.get("routed_experts")
     if routes is not None and not isinstance(routes, str):
         raise EngineProtocolError(*ctx, f"meta_info.routed_experts: expected base64 str, got {type(routes).__name__}")
     version = meta.get("weight_version")
     if not isinstance(version, str):
         raise EngineProtocolError(*ctx, f"meta_info.weight_version: expected str, got {version!r:.40}")
-    completion = meta.get("completion_tokens", len(ids))
+    completion = _count(meta, "completion_tokens", ctx, len(ids))
     if completion != len(ids):
         raise EngineProtocolError(*ctx, f"meta_info.completion_tokens={completion} but {len(ids)} output_ids")
     return GenerateOutput(
         rid=rid, output_ids=list(ids), output_logprobs=lps, finish=finish, weight_version=version,
-        prompt_tokens=meta.get("prompt_tokens"), completion_tokens=completion,
-        cached_tokens=meta.get("cached_tokens"), total_retractions=int(meta.get("total_retractions") or 0),
+        prompt_tokens=_count(meta, "prompt_tokens", ctx), completion_tokens=completion,
+        cached_tokens=_count(meta, "cached_tokens", ctx),
+        total_retractions=_count(meta, "total_retractions", ctx) or 0,
         routed_experts=routes, output_top_logprobs=top, input_logprobs=inp,
     )
 

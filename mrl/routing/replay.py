@@ -76,14 +76,20 @@ class RankSlice:
 
     def tokens(self, routes_bslk: torch.Tensor) -> torch.Tensor:
         """``[B, S, L, K]`` -> ``[S_local * B, L_local, K]`` in the router's s-first token order."""
-        b, s, _, k = routes_bslk.shape
-        x = routes_bslk[:, :, list(self.moe_columns)].transpose(0, 1)  # [S, B, L_local, K]
+        k = routes_bslk.shape[-1]
+        x = self.rows(routes_bslk[:, :, list(self.moe_columns)])
+        return x.reshape(-1, len(self.moe_columns), k)
+
+    def rows(self, x_bs: torch.Tensor) -> torch.Tensor:
+        """``[B, S, ...]`` per-token values -> ``[S_local * B, ...]`` in the router's token order."""
+        s = x_bs.shape[1]
+        x = x_bs.transpose(0, 1)  # [S, B, ...]
         if self.sequence_parallel and self.tp_size > 1:
             if s % self.tp_size:
                 raise ReplayError(f"sequence length {s} not divisible by tp={self.tp_size} (sequence parallel)")
             chunk = s // self.tp_size
             x = x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
-        return x.reshape(-1, len(self.moe_columns), k)
+        return x.reshape(-1, *x.shape[2:])
 
 
 def stage_moe_columns(moe_layers: tuple[int, ...], stage_layers: list[int], stage: int) -> tuple[int, ...]:

@@ -10,14 +10,19 @@ and pauses have something to interrupt). Faults:
 - ``http_400`` / ``http_503``: /generate answers with that status and the recorded error body;
 - ``malformed``: /generate answers 200 with a body whose logprobs are null (NaN) or keys missing;
 - ``partial_update``: /update_weights_from_distributed answers the recorded "partially updated" 400.
+
+With ``api_key``/``admin_api_key`` it checks ``Authorization: Bearer`` by SGLang 0.5.10's own decision
+function (``sglang/srt/utils/auth.py``, loaded from its file so that no torch import is needed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import json
 import os
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +31,23 @@ import numpy as np
 from aiohttp import web
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "sglang-0.5.10")
+
+
+def _load_sglang_auth():
+    path = os.path.join(importlib.util.find_spec("sglang").submodule_search_locations[0], "srt", "utils", "auth.py")
+    spec = importlib.util.spec_from_file_location("_sglang_auth", path)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look the module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sglang_auth = _load_sglang_auth()
+# The endpoints of 0.5.10 marked @auth_level(ADMIN_OPTIONAL) among those mrl calls (every other is NORMAL).
+ADMIN_ENDPOINTS = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
+    "/destroy_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
+    "/update_weights_from_disk", "/update_weight_version", "/release_memory_occupation",
+    "/resume_memory_occupation", "/get_weights_by_name"})
 
 
 def fixture(name: str):
@@ -82,8 +104,11 @@ def routes_b64(ids: list[int], st: FakeState) -> str:
 class FakeSGLang:
     """Run in a background thread: ``with FakeSGLang(faults=Faults(hang=True)) as srv: srv.url``."""
 
-    def __init__(self, faults: Faults | None = None, state: FakeState | None = None, port: int = 0):
+    def __init__(self, faults: Faults | None = None, state: FakeState | None = None, port: int = 0, *,
+                 api_key: str | None = None, admin_api_key: str | None = None):
         self.faults = faults or Faults()
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.refused: list[str] = []  # endpoints of refused requests, in order
         self.st = state or FakeState()
         self._port = port
         self._loop = asyncio.new_event_loop()
@@ -107,7 +132,7 @@ class FakeSGLang:
         self._resume = asyncio.Event()
         self._resume.set()
         self._closing = asyncio.Event()
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort)
@@ -128,6 +153,19 @@ class FakeSGLang:
         site = web.TCPSite(self._runner, "127.0.0.1", self._port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        levels = sglang_auth.AuthLevel
+        level = levels.ADMIN_OPTIONAL if request.path in ADMIN_ENDPOINTS else levels.NORMAL
+        d = sglang_auth.decide_request_auth(method=request.method, path=request.path,
+                                            authorization_header=request.headers.get("Authorization"),
+                                            api_key=self.api_key, admin_api_key=self.admin_api_key, auth_level=level)
+        if not d.allowed:
+            self.refused.append(request.path)
+            return web.json_response({"error": "Unauthorized" if d.error_status_code == 401 else "Forbidden"},
+                                     status=d.error_status_code)
+        return await handler(request)
 
     @property
     def url(self) -> str:

@@ -1,19 +1,26 @@
-"""Real SGLang 0.5.10 engines in CPU mode, started once per test session (TP=1 and TP=2, tiny model)."""
+"""Real SGLang 0.5.10 engines in CPU mode, started once per test session (TP=1 and TP=2, tiny model).
+
+They run with the session's keys (api and admin) and ``$MRL_ENGINE_KEYS_FILE`` names them for the whole
+session, so every client here, and every job these tests start, authenticates as in a real run."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import pytest
 
 from mrl.rollout.engine import Engine
+from mrl.rollout.secrets import ENV_VAR, ensure_run_secrets
 
 
 @pytest.fixture(scope="session")
 def engines(ckpt_dir, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("engine_logs"))
-    specs = {"tp1": Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=logs, name="tp1"),
-             "tp2": Engine(model_path=ckpt_dir["tiny"], tp=2, log_dir=logs, name="tp2")}
+    before = os.environ.get(ENV_VAR)
+    keys = ensure_run_secrets(str(tmp_path_factory.mktemp("run")))
+    specs = {"tp1": Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=logs, name="tp1", secrets=keys),
+             "tp2": Engine(model_path=ckpt_dir["tiny"], tp=2, log_dir=logs, name="tp2", secrets=keys)}
     for e in specs.values():
         e.start()
     try:
@@ -26,4 +33,6 @@ def engines(ckpt_dir, tmp_path_factory):
             e.stop()
         left = {n: e.pids() for n, e in specs.items()}
         assert all(pids.values()), f"engine process groups were empty before stop: {pids}"
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
         assert not any(left.values()), f"engine processes survived stop(): {left}"

@@ -1,0 +1,110 @@
+"""What a run shows: a rich progress line, TensorBoard scalars, metrics.jsonl, a PNG of the curves and a
+one-screen summary at the end. Controller (rank 0) only."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+CURVES = [("reward", "train reward (sampled)"), ("eval/accuracy", "eval accuracy (greedy, held out)"),
+          ("routing_disagreement", "routing disagreement, replay off"), ("kl_engine_replay_on", "KL engine->train"),
+          ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str, total: int, history: list[dict] | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.history: list[dict] = list(history or [])
+        self.console = Console(stderr=True)
+        self._bar = Progress(TextColumn("[bold]mrl train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.description}"), console=self.console, transient=False)
+        done = max((r["step"] for r in self.history), default=0)
+        self.task = self._bar.add_task("", total=total, completed=done)
+        self._bar.start()
+
+    def scalar(self, key: str, value: float, step: int) -> None:
+        self.tb.add_scalar(key, value, step)
+        self._record({"step": step, key: value})
+
+    def progress(self, text: str) -> None:
+        self._bar.update(self.task, description=text)
+
+    def step(self, step: int, metrics: dict[str, float], staleness: Counter | None = None) -> None:
+        for k, v in metrics.items():
+            self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        if staleness:
+            samples = [lag for lag, n in staleness.items() for _ in range(n)]
+            import numpy as np
+
+            self.tb.add_histogram("rollout/staleness", np.asarray(samples), step)
+            metrics = metrics | {"staleness_hist": dict(sorted(staleness.items()))}
+        self._record({"step": step, **metrics})
+        desc = (f"reward {metrics.get('reward', 0):.2f}  "
+                f"dis {metrics.get('routing_disagreement', float('nan')):.3f}  "
+                f"sync {metrics.get('sync_seconds', 0):.2f}s  v{int(metrics.get('version', 0))}")
+        self._bar.update(self.task, completed=step, description=desc)
+
+    def _record(self, row: dict) -> None:
+        self.history.append(row)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        pts = [(r["step"], r[key]) for r in self.history if key in r]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def close(self, cfg) -> None:
+        self._bar.stop()
+        self.tb.close()
+        self.jsonl.close()
+        self.plot(os.path.join(self.run_dir, "curves.png"))
+        self.summary(cfg)
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        present = [(k, t) for k, t in CURVES if self.series(k)[0]]
+        if not present:
+            return
+        fig, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.2))
+        for ax, (k, title) in zip(axes if len(present) > 1 else [axes], present):
+            xs, ys = self.series(k)
+            ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    def summary(self, cfg) -> dict:
+        def first_last(key):
+            _, ys = self.series(key)
+            return (ys[0], ys[-1]) if ys else (float("nan"), float("nan"))
+
+        rows = {k: first_last(k) for k in ("reward", "success", "eval/accuracy", "routing_disagreement",
+                                           "kl_engine_replay_on", "kl_engine_replay_off", "sync_seconds",
+                                           "step_seconds")}
+        table = Table(title=f"mrl train: {cfg.data.task} / {cfg.algo.loss.value} / {cfg.train.mode.value}")
+        for c in ("metric", "first", "last"):
+            table.add_column(c)
+        for k, (a, b) in rows.items():
+            table.add_row(k, f"{a:.4g}", f"{b:.4g}")
+        self.console.print(table)
+        out = {k: {"first": a, "last": b} for k, (a, b) in rows.items()}
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        return out

@@ -1,0 +1,115 @@
+"""The generation side of the loop: prompts -> GRPO groups on the engines -> rewards -> buffer.
+
+Runs on the controller (trainer rank 0) in its own thread and event loop, so generation continues
+while the trainer computes. Throttled by credits (``allow``): one credit = one group may start.
+Groups that carry no signal under DAPO's dynamic sampling, whose reward was dropped, or whose samples
+failed are not buffered and give their credit back (all counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from concurrent.futures import Future
+
+from mrl.buffer import Group, RolloutBuffer
+from mrl.data import Prompt, PromptSource
+from mrl.reward.scorer import RewardScorer
+from mrl.rollout.manager import RolloutManager
+
+
+class Producer:
+    def __init__(self, *, manager: RolloutManager, scorer: RewardScorer, source: PromptSource, tokenizer,
+                 buffer: RolloutBuffer, group_size: int, dynamic_sampling: bool, start_index: int = 0):
+        self.manager, self.scorer, self.source, self.tok = manager, scorer, source, tokenizer
+        self.buffer, self.group_size, self.dynamic_sampling = buffer, group_size, dynamic_sampling
+        self.next_index = start_index
+        self.counts: Counter = Counter()
+        self._credits = 0
+        self._loop = asyncio.new_event_loop()
+        self._wake: asyncio.Event | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mrl-producer", daemon=True)
+        self._main: Future | None = None
+        self.error: BaseException | None = None
+
+    # -- control from the trainer thread ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+
+    def allow(self, n: int) -> None:
+        """Let ``n`` more groups start."""
+        self._loop.call_soon_threadsafe(self._add_credits, n)
+
+    def run(self, coro):
+        """Run a coroutine on the producer's loop (e.g. eval generations) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._loop.call_soon_threadsafe(self._add_credits, 0)
+        if self._main is not None:
+            try:
+                self._main.result(timeout=60)
+            except Exception:  # cancelled groups: the run is over
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"rollout producer failed: {self.error!r}") from self.error
+
+    # -- loop thread -----------------------------------------------------------------------------
+    def _add_credits(self, n: int) -> None:
+        self._credits += n
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        self._wake = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self._stop:
+                if self._credits <= 0:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                self._credits -= 1
+                prompt = self.source.sample(self.next_index)
+                gid = self.next_index
+                self.next_index += 1
+                t = asyncio.create_task(self._group(prompt, gid))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        except BaseException as e:  # surfaced to the trainer by check()
+            self.error = e
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _group(self, prompt: Prompt, gid: int) -> None:
+        try:
+            ids = self.tok.encode(prompt.text).ids
+            samples = await self.manager.generate_group(ids, self.group_size, gid)
+            if any(s.error for s in samples):
+                self.counts["groups_failed"] += 1
+                self._add_credits(1)
+                return
+            texts = [self.tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+            results = await self.scorer.score_many([(prompt, t) for t in texts])
+            if any(r.dropped for r in results):
+                self.counts["groups_reward_dropped"] += 1
+                self._add_credits(1)
+                return
+            rewards = [float(r.value) for r in results]
+            self.counts["reward_errors"] += sum(r.error is not None for r in results)
+            if self.dynamic_sampling and max(rewards) == min(rewards):
+                self.counts["groups_no_signal"] += 1  # DAPO: zero advantage everywhere, resample
+                self._add_credits(1)
+                return
+            self.buffer.put(Group(prompt, samples, rewards, texts))
+            self.counts["groups_buffered"] += 1
+        except Exception as e:
+            self.error = e

@@ -1,0 +1,300 @@
+"""The RL loop, one process per trainer rank (``mrl train`` starts them with torchrun).
+
+    rank 0 (controller)                              every rank
+    ───────────────────                              ──────────
+    engines (started here, or attached by URL)
+    producer thread: prompts -> groups -> rewards -> buffer
+    take a batch (staleness bound) -> advantages ──▶ RL step: replayed routes, policy loss, optimizer
+                                                     every N steps: weight sync -> version + 1
+
+Generation never waits for training (``train.mode=overlap``): engines keep generating while the
+trainer computes; a sync pauses them briefly (in-flight requests are aborted and resumed on the new
+weights; each token keeps the version that produced it). ``train.mode=sync`` is the baseline:
+generate one batch, train, sync, repeat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
+from mrl.buffer import Group, RolloutBuffer
+from mrl.config.load import load_resolved
+from mrl.config.schema import Config, LoopMode, StalePolicy
+from mrl.megatron.parallel import destroy, init_parallel
+from mrl.megatron.policy import Policy, RLBatch
+from mrl.metrics import MetricsLog
+from mrl.weight_sync.executor import EngineEndpoint
+from mrl.weight_sync.transport import EngineSync, make_transport
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint holds besides the weights: where the loop is."""
+
+    step: int = 0
+    version: int = 0
+    prompt_index: int = 0
+    buffered: list[Group] | None = None
+    history: list[dict] | None = None
+
+
+def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RLBatch, float, dict]:
+    """Advantages per group (+ DAPO overlong shaping), flattened in group order."""
+    n = cfg.rollout.n_samples_per_prompt
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+    samples = [s for g in groups for s in g.samples]
+    if cfg.algo.overlong_shaping:
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        rewards = rewards + overlong_penalty(lengths, max_len=cfg.algo.max_response_len,
+                                             buffer_len=cfg.algo.overlong_buffer_len)
+    adv = compute_advantages(rewards, n, cfg.algo)
+    batch = RLBatch(tokens=[s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
+                    behav_logp=[list(s.response_logprobs) for s in samples], advantages=adv.tolist(),
+                    routes=[s.routes for s in samples] if with_routes else None)
+    masks = torch.zeros(len(samples), max(len(t) for t in batch.tokens))
+    for i, s in enumerate(samples):
+        masks[i, :len(s.response_ids)] = 1
+    raw = [r for g in groups for r in g.rewards]
+    info = {"reward": sum(raw) / len(raw), "success": sum(r >= 1.0 for r in raw) / len(raw),
+            "response_len": sum(len(s.response_ids) for s in samples) / len(samples)}
+    return batch, float(loss_normalizer(masks, cfg.algo.aggregation)), info
+
+
+class Controller:
+    """Rank 0 only: engines, rollout manager, producer, buffer, evaluation."""
+
+    def __init__(self, cfg: Config, hf_path: str, policy: Policy, state: LoopState):
+        from tokenizers import Tokenizer
+
+        from mrl.data import build_prompt_source
+        from mrl.reward.scorer import RewardScorer
+        from mrl.rollout.client import EngineClient
+        from mrl.rollout.manager import RolloutManager
+        from mrl.rollout.producer import Producer
+        from mrl.rollout.sample import SamplingSpec
+
+        self.cfg = cfg
+        r = cfg.rollout
+        self.engines = []
+        urls = list(r.engine_urls) or self._discover(r)
+        if not urls:
+            from mrl.rollout.engine import Engine
+
+            self.engines = [Engine(model_path=hf_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp,
+                                   cpu_mode=r.cpu_mode, memory_saver=r.memory_saver, name=f"engine{i}",
+                                   log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
+                            for i in range(r.num_engines)]
+            for e in self.engines:
+                e.start()
+            for e in self.engines:
+                e.wait_healthy()
+            urls = [e.url for e in self.engines]
+        self.endpoints = [EngineEndpoint(u, r.engine_tp) for u in urls]
+        self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
+        eos = policy.bridge.hf_config.eos_token_id
+        sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
+        clients = [EngineClient(u) for u in urls]
+        self.manager = RolloutManager(clients, sampling=sampling, codec=policy.codec if cfg.train.replay else None)
+        self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
+            max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
+        self.scorer = RewardScorer(cfg.reward)
+        self.eval_source = build_prompt_source(cfg.data, split="eval")
+        t = cfg.train
+        self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
+        if state.buffered:
+            self.buffer.restore(state.buffered)
+        self.producer = Producer(manager=self.manager, scorer=self.scorer, source=build_prompt_source(cfg.data),
+                                 tokenizer=self.tok, buffer=self.buffer, group_size=r.n_samples_per_prompt,
+                                 dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state.prompt_index)
+        if t.mode == LoopMode.overlap:
+            self.buffer.on_release = self.producer.allow
+
+    @staticmethod
+    def _discover(r) -> list[str]:
+        """Engines announced by ``mrl engine`` on cluster engine nodes (``<dir>/<name>.url``)."""
+        if not r.engine_url_dir:
+            return []
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            found = sorted(f for f in os.listdir(r.engine_url_dir) if f.endswith(".url")) \
+                if os.path.isdir(r.engine_url_dir) else []
+            if len(found) >= r.num_engines:
+                return [open(os.path.join(r.engine_url_dir, f)).read().strip() for f in found[:r.num_engines]]
+            time.sleep(2)
+        raise TimeoutError(f"rollout.engine_url_dir={r.engine_url_dir}: fewer than {r.num_engines} engines "
+                           "announced themselves within 15 min")
+
+    def start(self, first_credits: int) -> None:
+        self.producer.start()
+        self.producer.allow(first_credits)
+
+    def evaluate(self, n: int) -> float:
+        """Greedy accuracy on held-out prompts."""
+        import asyncio
+
+        prompts = [self.eval_source.sample(i) for i in range(min(n, len(self.eval_source)))]
+
+        async def go():
+            groups = await asyncio.gather(*(self.eval_manager.generate_group(self.tok.encode(p.text).ids, 1, -1 - i)
+                                            for i, p in enumerate(prompts)))
+            texts = [self.tok.decode(g[0].response_ids, skip_special_tokens=True) for g in groups]
+            res = await self.scorer.score_many(list(zip(prompts, texts)))
+            return sum((x.value or 0.0) >= 1.0 for x in res) / len(res)
+
+        return self.producer.run(go())
+
+    def close(self) -> None:
+        self.producer.stop()
+        self.scorer.close()
+        for e in self.engines:
+            e.stop()
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _sft_warmup(cfg: Config, policy: Policy, hf_path: str, log: MetricsLog | None) -> None:
+    """Supervised warm start on (prompt, reference answer + EOS), same Megatron trainer."""
+    from tokenizers import Tokenizer
+
+    from mrl.data import build_prompt_source
+
+    t = cfg.train
+    tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
+    eos = policy.bridge.hf_config.eos_token_id
+    src = build_prompt_source(cfg.data)
+    g = torch.Generator().manual_seed(cfg.seed)
+    for step in range(t.sft_warmup_steps):
+        idx = torch.randint(0, len(src), (t.sft_batch,), generator=g).tolist()
+        prompts = [src.sample(i) for i in idx]
+        p_ids = [tok.encode(p.text).ids for p in prompts]
+        tokens = [p + tok.encode(p_.answer).ids + [eos] for p, p_ in zip(p_ids, prompts)]
+        nll = policy.sft_step(tokens, [len(p) for p in p_ids], t.sft_lr)
+        if log is not None:
+            log.scalar("sft/nll", nll, step)
+            log.progress(f"warm start {step + 1}/{t.sft_warmup_steps}  nll {nll:.3f}")
+
+
+def _checkpoint_dir(cfg: Config) -> str:
+    return os.path.join(cfg.run_dir, "checkpoints")
+
+
+def _latest_checkpoint(cfg: Config) -> str | None:
+    root = _checkpoint_dir(cfg)
+    if not os.path.isdir(root):
+        return None
+    done = sorted((d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "loop_state.pkl"))),
+                  key=lambda d: int(d.split("_")[-1]))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def main(cfg: Config) -> int:
+    hf_path = cfg.model.hf_path
+    layout = init_parallel(cfg.parallel, seed=cfg.seed)
+    rank0 = layout.world_rank == 0
+    t = cfg.train
+    policy = Policy(cfg, layout, hf_path)
+    state = LoopState()
+    ckpt = _latest_checkpoint(cfg) if t.resume else None
+    if ckpt:
+        policy.load(ckpt)
+        with open(os.path.join(ckpt, "loop_state.pkl"), "rb") as f:
+            state = pickle.load(f)
+    preempted = {"flag": False}
+    signal.signal(signal.SIGUSR1, lambda *_: preempted.update(flag=True))  # Slurm: checkpoint + requeue
+
+    log = MetricsLog(cfg.run_dir, total=t.steps, history=state.history) if rank0 else None
+    if state.step == 0 and t.sft_warmup_steps:
+        _sft_warmup(cfg, policy, hf_path, log)
+    ctl = Controller(cfg, hf_path, policy, state) if rank0 else None
+    endpoints = _broadcast(ctl.endpoints if rank0 else None)
+    transport, disk = make_transport(
+        cfg.weight_sync.transport, model=policy.model, layout=layout, bridge=policy.bridge,
+        padded_vocab=policy.padded_vocab, engines=endpoints, bucket_bytes=int(cfg.weight_sync.bucket_mb * (1 << 20)),
+        export_dir=cfg.weight_sync.export_dir or os.path.join(cfg.run_dir, "weights"), config_src=hf_path,
+        timeout_s=cfg.weight_sync.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"))
+    syncer = EngineSync(transport, disk, layout, endpoints)
+    syncer.connect()
+    version = state.version
+    if state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
+        version += 1
+        syncer.sync(str(version))
+    if rank0:
+        ctl.start(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step)
+        if t.eval_every:
+            log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), state.step)
+
+    step = state.step
+    try:
+        while step < t.steps:
+            t0 = time.perf_counter()
+            payload = None
+            if rank0:
+                ctl.producer.check()
+                groups = ctl.buffer.take(t.prompts_per_step, version)
+                batch, normalizer, info = build_batch(groups, cfg, t.replay)
+                payload = (batch, normalizer, info)
+            batch, normalizer, info = _broadcast(payload)
+            t_gen = time.perf_counter() - t0
+            m = policy.rl_step(batch, normalizer)
+            if t.replay and t.routing_metrics_every and step % t.routing_metrics_every == 0:
+                m |= policy.routing_metrics(batch)
+            step += 1
+            m |= info
+            if step % cfg.weight_sync.every_n_steps == 0:
+                version += 1
+                rep = syncer.sync(str(version))
+                m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk))}
+            m |= {"wait_seconds": t_gen, "step_seconds": time.perf_counter() - t0, "version": version}
+            if rank0:
+                bs = ctl.buffer.stats
+                m |= {"dropped_stale": bs.dropped_stale, "buffered": len(ctl.buffer),
+                      **{f"rollout/{k}": v for k, v in ctl.producer.counts.items()}}
+                log.step(step, m, staleness=bs.staleness)
+                if t.eval_every and step % t.eval_every == 0:
+                    log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), step)
+            stop = _broadcast(preempted["flag"] or (t.stop_after is not None and step >= t.stop_after))
+            if stop or (t.save_every and step % t.save_every == 0) or step == t.steps:
+                _save(cfg, policy, ctl, LoopState(step=step, version=version), log)
+            if stop:
+                break
+            if rank0 and t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
+                ctl.producer.allow(t.prompts_per_step)
+    finally:
+        syncer.close()
+        if rank0:
+            ctl.close()
+            log.close(cfg)
+    destroy()
+    return 0
+
+
+def _save(cfg: Config, policy: Policy, ctl: Controller | None, state: LoopState, log: MetricsLog | None) -> None:
+    path = os.path.join(_checkpoint_dir(cfg), f"step_{state.step}")
+    policy.save(path)
+    if ctl is not None:
+        state.prompt_index = ctl.producer.next_index
+        state.buffered = ctl.buffer.state()
+        state.history = log.history
+        with open(os.path.join(path, "loop_state.pkl.tmp"), "wb") as f:
+            pickle.dump(state, f)
+        os.replace(os.path.join(path, "loop_state.pkl.tmp"), os.path.join(path, "loop_state.pkl"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(main(load_resolved(sys.argv[1])))
