@@ -180,7 +180,7 @@ def test_data_presets_compose_and_build():
         assert cfg.data.task == name and cfg.data.path is None
         assert build_prompt_source(cfg.data).sample(0) == build_task(name, seed=cfg.seed,
                                                                      task_args=cfg.data.task_args).sample(0)
-    assert compose(["data.task_args.max_len=4"]).data.task_args["max_len"] == 4
+    assert compose(["data=reverse", "data.task_args.max_len=4"]).data.task_args["max_len"] == 4
 
 
 def test_data_and_reward_config_errors_name_the_field():
