@@ -57,14 +57,20 @@ class RolloutBuffer:
         with self._cv:
             return len(self._groups)
 
-    def take(self, n: int, version: int, timeout: float = 600.0) -> list[Group]:
-        """Block until ``n`` admissible groups are there; drops stale ones on the way (counted)."""
+    def take(self, n: int, version: int, timeout: float = 600.0, check=lambda: None) -> list[Group]:
+        """Block until ``n`` admissible groups are there; drops stale ones on the way (counted).
+        ``check()`` runs every second while waiting (it raises when the producer died)."""
         out: list[Group] = []
         with self._cv:
             while len(out) < n:
-                if not self._groups and not self._cv.wait(timeout):
-                    raise TimeoutError(f"rollout buffer: no group arrived in {timeout:.0f} s "
-                                       f"({len(out)}/{n} of a batch; are the engines alive?)")
+                waited = 0.0
+                while not self._groups:
+                    check()
+                    if waited >= timeout:
+                        raise TimeoutError(f"rollout buffer: no group arrived in {timeout:.0f} s "
+                                           f"({len(out)}/{n} of a batch; are the engines alive?)")
+                    self._cv.wait(1.0)
+                    waited += 1.0
                 released = 0
                 while self._groups and len(out) < n:
                     g = self._groups.popleft()

@@ -78,6 +78,9 @@ def train(cfg: Config) -> int:
     if cfg.model.hf_path != path:
         cfg.model.hf_path = path
     os.makedirs(cfg.run_dir, exist_ok=True)
+    from mrl.rollout.secrets import ensure_run_secrets
+
+    ensure_run_secrets(cfg.run_dir)  # engine keys: a 0600 file named by $MRL_ENGINE_KEYS_FILE, never the config
     resolved = os.path.join(cfg.run_dir, "config.yaml")
     with open(resolved, "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -111,13 +114,18 @@ def engine(cfg: Config) -> int:
     path = ensure_model(cfg)
     r = cfg.rollout
     # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
-    # <dir>/<host>-engine<i>.url: the servers listen on every interface and the URL names this host
-    # (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
+    # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the
+    # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
+    from mrl.rollout.engine import interface_address
+    from mrl.rollout.secrets import ensure_run_secrets
+
+    ensure_run_secrets(cfg.run_dir)
     url_dir = r.engine_url_dir
     host = socket.gethostname()
+    bind = interface_address() if url_dir else "127.0.0.1"
     engines = [Engine(model_path=path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
                       memory_saver=r.memory_saver, name=f"{host}-engine{i}" if url_dir else f"engine{i}",
-                      host="0.0.0.0" if url_dir else "127.0.0.1",
+                      host=bind,
                       log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
                for i in range(r.num_engines)]
     stop = threading.Event()
@@ -129,7 +137,7 @@ def engine(cfg: Config) -> int:
             e.wait_healthy()
             url = e.url
             if url_dir:
-                url = f"http://{os.environ.get('MRL_ENGINE_HOST') or host}:{e.port}"
+                url = f"http://{bind}:{e.port}"
                 announce(url_dir, e.name, url)
             print(f"[mrl] {e.name} ready at {url} (log {e.log_path})", flush=True)
         stop.wait()

@@ -29,10 +29,11 @@ import torch.distributed as dist
 from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
 from mrl.buffer import Group, RolloutBuffer
 from mrl.config.load import load_resolved
-from mrl.config.schema import Config, LoopMode, StalePolicy
+from mrl.config.schema import BadRoutes, Config, LoopMode, StalePolicy
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
+from mrl.routing.replay import check_routes
 from mrl.weight_sync.executor import EngineEndpoint
 from mrl.weight_sync.transport import EngineSync, make_transport
 
@@ -104,7 +105,8 @@ class Controller:
         eos = policy.bridge.hf_config.eos_token_id
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
-        clients = [EngineClient(u) for u in urls]
+        clients = [EngineClient(u, routes_always=True) for u in urls]  # eval shares the engines with rollouts
+        self.codec = policy.codec
         self.manager = RolloutManager(clients, sampling=sampling, codec=policy.codec if cfg.train.replay else None)
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
@@ -134,6 +136,25 @@ class Controller:
             time.sleep(2)
         raise TimeoutError(f"rollout.engine_url_dir={r.engine_url_dir}: fewer than {r.num_engines} engines "
                            "announced themselves within 15 min")
+
+    def take_batch(self, version: int) -> list[Group]:
+        """``train.prompts_per_step`` groups from the buffer whose routes can be replayed."""
+        t, codec = self.cfg.train, self.codec
+        out: list[Group] = []
+        while len(out) < t.prompts_per_step:
+            for g in self.buffer.take(t.prompts_per_step - len(out), version, check=self.producer.check):
+                why = next((w for s in g.samples if (w := check_routes(
+                    len(s.tokens), s.routes, num_moe_layers=len(codec.moe_layers), top_k=codec.top_k,
+                    num_experts=codec.num_experts))), None) if t.replay else None
+                if why is None:
+                    out.append(g)
+                elif t.bad_routes == BadRoutes.error:
+                    raise ValueError(f"prompt {g.prompt.id}: {why} (train.bad_routes=error; 'drop' skips and counts)")
+                else:
+                    self.producer.counts["groups_bad_routes"] += 1
+                    if t.mode == LoopMode.sync:  # overlap mode: the buffer already returned its credit
+                        self.producer.allow(1)
+        return out
 
     def start(self, first_credits: int) -> None:
         self.producer.start()
@@ -245,7 +266,7 @@ def main(cfg: Config) -> int:
             payload = None
             if rank0:
                 ctl.producer.check()
-                groups = ctl.buffer.take(t.prompts_per_step, version)
+                groups = ctl.take_batch(version)
                 batch, normalizer, info = build_batch(groups, cfg, t.replay)
                 payload = (batch, normalizer, info)
             batch, normalizer, info = _broadcast(payload)

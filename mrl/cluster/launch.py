@@ -89,6 +89,9 @@ def main(argv: list[str]) -> int:
         cause = f" ({e.__cause__})" if e.__cause__ else ""
         print(f"mrl launch: bad config, nothing submitted: {e}{cause}", file=sys.stderr)
         return 2
+    from mrl.rollout.secrets import ensure_run_secrets
+
+    ensure_run_secrets(cfg.run_dir)  # once, before any node starts: every node then loads the same file
     path = write_run_dir(cfg, script)
     if args.dry_run:
         print(script, end="")

@@ -552,6 +552,11 @@ class LoopMode(str, enum.Enum):
     sync = "sync"  # generate -> train -> sync, no overlap (the baseline)
 
 
+class BadRoutes(str, enum.Enum):
+    error = "error"  # stop the run, naming the sample
+    drop = "drop"  # drop the sample's group (counted) and take another
+
+
 class StalePolicy(str, enum.Enum):
     drop = "drop"  # samples older than max_staleness are dropped (counted)
     keep = "keep"  # kept; the off-policy correction (algo.correction) weighs them
@@ -593,6 +598,8 @@ class TrainConfig:
     """Stop (after checkpointing) once this step is done: for tests of resume."""
     replay: bool = True
     """Keep Routing: replay the engine's experts in training."""
+    bad_routes: BadRoutes = BadRoutes.error
+    """A sample whose routes are missing or mis-sized: never trained with wrong routing."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "max_inflight_groups", "sft_batch"):

@@ -61,8 +61,12 @@ class ClientTimeouts:
 
 class EngineClient:
     def __init__(self, url: str, *, timeouts: ClientTimeouts | None = None, api_key: str | None = None,
-                 admin_key: str | None = None, max_connections: int = 256):
+                 admin_key: str | None = None, max_connections: int = 256, routes_always: bool = False):
+        """``routes_always``: ask for routed experts on every /generate. SGLang 0.5.10's tokenizer manager
+        dies (IndexError in ``_handle_batch_output``) when one output batch mixes requests with and without
+        ``return_routed_experts``; a client that shares an engine with rollouts must never mix them."""
         self.url = url.rstrip("/")
+        self.routes_always = routes_always
         self.timeouts = timeouts or ClientTimeouts()
         if api_key is None and admin_key is None and (run := EngineSecrets.from_env()) is not None:
             api_key, admin_key = run.api_key, run.admin_api_key
@@ -123,7 +127,7 @@ class EngineClient:
             raise ValueError("generate: send one request per sample (sampling_params.n must be 1)")
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid,
                 "return_logprob": return_logprob}
-        if return_routed_experts:
+        if return_routed_experts or self.routes_always:
             body["return_routed_experts"] = True
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num

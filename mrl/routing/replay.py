@@ -52,6 +52,19 @@ def check_replayable(cfg) -> None:
         raise ReplayError(f"router score function {cfg.moe_router_score_function!r} is not replayable")
 
 
+def check_routes(num_tokens: int, routes: np.ndarray | None, *, num_moe_layers: int, top_k: int,
+                 num_experts: int) -> str | None:
+    """Why a sample's routes cannot be replayed (None when they can): missing, wrong shape, bad ids."""
+    if routes is None:
+        return "routes missing (engine started without --enable-return-routed-experts, or empty response?)"
+    want = (num_tokens - 1, num_moe_layers, top_k)
+    if tuple(routes.shape) != want:
+        return f"routes shape {tuple(routes.shape)} != {want} ([tokens - 1, moe layers, top_k])"
+    if routes.size and int(routes.max()) >= num_experts:
+        return f"expert id {int(routes.max())} >= {num_experts} experts"
+    return None
+
+
 def align_routes(routes: np.ndarray, seq_len: int, num_experts: int) -> np.ndarray:
     """``[n - 1, L, K]`` engine routes of an n-token sequence -> ``[seq_len, L, K]`` int64 rows.
 

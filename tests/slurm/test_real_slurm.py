@@ -13,9 +13,11 @@ from mrl.cluster import slurm
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
 STAND_IN_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_trainer.sh")
-# What a successful `mrl train` leaves in its run directory (the model check today; the RL loop's outputs later).
-EXPECTED_OUTPUTS = ("check_model.json",)
-TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "rollout=cpu"]
+# What a successful `mrl train` (the RL loop) leaves in its run directory.
+EXPECTED_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints/step_2/loop_state.pkl")
+# two RL steps with a real CPU engine started by the trainer (num_rollout_nodes=0 in slurm_cpu)
+TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "rollout=cpu", "train.steps=2",
+            "train.prompts_per_step=4", "train.eval_every=0"]
 
 
 def mrl_launch(cluster, args: list[str], *, env: dict | None = None, timeout: float = 300):
@@ -31,7 +33,7 @@ def read(path) -> str:
 def test_tiny_cpu_run_completes(slurm_cluster, tmp_path):
     run = tmp_path / "run"
     p = mrl_launch(slurm_cluster, [*TINY_RUN, f"model.hf_path={tmp_path}/model", f"run_dir={run}", "--wait",
-                                   "--poll=1", "--timeout=240"])
+                                   "--poll=1", "--timeout=420"], timeout=480)
     assert p.returncode == 0, p.stdout + p.stderr + slurm_cluster.logs()
     job_id = p.stdout.split("submitted job ")[1].split(":")[0]
     assert f"job {job_id}: RUNNING" in p.stdout and f"job {job_id} completed" in p.stdout

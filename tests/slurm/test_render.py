@@ -137,10 +137,20 @@ def test_run_dir_loads_the_composed_config_on_the_nodes(tmp_path):
     assert node.rollout.engine_url_dir == f"{tmp_path}/engines" and node.rollout.num_engines == 2
 
 
-def test_secrets_are_never_rendered(monkeypatch):
-    monkeypatch.setenv("MRL_ENGINE_API_KEY", "sk-do-not-render")
+def test_secrets_are_never_rendered(monkeypatch, tmp_path):
+    """mrl launch makes the run's engine keys (0600 file); neither key reaches the script or config dumps."""
+    from mrl.rollout.secrets import EngineSecrets
+
+    monkeypatch.setenv("MRL_ENGINE_KEYS_FILE", "")  # restored after the test, whatever launch exports
+    monkeypatch.delenv("MRL_ENGINE_KEYS_FILE")
+    run = tmp_path / "run"
+    assert launch.main([*PRESETS["slurm_2x2"], f"run_dir={run}", "--dry-run"]) == 0
+    keys = EngineSecrets.from_env()
+    assert keys is not None and str(run) in os.environ["MRL_ENGINE_KEYS_FILE"]
+    for name in ("mrl.sbatch", "config.yaml", "job.yaml"):
+        text = (run / name).read_text()
+        assert keys.api_key not in text and keys.admin_api_key not in text, name
     text = rendered("slurm_2x2")
-    assert "sk-do-not-render" not in text
     assert 'MRL_SECRETS_FILE=${MRL_SECRETS_FILE:-$RUN_DIR/secrets.env}' in text  # the hook: a private file
 
 

@@ -439,3 +439,4 @@ def test_config_validation_names_field(kw, field):
 def test_config_validation_through_compose():
     with pytest.raises(ValueError, match=r"algo\.overlong_buffer_len"):
         compose(["algo=dapo", "rollout.max_new_tokens=4"])
+
