@@ -271,9 +271,10 @@ def main(cfg: Config) -> int:
                 payload = (batch, normalizer, info)
             batch, normalizer, info = _broadcast(payload)
             t_gen = time.perf_counter() - t0
-            m = policy.rl_step(batch, normalizer)
+            m = {}
             if t.replay and t.routing_metrics_every and step % t.routing_metrics_every == 0:
-                m |= policy.routing_metrics(batch)
+                m |= policy.routing_metrics(batch)  # before the update: the weights the samples are judged by
+            m |= policy.rl_step(batch, normalizer)
             step += 1
             m |= info
             if step % cfg.weight_sync.every_n_steps == 0:

@@ -101,7 +101,11 @@ class RolloutManager:
         async with slot.sem:
             slot.inflight += 1
             try:
-                out = await slot.client.generate(inputs, self.sampling.to_request(sample.remaining), rid=rid,
+                params = self.sampling.to_request(sample.remaining)
+                if self.sampling.seed is not None:  # a function of the sample, not of timing or engine
+                    params["sampling_seed"] = (self.sampling.seed * 1_000_003 + sample.group_id * 10_007
+                                               + sample.index * 101 + sample.num_segments) % (1 << 31)
+                out = await slot.client.generate(inputs, params, rid=rid,
                                                  return_logprob=True, return_routed_experts=self.codec is not None)
             except (EngineUnavailable, EngineProtocolError) as e:
                 # crash, hang or garbage: take the engine out, retry the sample elsewhere

@@ -19,6 +19,9 @@ class SamplingSpec:
     min_p: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    seed: int | None = None
+    """Per-request ``sampling_seed`` derived from (seed, group, sample, segment): reproducible rollouts
+    (SGLang honours it only with ``--enable-deterministic-inference``)."""
 
     def to_request(self, max_new_tokens: int) -> dict[str, Any]:
         p = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
