@@ -2,11 +2,12 @@
 same bytes over the same weight-update groups, into receiver processes."""
 
 import argparse
-import faulthandler
-import os
 import asyncio
-import concurrent.futures
+import faulthandler
 import json
+import os
+import statistics
+import threading
 import time
 
 import httpx
@@ -22,7 +23,7 @@ from mrl.jobs.sync_weights import parse_engines
 ap = argparse.ArgumentParser()
 add_layout_args(ap)
 ap.add_argument("--engines", required=True)
-ap.add_argument("--bucket-mb", type=float, default=512)
+ap.add_argument("--bucket-mb", type=float, nargs="+", default=[512], help="one sync set-up per size, in turn")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
@@ -32,10 +33,6 @@ if os.environ.get("MRL_DUMP_AFTER"):  # diagnosing hangs: every thread's stack, 
 m = load_model(a)
 layout = m.layout
 engines = parse_engines(a.engines)
-sync = DistributedWeightSync(model=m.model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                             engines=engines, bucket_bytes=int(a.bucket_mb * (1 << 20)),
-                             dtype="bfloat16" if a.dtype == "bf16" else "float32")
-sync.connect()
 
 
 def timed(fn) -> float:
@@ -51,32 +48,78 @@ def timed(fn) -> float:
     return t.item()
 
 
-my_bytes = sum(b.nbytes for b in sync.plan.for_sender(layout.world_rank))
+class _Poster:
+    """Rank 0's persistent HTTP client on its own loop (no per-call client or thread set-up in the timing)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.client = asyncio.run_coroutine_threadsafe(self._make(), self.loop).result()
+
+    async def _make(self):
+        return httpx.AsyncClient(timeout=600)
+
+    def post_all(self, path, body):
+        async def go():
+            rs = await asyncio.gather(*(self.client.post(e.url + path, json=body) for e in engines))
+            for r in rs:
+                r.raise_for_status()
+            return [r.json() for r in rs]
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop)
 
 
-def raw() -> None:
-    if not sync.is_sender:
-        return
-    buf = torch.empty(my_bytes, dtype=torch.uint8, device=compat.DEVICE)
-    # the receivers serve raw requests concurrently, so each sender posts its own
-    with concurrent.futures.ThreadPoolExecutor(len(engines)) as ex:
-        futs = [ex.submit(asyncio.run, _post(e.url, sync.group_name, my_bytes)) for e in engines]
-        dist.broadcast(buf, src=0, group=sync._pg)
-        for f in futs:
-            f.result(600)
+poster = _Poster() if layout.world_rank == 0 else None
 
 
-async def _post(url, group, nbytes):
-    async with httpx.AsyncClient(timeout=600) as c:
-        r = await c.post(url + "/raw_receive", json={"group_name": group, "nbytes": nbytes})
-        r.raise_for_status()
+def bench(bucket_mb: float) -> dict:
+    sync = DistributedWeightSync(model=m.model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                                 engines=engines, bucket_bytes=int(bucket_mb * (1 << 20)),
+                                 dtype="bfloat16" if a.dtype == "bf16" else "float32",
+                                 group_prefix=f"mrl-b{bucket_mb:g}".replace(".", "_"))
+    sync.connect()
+    my_bytes = sum(b.nbytes for b in sync.plan.for_sender(layout.world_rank))
+    # every sender's total, in the plan's sender order (= the receivers' group order)
+    all_bytes = [None] * layout.world_size
+    dist.all_gather_object(all_bytes, my_bytes if sync.is_sender else None)
+    raw_groups = [[g, all_bytes[r]] for r, g in sorted(sync.plan.groups.items())]
+    buf = torch.empty(my_bytes, dtype=torch.uint8, device=compat.DEVICE) if sync.is_sender else None
+    recv_s: list[float] = []
+
+    def raw() -> None:
+        """The baseline: each sender broadcasts all its bytes as one buffer over its own group; one
+        request per receiver, posted by rank 0 (as the sync's controller), lists the groups in the plan's
+        order, so every receiver enqueues them in the same order (per-sender requests raced: NCCL hang)."""
+        fut = poster.post_all("/raw_receive", {"groups": raw_groups}) if poster else None
+        if sync.is_sender:
+            dist.broadcast(buf, src=0, group=sync._pg)
+        if fut is not None:
+            recv_s.append(max(r.get("seconds", 0.0) for r in fut.result(600)))
+
+    def push() -> None:
+        st = sync.push()
+        if not st.ok:
+            raise RuntimeError(f"weight sync failed: {st.failed_engines}")
+
+    # interleaved after one warm-up of each (communicator set-up, receiver buffers)
+    timed(push)
+    timed(raw)
+    recv_s.clear()
+    sync_s, raw_s = [], []
+    for _ in range(a.reps):
+        sync_s.append(timed(push))
+        raw_s.append(timed(raw))
+    out = {"bucket_mb": bucket_mb, "bytes": sync.plan.nbytes, "sync_s": min(sync_s), "raw_s": min(raw_s),
+           "sync_median_s": statistics.median(sync_s), "raw_median_s": statistics.median(raw_s),
+           "raw_receiver_broadcast_s": min(recv_s) if recv_s else None,
+           "senders": len(sync.plan.groups), "buckets": len(sync.plan.buckets),
+           "all_sync_s": sync_s, "all_raw_s": raw_s}
+    del buf
+    sync.close()
+    return out
 
 
-sync_s = [timed(sync.push) for _ in range(a.reps)]
-raw_s = [timed(raw) for _ in range(a.reps)]
-total = sync.plan.nbytes
+results = [bench(mb) for mb in a.bucket_mb]
 if layout.world_rank == 0:
-    json.dump({"bytes": total, "sync_s": min(sync_s), "raw_s": min(raw_s), "senders": len(sync.plan.groups),
-               "buckets": len(sync.plan.buckets), "all_sync_s": sync_s, "all_raw_s": raw_s}, open(a.out, "w"))
-sync.close()
+    json.dump({"runs": results}, open(a.out, "w"))
 destroy()

@@ -6,12 +6,26 @@ cannot run (the GPU machine has no SGLang) and to time raw broadcasts over the s
 Endpoints: /init_weights_update_group (joins the trainer's group exactly like SGLang: TCP store
 client, PrefixStore(group_name), rank = rank_offset), /update_weights_from_distributed (receives the
 flattened bucket or per-tensor broadcasts from rank 0; weights are received, not loaded),
-/raw_receive {group_name, nbytes} (one raw broadcast, the benchmark's baseline),
-/destroy_weights_update_group, and no-op pause/continue/flush/update_weight_version/model_info.
+/raw_receive {groups: [[group_name, nbytes], ...]} (the benchmark's baseline: one raw broadcast per
+group, launched in the listed order), /destroy_weights_update_group, and no-op
+pause/continue/flush/update_weight_version/model_info.
+
+Every request is logged (stdout) with its time; SIGUSR1 dumps every thread's stack (hang diagnosis).
+
+NCCL rule kept here: all receivers must enqueue the broadcasts of different groups in one order, and
+no CUDA allocation may happen while a broadcast of another group is in flight. Allocating a buffer
+(cudaMalloc can wait for the device) while this process already has a broadcast of group A pending,
+whose peer receiver is itself waiting on a pending broadcast of group B, deadlocks both receivers: that
+was the 4-GPU hang of the raw baseline with two senders (ep2, tp2ep2) and two receivers, whose
+``/raw_receive`` calls arrived concurrently and in a different order at each receiver.
 """
 
 import argparse
 import asyncio
+import faulthandler
+import signal
+import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -23,13 +37,23 @@ from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_h
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def log(*a) -> None:
+    print(f"[{time.time():.3f}]", *a, flush=True)
+
+
 class Receiver:
     def __init__(self, device: str):
         self.device = torch.device(device)
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.version = "0"
 
+    def _on_device(self) -> None:
+        """Worker threads start on cuda:0: bind them to this receiver's GPU (no stray contexts)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _join(self, b: dict) -> None:
+        self._on_device()
         timeout = timedelta(seconds=300)
         store = TCPStore(b["master_address"], b["master_port"], b["world_size"], is_master=False, timeout=timeout)
         pg, _ = _new_process_group_helper(b["world_size"], b["rank_offset"], [], dist.Backend(b["backend"]),
@@ -39,13 +63,32 @@ class Receiver:
         self.groups[b["group_name"]] = pg
 
     def _recv(self, group: str, nbytes: int) -> None:
+        self._on_device()
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dist.broadcast(buf, src=0, group=self.groups[group])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _recv_many(self, groups: list[tuple[str, int]]) -> float:
+        """Every buffer first, then every broadcast enqueued in the given order, then one wait: no
+        allocation while a broadcast is pending, and the same order on every receiver."""
+        self._on_device()
+        bufs = [torch.empty(int(n), dtype=torch.uint8, device=self.device) for _, n in groups]
+        t0 = time.perf_counter()
+        works = [dist.broadcast(b, src=0, group=self.groups[g], async_op=True) for b, (g, _) in zip(bufs, groups)]
+        for w in works:
+            w.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _destroy(self, pg) -> None:
+        self._on_device()
+        dist.destroy_process_group(pg)
+
     async def init(self, req):
         b = await req.json()
+        log("init", b["group_name"], "rank", b["rank_offset"], "of", b["world_size"], "port", b["master_port"])
         await asyncio.to_thread(self._join, b)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -53,6 +96,7 @@ class Receiver:
         b = await req.json()
         sizes = [torch.empty(s, dtype=DT[d], device="meta").numel() * DT[d].itemsize
                  for s, d in zip(b["shapes"], b["dtypes"])]
+        log("update", b["group_name"], sum(sizes), "bytes")
         if b.get("load_format") == "flattened_bucket":
             await asyncio.to_thread(self._recv, b["group_name"], sum(sizes))
         else:
@@ -64,12 +108,15 @@ class Receiver:
 
     async def raw(self, req):
         b = await req.json()
-        await asyncio.to_thread(self._recv, b["group_name"], int(b["nbytes"]))
-        return web.json_response({"success": True, "message": "received"})
+        groups = b.get("groups") or [[b["group_name"], b["nbytes"]]]
+        log("raw", groups)
+        seconds = await asyncio.to_thread(self._recv_many, [(g, int(n)) for g, n in groups])
+        return web.json_response({"success": True, "message": "received", "seconds": seconds})
 
     async def destroy(self, req):
         name = (await req.json())["group_name"]
-        await asyncio.to_thread(dist.destroy_process_group, self.groups.pop(name))
+        log("destroy", name)
+        await asyncio.to_thread(self._destroy, self.groups.pop(name))
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def ok(self, req):
@@ -91,6 +138,8 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    log("receiver", a.device, "port", a.port)
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
     r = Receiver(a.device)

@@ -5,12 +5,18 @@
 
 Trainer ranks run mrl's real executor (TP/EP gathers, HF conversion, flattened buckets, HTTP
 metadata); the receivers follow SGLang's weight-update protocol (bench/weight_receiver.py). The
-raw baseline broadcasts each sender's total bytes as one buffer over the same group.
+raw baseline broadcasts each sender's total bytes as one buffer over the same group (one request per
+receiver, posted by trainer rank 0, listing the groups in one order; see weight_receiver.py for the
+NCCL deadlock that per-sender requests caused). Sync and raw repetitions are interleaved after one
+warm-up of each. Each layout has a time limit (--timeout): past it the workers and the receivers dump
+every thread's stack into the printed logs, and the next layout runs.
 """
 
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,25 +59,79 @@ def make_model(scale: str, root: str) -> str:
     return path
 
 
-def start_receivers(n: int, devices: list[str], root: str):
-    procs, urls = [], []
+def start_receivers(n: int, devices: list[str], root: str, tag: str):
+    procs, urls, logs = [], [], []
     for i in range(n):
-        s = __import__("socket").socket()
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        log = open(os.path.join(root, f"receiver{i}.log"), "w")
+        path = os.path.join(root, f"receiver_{tag}_{i}.log")
+        log = open(path, "w")
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "weight_receiver.py"), "--port", str(port),
                                        "--device", devices[i]], stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
-    for u in urls:
-        for _ in range(120):
+        logs.append(path)
+    for u, p in zip(urls, procs):
+        for _ in range(240):
+            if p.poll() is not None:
+                raise SystemExit(f"receiver {u} exited with {p.returncode}")
             try:
                 httpx.get(u + "/model_info", timeout=2)
                 break
             except httpx.HTTPError:
                 time.sleep(0.5)
-    return procs, urls
+        else:
+            raise SystemExit(f"receiver {u} did not come up")
+    return procs, urls, logs
+
+
+def _tail(path: str, n: int = 60) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_layout(name: str, a, hf: str, dtype: str, buckets: list[float], root: str) -> list[dict] | None:
+    """One layout: fresh receivers, one torchrun; on a timeout every process dumps its stacks."""
+    nproc, args = LAYOUTS[name]
+    devices = [f"cuda:{nproc + i}" for i in range(a.receivers)] if a.scale == "gpu" else ["cpu"] * a.receivers
+    procs, urls, logs = start_receivers(a.receivers, devices, root, name)
+    out = os.path.join(root, f"{name}.json")
+    wlog_path = os.path.join(root, f"workers_{name}.log")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if a.timeout:  # the workers dump their stacks a little before we give up on them
+        env.setdefault("MRL_DUMP_AFTER", str(max(10, a.timeout - 15)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(HERE, "_sync_worker.py"), "--hf", hf, "--dtype", dtype, "--engines",
+           ",".join(f"{u}@1" for u in urls), "--bucket-mb", *map(str, buckets), "--reps", str(a.reps),
+           "--out", out, *args]
+    try:
+        with open(wlog_path, "w") as wlog:
+            w = subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = w.wait(timeout=a.timeout or None)
+            except subprocess.TimeoutExpired:
+                rc = None
+                for p in procs:  # receivers: stacks of every thread (faulthandler on SIGUSR1)
+                    p.send_signal(signal.SIGUSR1)
+                time.sleep(3)
+                os.killpg(w.pid, signal.SIGKILL)
+                w.wait()
+        if rc == 0:
+            return json.load(open(out))["runs"]
+        print(f"== {name}: {'TIMED OUT after %ss' % a.timeout if rc is None else 'exit code %s' % rc}")
+        print(f"-- workers ({wlog_path}):\n{_tail(wlog_path, 120)}")
+        for lp in logs:
+            print(f"-- {lp}:\n{_tail(lp)}")
+        return None
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def main():
@@ -79,42 +139,45 @@ def main():
     ap.add_argument("--scale", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--receivers", type=int, default=1)
     ap.add_argument("--layouts", nargs="+", default=["tp1", "tp2", "ep2", "tp2ep2", "pp2"])
-    ap.add_argument("--bucket-mb", type=float, default=None)
+    ap.add_argument("--bucket-mb", type=float, nargs="+", default=None,
+                    help="bucket sizes (MiB), each timed on the same loaded model (default 256 GPU, 0.125 CPU)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per layout (0: none)")
+    ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="mrl_sync_bench_")
     hf = make_model(a.scale, root)
     dtype = "bf16" if a.scale == "gpu" else "fp32"
-    bucket = a.bucket_mb or (256 if a.scale == "gpu" else 0.125)
-    rows = []
+    buckets = a.bucket_mb or ([256] if a.scale == "gpu" else [0.125])
+    rows, failed = [], []
     for name in a.layouts:
-        nproc, args = LAYOUTS[name]
-        devices = [f"cuda:{nproc + i}" for i in range(a.receivers)] if a.scale == "gpu" else ["cpu"] * a.receivers
-        procs, urls = start_receivers(a.receivers, devices, root)
-        try:
-            out = os.path.join(root, f"{name}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   os.path.join(HERE, "_sync_worker.py"), "--hf", hf, "--dtype", dtype, "--engines",
-                   ",".join(f"{u}@1" for u in urls), "--bucket-mb", str(bucket), "--reps", str(a.reps),
-                   "--out", out, *args]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-            if r.returncode:
-                print(r.stderr[-4000:])
-                raise SystemExit(f"{name} failed")
-            rows.append((name, nproc, json.load(open(out))))
-        finally:
-            for p in procs:
-                p.kill()
-    dev = torch.cuda.get_device_name(0) if a.scale == "gpu" else "CPU (gloo)"
-    t = Table(title=f"weight sync vs raw broadcast, {dev}, {a.receivers} receiver(s), bucket {bucket} MiB, {dtype}")
-    for c in ("trainer layout", "procs", "senders", "buckets", "MiB", "sync s", "raw s", "sync/raw", "sync GiB/s"):
+        runs = run_layout(name, a, hf, dtype, buckets, root)
+        if runs is None:
+            failed.append(name)
+        else:
+            rows += [(name, LAYOUTS[name][0], d) for d in runs]
+    dev = (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if a.scale == "gpu"
+           else "CPU (gloo)")
+    t = Table(title=f"weight sync vs raw broadcast, {dev}, {a.receivers} receiver(s), {dtype}")
+    for c in ("trainer layout", "procs", "senders", "bucket MiB", "buckets", "MiB", "sync s (min)", "raw s (min)", "sync/raw",
+              "sync/raw (median)", "sync GiB/s", "raw GiB/s", "receiver bcast GiB/s"):
         t.add_column(c)
     for name, n, d in rows:
-        t.add_row(name, str(n), str(d["senders"]), str(d["buckets"]), f"{d['bytes'] / 2**20:.1f}",
+        gib = d["bytes"] / 2**30
+        rb = d.get("raw_receiver_broadcast_s")
+        t.add_row(name, str(n), str(d["senders"]), f"{d['bucket_mb']:g}", str(d["buckets"]), f"{d['bytes'] / 2**20:.1f}",
                   f"{d['sync_s']:.4f}", f"{d['raw_s']:.4f}", f"{d['sync_s'] / d['raw_s']:.2f}",
-                  f"{d['bytes'] / 2**30 / d['sync_s']:.2f}")
-    Console(width=160).print(t)
-    print(json.dumps({n: d for n, _, d in rows}))
+                  f"{d['sync_median_s'] / d['raw_median_s']:.2f}", f"{gib / d['sync_s']:.2f}",
+                  f"{gib / d['raw_s']:.2f}", f"{gib / rb:.2f}" if rb else "-")
+    Console(width=200).print(t)
+    result = {"device": dev, "receivers": a.receivers, "dtype": dtype, "reps": a.reps,
+              "rows": [dict(layout=n, procs=k, **d) for n, k, d in rows], "failed": failed}
+    print(json.dumps(result))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if failed:
+        raise SystemExit(f"failed: {failed}")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,12 @@ class MetricsLog:
         present = [(k, t) for k, t in CURVES if self.series(k)[0]]
         if not present:
             return
-        fig, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.2))
-        for ax, (k, title) in zip(axes if len(present) > 1 else [axes], present):
+        cols = min(3, len(present))
+        rows = (len(present) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+        for ax in axes.flat[len(present):]:
+            ax.set_visible(False)
+        for ax, (k, title) in zip(axes.flat, present):
             xs, ys = self.series(k)
             ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
             ax.set_title(title, fontsize=9)

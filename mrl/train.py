@@ -104,7 +104,8 @@ class Controller:
         self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
         eos = policy.bridge.hf_config.eos_token_id
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
+                                top_k=r.top_k, ignore_eos=r.ignore_eos,
+                                stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
         clients = [EngineClient(u, routes_always=True) for u in urls]  # eval shares the engines with rollouts
         self.codec = policy.codec
         self.manager = RolloutManager(clients, sampling=sampling, codec=policy.codec if cfg.train.replay else None)

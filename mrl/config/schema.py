@@ -182,6 +182,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    ignore_eos: bool = False
+    """Generate every sample to its full budget (benchmarks with controlled lengths)."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` flags, passed through (``+rollout.server_args.x=1``)."""
     engine_urls: list[str] = field(default_factory=list)

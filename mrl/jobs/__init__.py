@@ -12,8 +12,12 @@ def torchrun(module: str, args: list[str], nproc: int, *, timeout: float | None 
              cwd: str | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m module`` on ``nproc`` local ranks. The launcher and its workers get their own
     session, so a timeout kills the whole tree: no orphaned ranks keep ports or cores."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *args]
+    if os.environ.get("PET_NNODES"):  # a Slurm trainer node: torchrun reads the multi-node rendezvous
+        # (PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR/PORT) from the environment
+        cmd = [sys.executable, "-m", "torch.distributed.run", "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", module, *args]
     if not capture:
         print("[mrl] " + " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")

@@ -70,9 +70,12 @@ class RolloutManager:
             raise NoEngineAvailable(f"no healthy engine left: {[s.client.url for s in self.slots]}")
         return min(healthy, key=lambda s: s.inflight)
 
-    async def generate_group(self, prompt_ids: list[int], n: int, group_id: int) -> list[Sample]:
+    async def generate_group(self, prompt_ids: list[int], n: int, group_id: int,
+                             max_new_tokens: int | None = None) -> list[Sample]:
+        """``max_new_tokens``: this prompt's budget (a dataset field), else the sampling default."""
+        budget = max_new_tokens or self.sampling.max_new_tokens
         samples = [Sample(prompt_ids=list(prompt_ids), group_id=group_id, index=i,
-                          max_new_tokens=self.sampling.max_new_tokens) for i in range(n)]
+                          max_new_tokens=budget) for i in range(n)]
         return list(await asyncio.gather(*(self.run_sample(s) for s in samples)))
 
     async def run_sample(self, sample: Sample) -> Sample:

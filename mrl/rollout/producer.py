@@ -85,14 +85,18 @@ class Producer:
                 t.add_done_callback(tasks.discard)
         except BaseException as e:  # surfaced to the trainer by check()
             self.error = e
-        finally:
+        finally:  # run over: in-flight groups are abandoned (counted), their cancellation awaited quietly
+            self.counts["groups_abandoned_at_stop"] += len(tasks)
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _group(self, prompt: Prompt, gid: int) -> None:
         try:
             ids = self.tok.encode(prompt.text).ids
-            samples = await self.manager.generate_group(ids, self.group_size, gid)
+            budget = prompt.meta.get("max_new_tokens")  # per-row budget of a JSONL dataset, if any
+            samples = await self.manager.generate_group(ids, self.group_size, gid,
+                                                        max_new_tokens=int(budget) if budget else None)
             if any(s.error for s in samples):
                 self.counts["groups_failed"] += 1
                 self._add_credits(1)

@@ -1,0 +1,125 @@
+"""Shared pieces of the Keep Routing / RL-step benchmarks: checkpoints, torchrun, natural routes.
+
+    python bench/_bench_common.py make-model DIR [--preset gpu|tiny|stress_a]   # write a checkpoint
+
+The ``gpu`` preset is megatron.md §13's model: Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8,
+norm_topk_prob, vocab 32768, ~490M parameters, transformers' own random init (std 0.02, norms 1),
+saved in bf16 with per-expert names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+GPU_PRESET = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256,
+                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
+                  num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                  tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096)
+
+
+def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
+    """A random Qwen3-MoE HF checkpoint at ``path`` (kept if its config.json already exists)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if preset != "gpu":
+        from mrl.config.schema import TinyPreset
+        from mrl.models.tiny import make_tiny_model
+
+        return make_tiny_model(path, TinyPreset(preset), seed=seed)
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from mrl.models.tiny import split_fused_experts
+
+    cfg = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         **GPU_PRESET)
+    torch.manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        model = Qwen3MoeForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(path)
+    sd = split_fused_experts({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def torchrun(nproc: int, script: str, args: list[str], *, timeout: float | None = None) -> None:
+    """Run a bench worker under torchrun; raises with the output tail on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(HERE, script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode:
+        print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
+        raise SystemExit(f"{script} {' '.join(args)} failed ({r.returncode})")
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return "CPU (gloo)"
+
+
+def dump(result: dict, path: str | None) -> None:
+    print(json.dumps(result))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+# -- inside workers (megatron imported) ------------------------------------------------------------
+
+def record_routes(model, layout, rank_slice, cfg, mbs, *, vocab_size: int, num_layers: int, top_k: int,
+                  num_experts: int) -> list[torch.Tensor]:
+    """The model's own natural routing of each micro-batch as engine-style routes ``[b, S, L, K]``
+    (int64, every MoE column of this PP stage filled; other columns get valid dummy ids).
+
+    One forward-only RECORD pass; with sequence parallelism each TP rank routed its S/tp chunk, so the
+    chunks are all-gathered over TP."""
+    import torch.distributed as dist
+
+    from mrl.megatron.train_step import forward_backward
+    from mrl.routing.replay import ReplayDriver, ReplayMode
+
+    rec = ReplayDriver(cfg, rank_slice, ReplayMode.record)
+    forward_backward(model, layout, mbs, vocab_size=vocab_size, forward_only=True, driver=rec)
+    out = []
+    for mb, layers in zip(mbs, rec.recorded):
+        b, s = mb.input_ids.shape
+        dev = mb.input_ids.device
+        routes = (torch.arange(top_k, device=dev) % num_experts).expand(b, s, num_layers, top_k).clone()
+        for j, col in enumerate(rank_slice.moe_columns):
+            t = layers[j].to(dev)
+            t = t.view(-1, b, top_k).transpose(0, 1).contiguous()  # [b, S_local, K]
+            if rank_slice.sequence_parallel and rank_slice.tp_size > 1:
+                parts = [torch.empty_like(t) for _ in range(rank_slice.tp_size)]
+                dist.all_gather(parts, t, group=layout.tp.group)
+                t = torch.cat(parts, 1)
+            routes[:, :, col] = t.long()
+        out.append(routes)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["make-model"])
+    ap.add_argument("path")
+    ap.add_argument("--preset", default="gpu")
+    a = ap.parse_args()
+    print(make_model(a.path, a.preset))
+
+
+if __name__ == "__main__":
+    main()

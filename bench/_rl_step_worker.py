@@ -1,0 +1,168 @@
+"""torchrun worker of bench/rl_step_vs_bare.py: ``Policy.rl_step`` (GRPO loss through
+``mrl.algo.compute_policy_loss``, replayed routes, Policy's micro-batch/padding path, optimizer step)
+vs a bare megatron forward/backward of the same model, layout and padded micro-batches (megatron's own
+vocab-parallel cross-entropy via ``labels``, no replay), interleaved.
+
+Timed, per repetition (order rotated):
+  rl_step    Policy.rl_step(batch, normalizer): batch -> padded micro-batches, replay, loss, optimizer step, metrics
+  rl_fb      the same minus optimizer step and metrics: _micro_batches + forward_backward(loss_fn, replay driver)
+  bare_fb    zero grads + megatron forward_backward_func, cross-entropy, no replay
+  bare_step  bare_fb + optimizer.step()
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from _bench_common import record_routes
+from mrl.algo import compute_policy_loss, loss_normalizer
+from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
+from mrl.megatron import compat
+from mrl.megatron.parallel import destroy, init_parallel
+from mrl.megatron.policy import Policy, RLBatch
+from mrl.megatron.train_step import MicroBatch, forward_backward
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--hf", required=True)
+ap.add_argument("--tp", type=int, default=1)
+ap.add_argument("--ep", type=int, default=1)
+ap.add_argument("--etp", type=int, default=None)
+ap.add_argument("--dtype", default="fp32")
+ap.add_argument("--samples", type=int, default=8, help="global batch (sequences)")
+ap.add_argument("--seq", type=int, default=64, help="longest sequence; lengths are drawn in [3/4 seq, seq]")
+ap.add_argument("--micro-batch-size", type=int, default=2)
+ap.add_argument("--reps", type=int, default=6)
+ap.add_argument("--warmup", type=int, default=2)
+ap.add_argument("--out", required=True)
+a = ap.parse_args()
+
+world = int(os.environ.get("WORLD_SIZE", "1"))
+pcfg = ParallelConfig(tp=a.tp, ep=a.ep, etp=a.etp, sequence_parallel=True, world_size=world)
+cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType(a.dtype), make_tiny_if_missing=False), parallel=pcfg,
+             train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True))
+layout = init_parallel(pcfg, seed=cfg.seed)
+policy = Policy(cfg, layout, a.hf)
+bridge, codec = policy.bridge, policy.codec
+V = bridge.vocab_size
+
+# one RL batch, identical on every rank (as the controller broadcasts it)
+rng = np.random.default_rng(0)
+lens = rng.integers(3 * a.seq // 4, a.seq + 1, size=a.samples)
+prompt = a.seq // 4
+tokens = [rng.integers(0, V, size=int(n)).tolist() for n in lens]
+batch = RLBatch(tokens=tokens, prompt_lens=[prompt] * a.samples,
+                behav_logp=[(-2.0 - rng.random(int(n) - prompt)).tolist() for n in lens],
+                advantages=rng.standard_normal(a.samples).tolist(), routes=None)
+masks = torch.zeros(a.samples, int(lens.max()))
+for i, n in enumerate(lens):
+    masks[i, :int(n) - prompt] = 1
+normalizer = float(loss_normalizer(masks, cfg.algo.aggregation))
+real_tokens = int(lens.sum())
+
+# routes = the model's natural routing of every sample (recorded on every rank over the whole batch,
+# so all ranks hold the same routes, as they would from the engine)
+seq_pad = int(lens.max()) + (-int(lens.max())) % layout.tp.size
+all_ids = torch.zeros(a.samples, seq_pad, dtype=torch.long)
+for i, t in enumerate(tokens):
+    all_ids[i, :len(t)] = torch.tensor(t)
+rec_mbs = [MicroBatch(all_ids[j:j + a.micro_batch_size].to(compat.DEVICE))
+           for j in range(0, a.samples, a.micro_batch_size)]
+rec = record_routes(policy.module, layout, policy.record.slice, policy.tcfg, rec_mbs, vocab_size=V,
+                    num_layers=len(codec.moe_layers), top_k=codec.top_k, num_experts=codec.num_experts)
+routes = torch.cat(rec).cpu().numpy().astype(np.uint8 if codec.num_experts <= 256 else np.int32)
+batch.routes = [routes[i, :len(t) - 1] for i, t in enumerate(tokens)]
+
+# the bare path: the same padded micro-batches (this DP rank's), plain cross-entropy
+bare_mbs, _ = policy._micro_batches(batch, False)
+
+
+def bare_fb() -> None:
+    policy.model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    it = iter(bare_mbs)
+    seq = bare_mbs[0].input_ids.shape[1]
+
+    def forward_step(_data, m):
+        mb = next(it)
+        ids = mb.input_ids
+        pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
+        labels = torch.roll(ids, -1, dims=1)
+        out = m(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels)  # [b, S] token losses
+
+        def loss_func(loss_bs):
+            w = mb.data["valid"]  # every real token but the last
+            return (loss_bs.float() * w).sum() / w.sum().clamp(min=1), {}
+
+        return out, loss_func
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None] * len(bare_mbs)),
+                                model=[policy.model], num_microbatches=len(bare_mbs), seq_length=seq,
+                                micro_batch_size=bare_mbs[0].input_ids.shape[0], forward_only=False)
+
+
+def bare_step() -> None:
+    bare_fb()
+    policy.optimizer.step()
+
+
+def rl_fb() -> None:
+    mbs, _ = policy._micro_batches(batch, True)
+    algo = cfg.algo
+
+    def loss_fn(lp, mb):
+        d = mb.data
+        return compute_policy_loss(lp, lp.detach(), d["behav"], d["adv"], d["mask"], algo, normalizer=normalizer)
+
+    policy.model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    forward_backward(policy.model, layout, mbs, vocab_size=V, loss_fn=loss_fn, driver=policy.replay,
+                     loss_scale=float(layout.dp.size))
+
+
+metrics = {}
+
+
+def rl_step() -> None:
+    metrics.update(policy.rl_step(batch, normalizer))
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    if compat.HAS_CUDA:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if compat.HAS_CUDA:
+        torch.cuda.synchronize()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+fns = {"rl_step": rl_step, "rl_fb": rl_fb, "bare_fb": bare_fb, "bare_step": bare_step}
+names = list(fns)
+for _ in range(a.warmup):
+    for n in names:
+        timed(fns[n])
+times = {n: [] for n in names}
+for r in range(a.reps):
+    for n in names[r % len(names):] + names[:r % len(names)]:
+        times[n].append(timed(fns[n]))
+if layout.world_rank == 0:
+    med = {n: statistics.median(v) for n, v in times.items()}
+    json.dump({"times_s": times, "median_s": med, "min_s": {n: min(v) for n, v in times.items()},
+               "tokens_per_s": {n: real_tokens / med[n] for n in names},
+               "rl_step_vs_bare_fb": med["bare_fb"] / med["rl_step"],
+               "rl_step_vs_bare_step": med["bare_step"] / med["rl_step"],
+               "rl_fb_vs_bare_fb": med["bare_fb"] / med["rl_fb"],
+               "real_tokens": real_tokens, "padded_tokens": a.samples * seq_pad,
+               "micro_batches_per_rank": len(bare_mbs), "dp": layout.dp.size,
+               "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
+destroy()

@@ -1,0 +1,76 @@
+"""RL train step vs bare forward/backward: tokens/s of ``Policy.rl_step`` against megatron's plain
+forward/backward of the same model, layout and batch, measured in one run.
+
+    python bench/rl_step_vs_bare.py                          # CPU (gloo, fp32): tiny model, TP1
+    python bench/rl_step_vs_bare.py --scale gpu --json r.json   # 2 GPUs, bf16: §13's 490M MoE, TP2(SP), EP2
+
+The RL step is the real one (``mrl.megatron.policy.Policy`` built from a ``Config``): the batch goes
+through Policy's micro-batch/padding path, replays the routes (the model's natural routing, recorded
+once), computes ``mrl.algo.compute_policy_loss`` (GRPO, TIS correction), steps the optimizer and
+reduces its metrics. The bare step feeds the same padded micro-batches to megatron's
+forward_backward_func with ``labels`` (megatron's vocab-parallel cross-entropy), no replay. Reported:
+tokens/s (real tokens, median step) of rl_step, rl_fb (rl_step without the optimizer step and
+metrics), bare_fb and bare_step (bare_fb + the same optimizer step), and the throughput ratios
+rl_step/bare_fb (the brief's goal >= 0.9), rl_step/bare_step (like for like: both step the optimizer)
+and rl_fb/bare_fb (forward/backward only).
+"""
+
+import argparse
+import json
+import os
+import tempfile
+
+from rich.console import Console
+from rich.table import Table
+
+from _bench_common import device_name, dump, make_model, torchrun
+
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
+           "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scale", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--preset", default=None, help="tiny | stress_a | gpu (default: tiny on CPU, gpu on GPU)")
+    ap.add_argument("--hf", default=None)
+    ap.add_argument("--layouts", nargs="+", default=None)
+    ap.add_argument("--samples", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--micro-batch-size", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    gpu = a.scale == "gpu"
+    preset = a.preset or ("gpu" if gpu else "tiny")
+    layouts = a.layouts or (["tp2", "ep2"] if gpu else ["tp1"])
+    samples, seq = a.samples or (16 if gpu else 8), a.seq or (1024 if gpu else 64)
+    mbs = a.micro_batch_size or (4 if gpu else 2)
+    reps = a.reps or (8 if gpu else 5)
+    dtype = "bf16" if gpu else "fp32"
+    tmp = tempfile.mkdtemp(prefix="mrl_rl_bench_")
+    hf = a.hf or make_model(os.path.join(tmp, preset), preset)
+    rows = {}
+    for name in layouts:
+        n, args = LAYOUTS[name]
+        out = os.path.join(tmp, f"{name}.json")
+        torchrun(n, "_rl_step_worker.py", ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
+                                           "--micro-batch-size", str(mbs), "--reps", str(reps), "--out", out, *args])
+        rows[name] = json.load(open(out))
+    dev = device_name()
+    t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
+                    f"micro-batch {mbs}, {reps} interleaved reps")
+    for c in ("layout", "rl_step tok/s", "rl_fb tok/s", "bare_fb tok/s", "bare_step tok/s", "rl_step/bare_fb",
+              "rl_step/bare_step", "rl_fb/bare_fb"):
+        t.add_column(c)
+    for name, d in rows.items():
+        tps = d["tokens_per_s"]
+        t.add_row(name, *(f"{tps[k]:.0f}" for k in ("rl_step", "rl_fb", "bare_fb", "bare_step")),
+                  f"{d['rl_step_vs_bare_fb']:.3f}", f"{d['rl_step_vs_bare_step']:.3f}", f"{d['rl_fb_vs_bare_fb']:.3f}")
+    Console(width=170).print(t)
+    dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
+          "micro_batch_size": mbs, "reps": reps, "layouts": rows}, a.json)
+
+
+if __name__ == "__main__":
+    main()
