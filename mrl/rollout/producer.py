@@ -99,6 +99,9 @@ class Producer:
                                                         max_new_tokens=int(budget) if budget else None)
             if any(s.error for s in samples):
                 self.counts["groups_failed"] += 1
+                if all(not slot.healthy for slot in self.manager.slots):  # nothing left to retry on
+                    raise RuntimeError(f"every engine is down ({[s.client.url for s in self.manager.slots]}); "
+                                       f"last error: {next(s.error for s in samples if s.error)}")
                 self._add_credits(1)
                 return
             texts = [self.tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
