@@ -25,6 +25,7 @@ ap.add_argument("--seq", type=int, default=128)
 ap.add_argument("--micro-batches", type=int, default=2)
 ap.add_argument("--reps", type=int, default=10)
 ap.add_argument("--warmup", type=int, default=2)
+ap.add_argument("--profile", action="store_true", help="also profile one step of each mode (torch.profiler)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -37,14 +38,24 @@ rs = RankSlice(tp_rank=layout.tp.rank, tp_size=layout.tp.size, sequence_parallel
                                              layout.pp.rank))
 g = torch.Generator().manual_seed(1000 + layout.dp.rank)  # each DP rank its own data
 ntok = a.micro_batches * a.batch * (a.seq - 1)
-mbs = [MicroBatch(torch.randint(0, bridge.vocab_size, (a.batch, a.seq), generator=g).to(compat.DEVICE),
-                  data={"mask": torch.ones(a.batch, a.seq - 1, device=compat.DEVICE)})
-       for _ in range(a.micro_batches)]
-# routes: the model's own natural routing, recorded once (same expert loads with replay on and off)
-routes = record_routes(model, layout, rs, cfg, mbs, vocab_size=bridge.vocab_size, num_layers=len(codec.moe_layers),
-                       top_k=codec.top_k, num_experts=codec.num_experts)
-for mb, r in zip(mbs, routes):
-    mb.routes = r
+
+
+def make_batch() -> list[MicroBatch]:
+    """Fresh token ids and their natural routes (recorded once). Every timed step gets its own batch,
+    the same one in both modes: replaying one fixed batch would repeat the exact per-expert GEMM shapes
+    (cuBLAS heuristics cached) while natural routing drifts by a few bf16 near-ties, an artefact that
+    made replay look 10-15% faster than no replay on GPU."""
+    mbs = [MicroBatch(torch.randint(0, bridge.vocab_size, (a.batch, a.seq), generator=g).to(compat.DEVICE),
+                      data={"mask": torch.ones(a.batch, a.seq - 1, device=compat.DEVICE)})
+           for _ in range(a.micro_batches)]
+    routes = record_routes(model, layout, rs, cfg, mbs, vocab_size=bridge.vocab_size,
+                           num_layers=len(codec.moe_layers), top_k=codec.top_k, num_experts=codec.num_experts)
+    for mb, r in zip(mbs, routes):
+        mb.routes = r
+    return mbs
+
+
+batches = [make_batch() for _ in range(a.warmup + a.reps)]
 driver = ReplayDriver(cfg, rs, ReplayMode.replay)
 
 
@@ -57,36 +68,55 @@ def sync():
         torch.cuda.synchronize()
 
 
-def step(on: bool, batches=None) -> tuple[float, list]:
+cpu_s = {"off": [], "on": []}
+
+
+def step(on: bool, mbs: list[MicroBatch]) -> tuple[float, list]:
     model.zero_grad(set_to_none=True)
     dist.barrier()
     sync()
-    t0 = time.perf_counter()
-    outs = forward_backward(model, layout, batches or mbs, vocab_size=bridge.vocab_size, loss_fn=loss_fn,
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = forward_backward(model, layout, mbs, vocab_size=bridge.vocab_size, loss_fn=loss_fn,
                             driver=driver if on else None)
     sync()
+    cpu_s["on" if on else "off"].append(time.process_time() - c0)
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item(), outs
 
 
-for _ in range(a.warmup):
-    step(False)
-    step(True)
+for w in range(a.warmup):
+    step(False, batches[w])
+    step(True, batches[w])
 times = {"off": [], "on": []}
 last = {}
 for r in range(a.reps):
     for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-        t, outs = step(mode == "on")
+        t, outs = step(mode == "on", batches[a.warmup + r])
         times[mode].append(t)
         last[mode] = outs
+
+profiles = {}
+if a.profile:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if compat.HAS_CUDA else [])
+    for mode in ("off", "on"):
+        with profile(activities=acts) as prof:
+            t, _ = step(mode == "on", batches[-1])
+        ev = prof.key_averages()
+        dev_us = sum(getattr(e, "self_device_time_total", 0) for e in ev)
+        profiles[mode] = {"wall_s": t, "device_busy_s": dev_us / 1e6,
+                          "top_cpu": ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60),
+                          "top_device": ev.table(sort_by="self_device_time_total", row_limit=12,
+                                                 max_name_column_width=60) if compat.HAS_CUDA else ""}
 
 # checks: natural routes replayed -> same logprobs; shifted routes -> different logprobs (replay is live)
 check = {}
 if last["on"]:
     check["max_abs_logprob_diff_replay_vs_natural"] = max(
         float((x["logprobs"] - y["logprobs"]).abs().max()) for x, y in zip(last["on"], last["off"]))
-shifted = [MicroBatch(mb.input_ids, (mb.routes + 1) % codec.num_experts, mb.data) for mb in mbs]
+shifted = [MicroBatch(mb.input_ids, (mb.routes + 1) % codec.num_experts, mb.data) for mb in batches[-1]]
 _, outs = step(True, shifted)
 if outs:
     check["max_abs_logprob_diff_shifted_routes"] = max(
@@ -101,5 +131,6 @@ if layout.world_rank == 0:
                "off_min_s": min(times["off"]), "on_min_s": min(times["on"]),
                "ratio_median": med["on"] / med["off"], "ratio_min": min(times["on"]) / min(times["off"]),
                "tokens_per_step": a.micro_batches * a.batch * a.seq * dp, "dp": dp,
-               "moe_layers_local": len(rs.moe_columns), **merged}, open(a.out, "w"))
+               "moe_layers_local": len(rs.moe_columns), "cpu_s_median": {k: statistics.median(v) for k, v in cpu_s.items()},
+               "profiles": profiles, **merged}, open(a.out, "w"))
 destroy()

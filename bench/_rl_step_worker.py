@@ -8,6 +8,8 @@ Timed, per repetition (order rotated):
   rl_fb      the same minus optimizer step and metrics: _micro_batches + forward_backward(loss_fn, replay driver)
   bare_fb    zero grads + megatron forward_backward_func, cross-entropy, no replay
   bare_step  bare_fb + optimizer.step()
+  ce_fb      mrl's forward_backward (gathered logits, fp32 log-softmax) with a plain NLL loss, no replay:
+             splits rl_fb - bare_fb into "mrl's logprob path" (ce_fb - bare_fb) and "RL loss + replay" (rl_fb - ce_fb)
 """
 
 import argparse
@@ -52,40 +54,49 @@ policy = Policy(cfg, layout, a.hf)
 bridge, codec = policy.bridge, policy.codec
 V = bridge.vocab_size
 
-# one RL batch, identical on every rank (as the controller broadcasts it)
 rng = np.random.default_rng(0)
-lens = rng.integers(3 * a.seq // 4, a.seq + 1, size=a.samples)
 prompt = a.seq // 4
-tokens = [rng.integers(0, V, size=int(n)).tolist() for n in lens]
-batch = RLBatch(tokens=tokens, prompt_lens=[prompt] * a.samples,
-                behav_logp=[(-2.0 - rng.random(int(n) - prompt)).tolist() for n in lens],
-                advantages=rng.standard_normal(a.samples).tolist(), routes=None)
-masks = torch.zeros(a.samples, int(lens.max()))
-for i, n in enumerate(lens):
-    masks[i, :int(n) - prompt] = 1
-normalizer = float(loss_normalizer(masks, cfg.algo.aggregation))
-real_tokens = int(lens.sum())
 
-# routes = the model's natural routing of every sample (recorded on every rank over the whole batch,
-# so all ranks hold the same routes, as they would from the engine)
-seq_pad = int(lens.max()) + (-int(lens.max())) % layout.tp.size
-all_ids = torch.zeros(a.samples, seq_pad, dtype=torch.long)
-for i, t in enumerate(tokens):
-    all_ids[i, :len(t)] = torch.tensor(t)
-rec_mbs = [MicroBatch(all_ids[j:j + a.micro_batch_size].to(compat.DEVICE))
-           for j in range(0, a.samples, a.micro_batch_size)]
-rec = record_routes(policy.module, layout, policy.record.slice, policy.tcfg, rec_mbs, vocab_size=V,
-                    num_layers=len(codec.moe_layers), top_k=codec.top_k, num_experts=codec.num_experts)
-routes = torch.cat(rec).cpu().numpy().astype(np.uint8 if codec.num_experts <= 256 else np.int32)
-batch.routes = [routes[i, :len(t) - 1] for i, t in enumerate(tokens)]
 
-# the bare path: the same padded micro-batches (this DP rank's), plain cross-entropy
-bare_mbs, _ = policy._micro_batches(batch, False)
+class Case:
+    """One RL batch (identical on every rank, as the controller broadcasts it) with its routes = the
+    model's natural routing of every sample (recorded on every rank over the whole batch), and the
+    bare path's padded micro-batches (this DP rank's). Every timed repetition gets its own Case, the
+    same for all step kinds: replaying one fixed batch over and over would repeat the exact per-expert
+    GEMM shapes (cached cuBLAS heuristics) while natural routing drifts by bf16 near-ties."""
 
+    def __init__(self):
+        lens = rng.integers(3 * a.seq // 4, a.seq + 1, size=a.samples)
+        tokens = [rng.integers(0, V, size=int(n)).tolist() for n in lens]
+        self.batch = RLBatch(tokens=tokens, prompt_lens=[prompt] * a.samples,
+                             behav_logp=[(-2.0 - rng.random(int(n) - prompt)).tolist() for n in lens],
+                             advantages=rng.standard_normal(a.samples).tolist(), routes=None)
+        masks = torch.zeros(a.samples, int(lens.max()))
+        for i, n in enumerate(lens):
+            masks[i, :int(n) - prompt] = 1
+        self.normalizer = float(loss_normalizer(masks, cfg.algo.aggregation))
+        self.real_tokens = int(lens.sum())
+        seq_pad = int(lens.max()) + (-int(lens.max())) % layout.tp.size
+        self.padded_tokens = a.samples * seq_pad
+        all_ids = torch.zeros(a.samples, seq_pad, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            all_ids[i, :len(t)] = torch.tensor(t)
+        rec_mbs = [MicroBatch(all_ids[j:j + a.micro_batch_size].to(compat.DEVICE))
+                   for j in range(0, a.samples, a.micro_batch_size)]
+        rec = record_routes(policy.module, layout, policy.record.slice, policy.tcfg, rec_mbs, vocab_size=V,
+                            num_layers=len(codec.moe_layers), top_k=codec.top_k, num_experts=codec.num_experts)
+        routes = torch.cat(rec).cpu().numpy().astype(np.uint8 if codec.num_experts <= 256 else np.int32)
+        self.batch.routes = [routes[i, :len(t) - 1] for i, t in enumerate(tokens)]
+        self.bare_mbs, _ = policy._micro_batches(self.batch, False)
+
+
+cases = [Case() for _ in range(a.warmup + a.reps)]
+case = cases[0]  # the one the step functions below use
 
 def bare_fb() -> None:
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
+    bare_mbs = case.bare_mbs
     it = iter(bare_mbs)
     seq = bare_mbs[0].input_ids.shape[1]
 
@@ -113,6 +124,7 @@ def bare_step() -> None:
 
 
 def rl_fb() -> None:
+    batch, normalizer = case.batch, case.normalizer
     mbs, _ = policy._micro_batches(batch, True)
     algo = cfg.algo
 
@@ -126,11 +138,23 @@ def rl_fb() -> None:
                      loss_scale=float(layout.dp.size))
 
 
+def ce_fb() -> None:
+    bare_mbs = case.bare_mbs
+    n = sum(float(mb.data["mask"].sum()) for mb in bare_mbs)
+
+    def loss_fn(lp, mb):
+        return -(lp * mb.data["mask"]).sum() / n, {}
+
+    policy.model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    forward_backward(policy.model, layout, bare_mbs, vocab_size=V, loss_fn=loss_fn, driver=None)
+
+
 metrics = {}
 
 
 def rl_step() -> None:
-    metrics.update(policy.rl_step(batch, normalizer))
+    metrics.update(policy.rl_step(case.batch, case.normalizer))
 
 
 def timed(fn) -> float:
@@ -146,23 +170,29 @@ def timed(fn) -> float:
     return t.item()
 
 
-fns = {"rl_step": rl_step, "rl_fb": rl_fb, "bare_fb": bare_fb, "bare_step": bare_step}
+fns = {"rl_step": rl_step, "rl_fb": rl_fb, "bare_fb": bare_fb, "bare_step": bare_step, "ce_fb": ce_fb}
 names = list(fns)
-for _ in range(a.warmup):
+for w in range(a.warmup):
+    case = cases[w]
     for n in names:
         timed(fns[n])
 times = {n: [] for n in names}
+real_tokens = 0
 for r in range(a.reps):
+    case = cases[a.warmup + r]
+    real_tokens += case.real_tokens
     for n in names[r % len(names):] + names[:r % len(names)]:
         times[n].append(timed(fns[n]))
+padded = sum(c.padded_tokens for c in cases[a.warmup:])
 if layout.world_rank == 0:
     med = {n: statistics.median(v) for n, v in times.items()}
+    real_tokens /= a.reps  # mean real tokens per step
     json.dump({"times_s": times, "median_s": med, "min_s": {n: min(v) for n, v in times.items()},
                "tokens_per_s": {n: real_tokens / med[n] for n in names},
                "rl_step_vs_bare_fb": med["bare_fb"] / med["rl_step"],
                "rl_step_vs_bare_step": med["bare_step"] / med["rl_step"],
-               "rl_fb_vs_bare_fb": med["bare_fb"] / med["rl_fb"],
-               "real_tokens": real_tokens, "padded_tokens": a.samples * seq_pad,
-               "micro_batches_per_rank": len(bare_mbs), "dp": layout.dp.size,
+               "rl_fb_vs_bare_fb": med["bare_fb"] / med["rl_fb"], "rl_fb_vs_ce_fb": med["ce_fb"] / med["rl_fb"],
+               "real_tokens": real_tokens, "padded_tokens": padded / a.reps,
+               "micro_batches_per_rank": len(case.bare_mbs), "dp": layout.dp.size,
                "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
 destroy()

@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="profile one step per mode; print the top ops")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     gpu = a.scale == "gpu"
@@ -52,7 +53,7 @@ def main() -> None:
         out = os.path.join(tmp, f"{name}.json")
         torchrun(n, "_replay_worker.py", ["--hf", hf, "--dtype", dtype, "--batch", str(batch), "--seq", str(seq),
                                           "--micro-batches", str(a.micro_batches), "--reps", str(reps),
-                                          "--out", out, *args])
+                                          "--out", out, *args, *(["--profile"] if a.profile else [])])
         import json
 
         rows[name] = json.load(open(out))
@@ -60,13 +61,21 @@ def main() -> None:
     t = Table(title=f"Keep Routing overhead, {dev}, {preset} ({dtype}), {a.micro_batches} micro-batches x "
                     f"{batch} x {seq} tokens per DP rank, {reps} interleaved reps")
     for c in ("layout", "off ms (median)", "on ms (median)", "on/off (median)", "on/off (min)",
-              "replay=natural lp diff", "shifted routes lp diff"):
+              "host CPU s/step off, on", "replay=natural lp diff", "shifted routes lp diff"):
         t.add_column(c)
     for name, d in rows.items():
         t.add_row(name, f"{1e3 * d['off_median_s']:.1f}", f"{1e3 * d['on_median_s']:.1f}", f"{d['ratio_median']:.3f}",
-                  f"{d['ratio_min']:.3f}", f"{d.get('max_abs_logprob_diff_replay_vs_natural', float('nan')):.2g}",
+                  f"{d['ratio_min']:.3f}", "{off:.2f}, {on:.2f}".format(**d["cpu_s_median"]), f"{d.get('max_abs_logprob_diff_replay_vs_natural', float('nan')):.2g}",
                   f"{d.get('max_abs_logprob_diff_shifted_routes', float('nan')):.2g}")
     Console(width=160).print(t)
+    for name, d in rows.items():
+        for mode, p in d.get("profiles", {}).items():
+            print(f"--- profile {name} replay {mode}: wall {p['wall_s'] * 1e3:.0f} ms, "
+                  f"device busy {p['device_busy_s'] * 1e3:.0f} ms (rank 0)")
+            print(p["top_cpu"])
+            print(p["top_device"])
+        for p in d.get("profiles", {}).values():
+            p.pop("top_cpu"), p.pop("top_device")
     dump({"bench": "replay_overhead", "device": dev, "preset": preset, "dtype": dtype, "micro_batches": a.micro_batches,
           "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json)
 

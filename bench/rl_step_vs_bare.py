@@ -12,7 +12,8 @@ forward_backward_func with ``labels`` (megatron's vocab-parallel cross-entropy),
 tokens/s (real tokens, median step) of rl_step, rl_fb (rl_step without the optimizer step and
 metrics), bare_fb and bare_step (bare_fb + the same optimizer step), and the throughput ratios
 rl_step/bare_fb (the brief's goal >= 0.9), rl_step/bare_step (like for like: both step the optimizer)
-and rl_fb/bare_fb (forward/backward only).
+and rl_fb/bare_fb (forward/backward only); ce_fb (mrl's forward_backward with a plain NLL, no
+replay) splits the last one into mrl's logprob path and the RL loss + replay.
 """
 
 import argparse
@@ -60,13 +61,14 @@ def main() -> None:
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
                     f"micro-batch {mbs}, {reps} interleaved reps")
-    for c in ("layout", "rl_step tok/s", "rl_fb tok/s", "bare_fb tok/s", "bare_step tok/s", "rl_step/bare_fb",
-              "rl_step/bare_step", "rl_fb/bare_fb"):
+    for c in ("layout", "rl_step tok/s", "rl_fb tok/s", "ce_fb tok/s", "bare_fb tok/s", "bare_step tok/s",
+              "rl_step/bare_fb", "rl_step/bare_step", "rl_fb/bare_fb", "rl_fb/ce_fb"):
         t.add_column(c)
     for name, d in rows.items():
         tps = d["tokens_per_s"]
-        t.add_row(name, *(f"{tps[k]:.0f}" for k in ("rl_step", "rl_fb", "bare_fb", "bare_step")),
-                  f"{d['rl_step_vs_bare_fb']:.3f}", f"{d['rl_step_vs_bare_step']:.3f}", f"{d['rl_fb_vs_bare_fb']:.3f}")
+        t.add_row(name, *(f"{tps[k]:.0f}" for k in ("rl_step", "rl_fb", "ce_fb", "bare_fb", "bare_step")),
+                  f"{d['rl_step_vs_bare_fb']:.3f}", f"{d['rl_step_vs_bare_step']:.3f}", f"{d['rl_fb_vs_bare_fb']:.3f}",
+                  f"{d['rl_fb_vs_ce_fb']:.3f}")
     Console(width=170).print(t)
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
           "micro_batch_size": mbs, "reps": reps, "layouts": rows}, a.json)

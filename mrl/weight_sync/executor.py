@@ -237,14 +237,8 @@ class DistributedWeightSync:
         if posted is not None:  # EngineHTTPError "...partially updated..." when an engine rejected a bucket
             for url, err in posted.result(self.timeout_s * max(1, len(self._global))).items():
                 failed.setdefault(url, err)
-        everyone = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, failed)
-        union: dict[str, str] = {}
-        for f in everyone:
-            for url, err in f.items():
-                union.setdefault(url, err)
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
-                         failed_engines=union)
+                         failed_engines=union_failures(self.layout, failed))
 
     def _finish(self, work, bucket: Bucket, failed: dict[str, str]) -> None:
         try:
@@ -254,6 +248,17 @@ class DistributedWeightSync:
             msg = f"broadcast of bucket {bucket.index} over {bucket.group} failed: {e}"
             for e_ in self.engines:
                 failed.setdefault(e_.url, msg)
+
+
+def union_failures(layout: Layout, failed: dict[str, str]) -> dict[str, str]:
+    """Every rank's {engine url: first error}, merged, on every rank (collective)."""
+    everyone = [None] * layout.world_size
+    dist.all_gather_object(everyone, failed)
+    union: dict[str, str] = {}
+    for f in everyone:
+        for url, err in f.items():
+            union.setdefault(url, err)
+    return union
 
 
 def _numel(t) -> int:

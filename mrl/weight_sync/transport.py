@@ -40,7 +40,8 @@ from mrl.megatron.weights import export_hf
 from mrl.models.bridge import ModelBridge
 from mrl.models.checkpoint import save_hf
 from mrl.rollout.client import EngineClient
-from mrl.weight_sync.executor import DistributedWeightSync, EngineEndpoint, PushStats, _LoopThread
+from mrl.weight_sync.executor import (DistributedWeightSync, EngineEndpoint, PushStats, _LoopThread,
+                                      union_failures)
 
 
 class Transport(abc.ABC):
@@ -171,14 +172,8 @@ class TensorTransport(Transport):
                 failed.setdefault(url, err)
             sent += 1
             nbytes += sum(t.numel() * t.element_size() for _, t in named)
-        everyone = [None] * ex.layout.world_size
-        dist.all_gather_object(everyone, failed)
-        union: dict[str, str] = {}
-        for f in everyone:
-            for url, err in f.items():
-                union.setdefault(url, err)
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
-                         failed_engines=union)
+                         failed_engines=union_failures(ex.layout, failed))
 
     def close(self) -> None:
         if self._io is not None:

@@ -42,8 +42,8 @@ def test_sync_mode_run_writes_everything(tmp_path):
 
 def test_default_run_learns(tmp_path):
     """The README's default run, shortened: the sampled reward must rise clearly."""
-    _, rows = mrl_train(tmp_path / "default", "train.steps=40", "train.eval_every=0")
+    _, rows = mrl_train(tmp_path / "default", "train.steps=70", "train.eval_every=0")
     rewards = [r["reward"] for r in rows if "reward" in r]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"\n[mrl train] reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
-    assert first < 0.45 and last > first + 0.2, rewards
+    assert first < 0.3 and last > first + 0.2, rewards  # README run: 0.03 -> 0.5 by step 70

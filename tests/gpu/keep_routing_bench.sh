@@ -6,6 +6,7 @@
 #   3. rl_step_vs_bare:  Policy.rl_step tokens/s vs bare megatron fwd/bwd, TP2(SP) and EP2 (2 GPUs)
 # Carry .whl/ (megatron-core wheel). Uses GPUs 0 and 1 of however many there are.
 #   bash tests/gpu/keep_routing_bench.sh [OUT_DIR]
+#   BENCHES="replay_overhead" ARGS_replay_overhead="--reps 16 --profile" bash tests/gpu/keep_routing_bench.sh
 set -uo pipefail
 OUT=${1:-${OUT:-runs/gpu_keep_routing}}
 mkdir -p "$OUT"
@@ -21,7 +22,8 @@ python3 bench/_bench_common.py make-model $M --preset gpu || exit 1
 fails=0
 for b in ${BENCHES:-routing_mismatch replay_overhead rl_step_vs_bare}; do
   echo "== $b" | tee -a "$OUT/keep_routing.txt"
-  python3 bench/$b.py --scale gpu --hf $M --json "$OUT/$b.json" 2>&1 | grep -v "^{" | tee -a "$OUT/keep_routing.txt"
+  extra=ARGS_$b  # e.g. ARGS_replay_overhead="--reps 16"
+  python3 bench/$b.py --scale gpu --hf $M --json "$OUT/$b.json" ${!extra:-} 2>&1 | grep -v "^{" | tee -a "$OUT/keep_routing.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || { fails=$((fails+1)); echo "FAIL $b" | tee -a "$OUT/keep_routing.txt"; }
 done
 echo "failures: $fails"

@@ -70,7 +70,8 @@ def test_engines_announce_and_withdraw(monkeypatch, tmp_path):
                                                     "rollout.num_engines=2"], want=2)
     host = socket.gethostname()
     assert seen == {f"{host}-engine0": "http://node7:31000", f"{host}-engine1": "http://node7:31001"}
-    assert [e.host for e in STARTED] == ["0.0.0.0", "0.0.0.0"]  # reachable from the trainer nodes
+    # bound to this node's own interface (MRL_ENGINE_HOST here), never 0.0.0.0: reachable from the job only
+    assert [e.host for e in STARTED] == ["node7", "node7"]
     assert read_urls(str(tmp_path / "engines")) == {}  # withdrawn on stop
 
 
