@@ -174,11 +174,11 @@ class DistributedWeightSync:
         dist.barrier()
 
     # -- one sync --------------------------------------------------------------------------------
-    def _gather_bucket(self, bucket: Bucket) -> dict[str, torch.Tensor] | None:
+    def _gather_bucket(self, bucket: Bucket) -> list[tuple] | None:
         """Join the gathers this rank belongs to (one all-gather per group and dtype); the bucket's
-        sender gets its HF tensors."""
+        sender gets ``(planned param, param map, full tensor)`` per param, in bucket order."""
         me = self.layout.world_rank
-        items = []
+        items, planned = [], []
         for p in bucket.params:
             lp = self.local.get(p.mcore_name)
             if lp is None:
@@ -189,14 +189,25 @@ class DistributedWeightSync:
             if lp.shard_group is None and me != bucket.sender:
                 continue
             items.append((lp, self.maps[p.mcore_name]))
+            planned.append(p)
         fulls = gather_full_many(items)
         if me != bucket.sender:
             return None
-        out: dict[str, torch.Tensor] = {}
-        for (lp, pm), full in zip(items, fulls):
-            for name, t in split_full(pm, full).items():
-                out[name] = t.to(_TORCH_DTYPES[self.dtype])
-        return out
+        return [(p, pm, full) for p, (_, pm), full in zip(planned, items, fulls)]
+
+    def _flatten(self, bucket: Bucket, gathered: list[tuple]) -> torch.Tensor:
+        """The bucket's bytes in ``flattened_bucket`` order. A param whose HF tensors are its own rows in
+        order (experts' [gate; up], down, norms, ...: ``_row_identity``) goes in as one piece; only the
+        others (q/k/v interleaved per KV group, vocab padding) are split per HF tensor."""
+        dtype = _TORCH_DTYPES[self.dtype]
+        pieces = []
+        for p, pm, full in gathered:
+            if _row_identity(pm, p):
+                pieces.append(full.to(dtype).reshape(-1).view(torch.uint8))
+            else:
+                hf = split_full(pm, full)
+                pieces += [hf[t.name].to(dtype).contiguous().view(-1).view(torch.uint8) for t in p.tensors]
+        return torch.cat(pieces)
 
     def _bucket_meta(self, bucket: Bucket):
         meta = bucket.tensors
@@ -221,11 +232,12 @@ class DistributedWeightSync:
         sent = nbytes = 0
         failed: dict[str, str] = {}
         for bucket in self._order:
-            tensors = self._gather_bucket(bucket)
-            if tensors is None or failed:
+            gathered = self._gather_bucket(bucket)
+            if gathered is None or failed:
                 continue  # still joined the gathers above, so the other ranks never wait on us
-            meta = self._bucket_meta(bucket)
-            flat = torch.cat([tensors[t.name].contiguous().view(-1)[: _numel(t)].view(torch.uint8) for t in meta])
+            flat = self._flatten(bucket, gathered)
+            if self.fault is not None and bucket.index == self.fault.bucket:  # test hook: one row short
+                flat = _cut_bytes(flat, bucket.tensors, self._bucket_meta(bucket), _TORCH_DTYPES[self.dtype])
             if pending is not None:
                 self._finish(*pending, failed)
             work = dist.broadcast(flat.to(compat.DEVICE), src=0, group=self._pg, async_op=True)
@@ -266,6 +278,33 @@ def _numel(t) -> int:
     for d in t.shape:
         n *= d
     return n
+
+
+_IDENTITY: dict[tuple[str, tuple[str, ...]], bool] = {}
+
+
+def _row_identity(pm, planned) -> bool:
+    """True when the full megatron tensor's rows are exactly the param's HF tensors, whole and in the
+    bucket's order (so its bytes are theirs, concatenated). Cached per (param, HF names)."""
+    key = (pm.mcore_name, tuple(t.name for t in planned.tensors))
+    if key not in _IDENTITY:
+        parts = [part for seg in pm.segments for part in seg]
+        names = [part.hf_name for part in parts]
+        rows = {t.name: t.shape[0] for t in planned.tensors}
+        _IDENTITY[key] = (None not in names and names == list(key[1])
+                          and all(part.start == 0 and part.num_rows == rows[part.hf_name] for part in parts))
+    return _IDENTITY[key]
+
+
+def _cut_bytes(flat: torch.Tensor, declared, sent, dtype: torch.dtype) -> torch.Tensor:
+    """Test fault: drop the bytes of the row that ``sent`` (the cut meta) no longer declares."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    out, off = [], 0
+    for full_t, cut_t in zip(declared, sent):
+        n = _numel(full_t) * elem
+        out.append(flat[off:off + _numel(cut_t) * elem])
+        off += n
+    return torch.cat(out)
 
 
 def _cut_one_row(meta):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from mrl.config.schema import WeightTransport
 from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import export_hf
-from mrl.models.bridge import ModelBridge
+from mrl.models.bridge import ModelBridge, split_full
 from mrl.models.checkpoint import save_hf
 from mrl.rollout.client import EngineClient
 from mrl.weight_sync.executor import (DistributedWeightSync, EngineEndpoint, PushStats, _LoopThread,
@@ -162,10 +162,10 @@ class TensorTransport(Transport):
         failed: dict[str, str] = {}
         sent = nbytes = 0
         for bucket in ex._order:
-            tensors = ex._gather_bucket(bucket)
-            if tensors is None:
+            gathered = ex._gather_bucket(bucket)
+            if gathered is None:
                 continue
-            named = [(t.name, tensors[t.name].contiguous()) for t in bucket.tensors]
+            named = [(name, t.contiguous()) for p, pm, full in gathered for name, t in split_full(pm, full).items()]
             payload = serialize_named_tensors(named)  # tensors stay alive until every engine answered
             for url, err in _run_on(ex.engines, lambda c: c.update_weights_from_tensor(
                     [payload] * next(e.tp for e in ex.engines if e.url == c.url)), loop=self._io).items():
