@@ -38,11 +38,12 @@ def write_prompts(path: str, n: int, seed: int = 0) -> list[int]:
 
 def run(mode: str, prompts: str, run_dir: str, steps: int) -> dict:
     args = [MRL, "train", f"train.mode={mode}", f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
-            "train.eval_every=0", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
+            "train.eval_every=0", "train.sft_warmup_steps=0", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
             "rollout.ignore_eos=true", "train.max_staleness=4", "train.stale_policy=keep",
             "train.max_inflight_groups=24", "train.routing_metrics_every=0", f"run_dir={run_dir}"]
-    subprocess.run(args, check=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.run(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"mrl train ({mode}) failed:\n{p.stderr[-3000:]}")
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps_rows = [r for r in rows if "step_seconds" in r]
     # the first step includes engine warm-up and the first fill of the pipeline in both modes

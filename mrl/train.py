@@ -112,7 +112,7 @@ class Controller:
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
         self.scorer = RewardScorer(cfg.reward)
-        self.eval_source = build_prompt_source(cfg.data, split="eval")
+        self.eval_source = build_prompt_source(cfg.data, split="eval") if cfg.train.eval_every else None
         t = cfg.train
         self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
         if state.buffered:
