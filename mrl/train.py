@@ -244,12 +244,14 @@ def main(cfg: Config) -> int:
         _sft_warmup(cfg, policy, hf_path, log)
     ctl = Controller(cfg, hf_path, policy, state) if rank0 else None
     endpoints = _broadcast(ctl.endpoints if rank0 else None)
-    transport, disk = make_transport(
-        cfg.weight_sync.transport, model=policy.model, layout=layout, bridge=policy.bridge,
-        padded_vocab=policy.padded_vocab, engines=endpoints, bucket_bytes=int(cfg.weight_sync.bucket_mb * (1 << 20)),
-        export_dir=cfg.weight_sync.export_dir or os.path.join(cfg.run_dir, "weights"), config_src=hf_path,
-        timeout_s=cfg.weight_sync.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"))
-    syncer = EngineSync(transport, disk, layout, endpoints)
+    def channels(engines):  # also rebuilt without an engine that died (per-run group names: never reused)
+        return make_transport(
+            cfg.weight_sync.transport, model=policy.model, layout=layout, bridge=policy.bridge,
+            padded_vocab=policy.padded_vocab, engines=engines, bucket_bytes=int(cfg.weight_sync.bucket_mb * (1 << 20)),
+            export_dir=cfg.weight_sync.export_dir or os.path.join(cfg.run_dir, "weights"), config_src=hf_path,
+            timeout_s=cfg.weight_sync.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"))
+
+    syncer = EngineSync(*channels(endpoints), layout, endpoints, rebuild=channels)
     syncer.connect()
     version = state.version
     if state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
@@ -281,12 +283,16 @@ def main(cfg: Config) -> int:
             if step % cfg.weight_sync.every_n_steps == 0:
                 version += 1
                 rep = syncer.sync(str(version))
-                m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk))}
+                m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
+                      "engines_alive": float(len(syncer.engines)), "engines_dropped": float(len(syncer.dropped))}
             m |= {"wait_seconds": t_gen, "step_seconds": time.perf_counter() - t0, "version": version}
             if rank0:
                 bs = ctl.buffer.stats
                 m |= {"dropped_stale": bs.dropped_stale, "buffered": len(ctl.buffer),
-                      **{f"rollout/{k}": v for k, v in ctl.producer.counts.items()}}
+                      **{f"rollout/{k}": v for k, v in ctl.producer.counts.items()},
+                      "rollout/samples_failed": ctl.manager.stats.failed,
+                      "rollout/engine_failures": ctl.manager.stats.engine_failures,
+                      "rollout/retries": ctl.manager.stats.retries}
                 log.step(step, m, staleness=bs.staleness)
                 if t.eval_every and step % t.eval_every == 0:
                     log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), step)

@@ -212,6 +212,8 @@ class SyncReport:
     bytes_sent: int
     failed_engines: dict[str, str] = field(default_factory=dict)
     repaired_from_disk: list[str] = field(default_factory=list)
+    dropped_engines: list[str] = field(default_factory=list)
+    """Engines found dead during this sync and removed from the weight-update groups."""
 
 
 class EngineSync:
@@ -222,9 +224,12 @@ class EngineSync:
     resumes them on the new weights (per-token versions tell the trainer which tokens are stale)."""
 
     def __init__(self, transport: Transport, disk: DiskWeightSync, layout: Layout,
-                 engines: list[EngineEndpoint], *, pause_mode: str = "abort"):
+                 engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None):
+        """``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
+        one died mid-sync (its weight-update groups are broken for every member); None = fail instead."""
         self.transport, self.disk, self.layout, self.engines = transport, disk, layout, engines
-        self.pause_mode = pause_mode
+        self.pause_mode, self.rebuild = pause_mode, rebuild
+        self.dropped: list[str] = []
 
     def connect(self) -> None:
         self.transport.connect()
@@ -235,12 +240,18 @@ class EngineSync:
     def sync(self, version: str) -> SyncReport:
         t0 = time.perf_counter()
         controller = self.layout.world_rank == 0
-        if controller:
-            errs = _run_on(self.engines, self._pause)
-            if errs:
-                raise RuntimeError(f"weight sync v{version}: could not pause engines: {errs}")
-        dist.barrier()
+        errs = _run_on(self.engines, self._pause) if controller else {}
+        dead = self._dead(errs)  # collective: every rank learns which engines are gone
+        if controller and set(errs) - set(dead):
+            raise RuntimeError(f"weight sync v{version}: could not pause engines: {errs}")
+        if dead:  # died before the sync (mid-rollout): sync the others
+            self._drop(dead, version, errs)
         stats = self.transport.push(version)
+        if not stats.ok and (more := self._dead(stats.failed_engines)):
+            # died mid-sync: its groups are broken for every member; rebuild them without it, push again
+            self._drop(more, version, stats.failed_engines)
+            dead += more
+            stats = self.transport.push(version)
         repaired: list[str] = []
         if not stats.ok and self.transport is not self.disk:  # never leave an engine on partial weights
             bad = [e for e in self.engines if e.url in stats.failed_engines]
@@ -258,7 +269,33 @@ class EngineSync:
         dist.barrier()
         return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
                           push_seconds=stats.seconds, bytes_sent=stats.bytes_sent,
-                          failed_engines=stats.failed_engines, repaired_from_disk=repaired)
+                          failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
+
+    def _drop(self, dead: list[str], version: str, why: dict[str, str]) -> None:
+        if self.rebuild is None or len(dead) == len(self.engines):
+            raise RuntimeError(f"weight sync v{version}: engines died: {dead} ({why})")
+        self.transport.close()
+        self.engines = [e for e in self.engines if e.url not in dead]
+        self.dropped += dead
+        self.transport, self.disk = self.rebuild(self.engines)
+        self.transport.connect()
+
+    def _dead(self, failed: dict[str, str]) -> list[str]:
+        """Failed engines whose port refuses connections (killed), agreed on by every rank."""
+        import socket
+        from urllib.parse import urlparse
+
+        dead = []
+        if self.layout.world_rank == 0:
+            for url in failed:
+                u = urlparse(url)
+                try:
+                    socket.create_connection((u.hostname, u.port), timeout=3).close()
+                except OSError:
+                    dead.append(url)
+        box = [dead]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     async def _pause(self, c: EngineClient) -> None:
         await c.pause(self.pause_mode)

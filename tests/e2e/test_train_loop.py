@@ -47,3 +47,51 @@ def test_default_run_learns(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"\n[mrl train] reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert first < 0.3 and last > first + 0.2, rewards  # README run: 0.03 -> 0.5 by step 70
+
+
+def _engine_pgid(run_dir, name: str) -> int:
+    """Process group of the SGLang server behind ``<run_dir>/engines/<name>.log`` (found by its port)."""
+    import re
+
+    import psutil
+
+    log = open(os.path.join(run_dir, "engines", f"{name}.log")).read()
+    port = re.search(r"port=(\d+)", log).group(1)
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "sglang.launch_server" in " ".join(cmd) and port in cmd:
+            return os.getpgid(p.info["pid"])
+    raise AssertionError(f"no server process for {name} (port {port})")
+
+
+def test_engine_killed_mid_run_is_survived(tmp_path):
+    """Two engines; one is SIGKILLed after step 2. Its requests go to the survivor, the next weight sync
+    drops it and rebuilds the groups, the run finishes every step, and no sample is lost."""
+    import signal
+    import time
+
+    run = tmp_path / "kill"
+    proc = subprocess.Popen([MRL, "train", f"run_dir={run}", "rollout.num_engines=2", "train.steps=6",
+                             "train.sft_warmup_steps=0", "train.eval_every=0", "train.prompts_per_step=4"],
+                            cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            rows = [json.loads(x) for x in open(run / "metrics.jsonl")] if (run / "metrics.jsonl").exists() else []
+            if any(r.get("step", 0) >= 2 and "step_seconds" in r for r in rows):
+                break
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            time.sleep(1)
+        os.killpg(_engine_pgid(run, "engine1"), signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-5000:]
+    steps = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    steps = [r for r in steps if "step_seconds" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    last = steps[-1]
+    assert last["engines_alive"] == 1 and last["engines_dropped"] == 1
+    assert last["rollout/samples_failed"] == 0 and last.get("rollout/groups_failed", 0) == 0  # nothing lost
