@@ -112,6 +112,26 @@ def record_routes(model, layout, rank_slice, cfg, mbs, *, vocab_size: int, num_l
     return out
 
 
+def timed(fn) -> float:
+    """Wall time of ``fn()`` on the slowest rank (barrier before, CUDA synchronised around)."""
+    import time
+
+    import torch.distributed as dist
+
+    from mrl.megatron import compat
+
+    dist.barrier()
+    if compat.HAS_CUDA:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if compat.HAS_CUDA:
+        torch.cuda.synchronize()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # done when the slowest rank is done
+    return t.item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["make-model"])

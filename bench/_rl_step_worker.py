@@ -16,13 +16,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from _bench_common import record_routes
+from _bench_common import record_routes, timed
 from mrl.algo import compute_policy_loss, loss_normalizer
 from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
@@ -157,17 +155,6 @@ def rl_step() -> None:
     metrics.update(policy.rl_step(case.batch, case.normalizer))
 
 
-def timed(fn) -> float:
-    dist.barrier()
-    if compat.HAS_CUDA:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if compat.HAS_CUDA:
-        torch.cuda.synchronize()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 fns = {"rl_step": rl_step, "rl_fb": rl_fb, "bare_fb": bare_fb, "bare_step": bare_step, "ce_fb": ce_fb}

@@ -8,7 +8,6 @@ import json
 import os
 import statistics
 import threading
-import time
 
 import httpx
 import torch
@@ -19,6 +18,7 @@ from mrl.megatron import compat
 from mrl.megatron.parallel import destroy
 from mrl.weight_sync.executor import DistributedWeightSync
 from mrl.jobs.sync_weights import parse_engines
+from _bench_common import timed
 
 ap = argparse.ArgumentParser()
 add_layout_args(ap)
@@ -35,17 +35,6 @@ layout = m.layout
 engines = parse_engines(a.engines)
 
 
-def timed(fn) -> float:
-    dist.barrier()
-    if compat.HAS_CUDA:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if compat.HAS_CUDA:
-        torch.cuda.synchronize()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the sync is done when the slowest sender is done
-    return t.item()
 
 
 class _Poster:
