@@ -112,6 +112,19 @@ def record_routes(model, layout, rank_slice, cfg, mbs, *, vocab_size: int, num_l
     return out
 
 
+def run_layouts(worker: str, layouts: list[str], layout_args: dict, tmp: str, args: list[str]) -> dict:
+    """Run ``worker`` once per layout name (``layout_args[name] = (nproc, extra args)``); each writes its
+    result JSON to ``--out``. Returns {layout: result}."""
+    rows = {}
+    for name in layouts:
+        n, extra = layout_args[name]
+        out = os.path.join(tmp, f"{name}.json")
+        torchrun(n, worker, [*args, "--out", out, *extra])
+        with open(out) as f:
+            rows[name] = json.load(f)
+    return rows
+
+
 def timed(fn) -> float:
     """Wall time of ``fn()`` on the slowest rank (barrier before, CUDA synchronised around)."""
     import time

@@ -20,7 +20,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from _bench_common import device_name, dump, make_model, torchrun
+from _bench_common import device_name, dump, make_model, run_layouts
 
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
            "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"]), "pp2": (2, ["--pp", "2"])}
@@ -47,16 +47,10 @@ def main() -> None:
     dtype = "bf16" if gpu else "fp32"
     tmp = tempfile.mkdtemp(prefix="mrl_replay_bench_")
     hf = a.hf or make_model(os.path.join(tmp, preset), preset)
-    rows = {}
-    for name in layouts:
-        n, args = LAYOUTS[name]
-        out = os.path.join(tmp, f"{name}.json")
-        torchrun(n, "_replay_worker.py", ["--hf", hf, "--dtype", dtype, "--batch", str(batch), "--seq", str(seq),
-                                          "--micro-batches", str(a.micro_batches), "--reps", str(reps),
-                                          "--out", out, *args, *(["--profile"] if a.profile else [])])
-        import json
-
-        rows[name] = json.load(open(out))
+    rows = run_layouts("_replay_worker.py", layouts, LAYOUTS, tmp,
+                       ["--hf", hf, "--dtype", dtype, "--batch", str(batch), "--seq", str(seq),
+                        "--micro-batches", str(a.micro_batches), "--reps", str(reps),
+                        *(["--profile"] if a.profile else [])])
     dev = device_name()
     t = Table(title=f"Keep Routing overhead, {dev}, {preset} ({dtype}), {a.micro_batches} micro-batches x "
                     f"{batch} x {seq} tokens per DP rank, {reps} interleaved reps")

@@ -17,14 +17,13 @@ replay) splits the last one into mrl's logprob path and the RL loss + replay.
 """
 
 import argparse
-import json
 import os
 import tempfile
 
 from rich.console import Console
 from rich.table import Table
 
-from _bench_common import device_name, dump, make_model, torchrun
+from _bench_common import device_name, dump, make_model, run_layouts
 
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
            "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"])}
@@ -51,13 +50,9 @@ def main() -> None:
     dtype = "bf16" if gpu else "fp32"
     tmp = tempfile.mkdtemp(prefix="mrl_rl_bench_")
     hf = a.hf or make_model(os.path.join(tmp, preset), preset)
-    rows = {}
-    for name in layouts:
-        n, args = LAYOUTS[name]
-        out = os.path.join(tmp, f"{name}.json")
-        torchrun(n, "_rl_step_worker.py", ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
-                                           "--micro-batch-size", str(mbs), "--reps", str(reps), "--out", out, *args])
-        rows[name] = json.load(open(out))
+    rows = run_layouts("_rl_step_worker.py", layouts, LAYOUTS, tmp,
+                       ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
+                        "--micro-batch-size", str(mbs), "--reps", str(reps)])
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
                     f"micro-batch {mbs}, {reps} interleaved reps")

@@ -109,7 +109,7 @@ def engine(cfg: Config) -> int:
     import threading
 
     from mrl.cluster.engines import announce, withdraw
-    from mrl.rollout.engine import Engine
+    from mrl.rollout.engine import engines_from_config
 
     path = ensure_model(cfg)
     r = cfg.rollout
@@ -123,11 +123,8 @@ def engine(cfg: Config) -> int:
     url_dir = r.engine_url_dir
     host = socket.gethostname()
     bind = interface_address() if url_dir else "127.0.0.1"
-    engines = [Engine(model_path=path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
-                      memory_saver=r.memory_saver, name=f"{host}-engine{i}" if url_dir else f"engine{i}",
-                      host=bind,
-                      log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
-               for i in range(r.num_engines)]
+    names = [f"{host}-engine{i}" for i in range(r.num_engines)] if url_dir else None
+    engines = engines_from_config(r, path, log_dir=os.path.join(cfg.run_dir, "engines"), names=names, host=bind)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -15,7 +15,6 @@ generate one batch, train, sync, repeat.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import signal
@@ -89,12 +88,9 @@ class Controller:
         self.engines = []
         urls = list(r.engine_urls) or self._discover(r)
         if not urls:
-            from mrl.rollout.engine import Engine
+            from mrl.rollout.engine import engines_from_config
 
-            self.engines = [Engine(model_path=hf_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp,
-                                   cpu_mode=r.cpu_mode, memory_saver=r.memory_saver, name=f"engine{i}",
-                                   log_dir=os.path.join(cfg.run_dir, "engines"), server_args=dict(r.server_args))
-                            for i in range(r.num_engines)]
+            self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(cfg.run_dir, "engines"))
             for e in self.engines:
                 e.start()
             for e in self.engines:

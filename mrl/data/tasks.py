@@ -21,6 +21,7 @@ are disjoint by content, not merely by index, and identical in every process and
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import inspect
 import itertools
@@ -43,7 +44,7 @@ def _strings(alphabet: str, min_len: int, max_len: int) -> list[str]:
     return ["".join(t) for n in range(min_len, max_len + 1) for t in itertools.product(alphabet, repeat=n)]
 
 
-class SyntheticTask:
+class SyntheticTask(abc.ABC):
     """A finite input space (strings), a prompt renderer, a solver, a hash split and a seeded order.
 
     Subclasses set ``name`` and ``answer_pattern`` and implement ``inputs``, ``render``, ``solve``.
@@ -63,14 +64,17 @@ class SyntheticTask:
                              f"{len(self.inputs())} inputs)")
         self._order_epoch, self._order = -1, list(range(len(self._items)))
 
+    @abc.abstractmethod
     def inputs(self) -> list[str]:
-        raise NotImplementedError
+        """Every input of the task (both splits), in a fixed order."""
 
+    @abc.abstractmethod
     def render(self, item: str) -> str:
-        raise NotImplementedError
+        """The prompt text for an input."""
 
+    @abc.abstractmethod
     def solve(self, item: str) -> str:
-        raise NotImplementedError
+        """The correct answer for an input."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -100,22 +104,29 @@ class SyntheticTask:
         return self._order
 
 
-class ReverseTask(SyntheticTask):
+class _LetterTask(SyntheticTask):
+    """Inputs: every string of ``min_len``..``max_len`` letters over a small alphabet."""
+
+    def __init__(self, *, alphabet: str, min_len: int = 2, max_len: int = 3, **kw: Any):
+        if not alphabet.isalpha() or not alphabet.islower() or len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"{self.name}: alphabet must be distinct lowercase letters, got {alphabet!r}")
+        if not 1 <= min_len <= max_len:
+            raise ValueError(f"{self.name}: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        self.alphabet, self.min_len, self.max_len = alphabet, min_len, max_len
+        super().__init__(**kw)
+
+    def inputs(self) -> list[str]:
+        return _strings(self.alphabet, self.min_len, self.max_len)
+
+
+class ReverseTask(_LetterTask):
     """``rev cab=`` -> ``bac``: reverse a short string over a small alphabet (default 80 inputs)."""
 
     name = "reverse"
 
     def __init__(self, *, alphabet: str = "abcd", min_len: int = 2, max_len: int = 3, **kw: Any):
-        if not alphabet.isalpha() or not alphabet.islower() or len(set(alphabet)) != len(alphabet):
-            raise ValueError(f"reverse: alphabet must be distinct lowercase letters, got {alphabet!r}")
-        if not 1 <= min_len <= max_len:
-            raise ValueError(f"reverse: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
-        self.alphabet, self.min_len, self.max_len = alphabet, min_len, max_len
         self.answer_pattern = f"[{alphabet}]{{{min_len},{max_len}}}"
-        super().__init__(**kw)
-
-    def inputs(self) -> list[str]:
-        return _strings(self.alphabet, self.min_len, self.max_len)
+        super().__init__(alphabet=alphabet, min_len=min_len, max_len=max_len, **kw)
 
     def render(self, item: str) -> str:
         return f"rev {item}="
@@ -141,22 +152,14 @@ class AddModTask(SyntheticTask):
         return str((int(a) + int(b)) % 10)
 
 
-class CopyLastTask(SyntheticTask):
+class CopyLastTask(_LetterTask):
     """``last cab=`` -> ``b``: copy the last letter (default 252 inputs, one-token answers)."""
 
     name = "copy_last"
 
     def __init__(self, *, alphabet: str = "abcdef", min_len: int = 2, max_len: int = 3, **kw: Any):
-        if not alphabet.isalpha() or not alphabet.islower() or len(set(alphabet)) != len(alphabet):
-            raise ValueError(f"copy_last: alphabet must be distinct lowercase letters, got {alphabet!r}")
-        if not 1 <= min_len <= max_len:
-            raise ValueError(f"copy_last: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
-        self.alphabet, self.min_len, self.max_len = alphabet, min_len, max_len
         self.answer_pattern = f"[{alphabet}]"
-        super().__init__(**kw)
-
-    def inputs(self) -> list[str]:
-        return _strings(self.alphabet, self.min_len, self.max_len)
+        super().__init__(alphabet=alphabet, min_len=min_len, max_len=max_len, **kw)
 
     def render(self, item: str) -> str:
         return f"last {item}="

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from mrl.megatron.forward import token_logprobs
 from mrl.megatron.parallel import Layout
 from mrl.routing.replay import ReplayDriver
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -31,11 +32,6 @@ class MicroBatch:
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
-
-
-def _logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    lp = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
-    return lp[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
 def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatch], *, vocab_size: int,
@@ -64,7 +60,7 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
             out = driver.after_forward(out)
 
         def loss_func(logits):
-            lp = _logprobs(logits, ids, vocab_size)
+            lp = token_logprobs(logits, ids, vocab_size)
             if loss_fn is None:
                 return lp.sum() * 0.0, {"logprobs": lp.detach()}
             loss, metrics = loss_fn(lp, mb)

@@ -285,6 +285,15 @@ class Engine:
         self.stop()
 
 
+def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | None = None,
+                        host: str = "127.0.0.1") -> list["Engine"]:
+    """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started)."""
+    names = names or [f"engine{i}" for i in range(r.num_engines)]
+    return [Engine(model_path=model_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
+                   memory_saver=r.memory_saver, name=n, host=host, log_dir=log_dir, server_args=dict(r.server_args))
+            for n in names]
+
+
 def stop_all() -> None:
     for eng in list(_LIVE):
         eng.stop(timeout=5.0)

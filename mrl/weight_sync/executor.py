@@ -114,6 +114,8 @@ class DistributedWeightSync:
         stage = layout.pp.rank
         self._global = sorted(self.plan.buckets, key=lambda b: (b.index, b.sender))
         self._order = [b for b in self._global if any(p.stage == stage for p in b.params)]
+        self._identity = {p.mcore_name: _row_identity(self.maps[p.mcore_name], p)
+                          for b in self.plan.for_sender(me) for p in b.params}
 
     # -- controller: every engine request, one global order -------------------------------------
     def _post_in_order(self, make_calls) -> Future:
@@ -202,7 +204,7 @@ class DistributedWeightSync:
         dtype = _TORCH_DTYPES[self.dtype]
         pieces = []
         for p, pm, full in gathered:
-            if _row_identity(pm, p):
+            if self._identity[p.mcore_name]:
                 pieces.append(full.to(dtype).reshape(-1).view(torch.uint8))
             else:
                 hf = split_full(pm, full)
@@ -280,20 +282,14 @@ def _numel(t) -> int:
     return n
 
 
-_IDENTITY: dict[tuple[str, tuple[str, ...]], bool] = {}
-
-
 def _row_identity(pm, planned) -> bool:
     """True when the full megatron tensor's rows are exactly the param's HF tensors, whole and in the
-    bucket's order (so its bytes are theirs, concatenated). Cached per (param, HF names)."""
-    key = (pm.mcore_name, tuple(t.name for t in planned.tensors))
-    if key not in _IDENTITY:
-        parts = [part for seg in pm.segments for part in seg]
-        names = [part.hf_name for part in parts]
-        rows = {t.name: t.shape[0] for t in planned.tensors}
-        _IDENTITY[key] = (None not in names and names == list(key[1])
-                          and all(part.start == 0 and part.num_rows == rows[part.hf_name] for part in parts))
-    return _IDENTITY[key]
+    bucket's order (so its bytes are theirs, concatenated)."""
+    parts = [part for seg in pm.segments for part in seg]
+    names = [part.hf_name for part in parts]
+    rows = {t.name: t.shape[0] for t in planned.tensors}
+    return (None not in names and names == [t.name for t in planned.tensors]
+            and all(part.start == 0 and part.num_rows == rows[part.hf_name] for part in parts))
 
 
 def _cut_bytes(flat: torch.Tensor, declared, sent, dtype: torch.dtype) -> torch.Tensor:
