@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy
+from mrl.weight_sync.copy_plan import BucketStep
 from mrl.weight_sync.executor import DistributedWeightSync
 from mrl.jobs.sync_weights import parse_engines
 from _bench_common import timed
@@ -75,15 +76,21 @@ def bench(bucket_mb: float) -> dict:
     buf = torch.empty(my_bytes, dtype=torch.uint8, device=compat.DEVICE) if sync.is_sender else None
     recv_s: list[float] = []
 
-    def raw() -> None:
+    def raw(measure: bool = False, serial: bool = False) -> None:
         """The baseline: each sender broadcasts all its bytes as one buffer over its own group; one
         request per receiver, posted by rank 0 (as the sync's controller), lists the groups in the plan's
-        order, so every receiver enqueues them in the same order (per-sender requests raced: NCCL hang)."""
-        fut = poster.post_all("/raw_receive", {"groups": raw_groups}) if poster else None
+        order, so every receiver enqueues them in the same order (per-sender requests raced: NCCL hang).
+        Receivers answer as soon as their broadcasts are enqueued, as in the sync (SGLang's way);
+        ``measure``: they wait for the data and report how long the broadcasts took. ``serial``: they
+        receive one group after the other (gloo: what an engine that blocks in each request can do)."""
+        body = {"groups": raw_groups, "measure": measure, "serial": serial}
+        fut = poster.post_all("/raw_receive", body) if poster else None
         if sync.is_sender:
             dist.broadcast(buf, src=0, group=sync._pg)
         if fut is not None:
-            recv_s.append(max(r.get("seconds", 0.0) for r in fut.result(600)))
+            answers = fut.result(600)
+            if measure:
+                recv_s.append(max(r["seconds"] for r in answers))
 
     def push() -> None:
         st = sync.push()
@@ -93,14 +100,29 @@ def bench(bucket_mb: float) -> dict:
     # interleaved after one warm-up of each (communicator set-up, receiver buffers)
     timed(push)
     timed(raw)
-    recv_s.clear()
     sync_s, raw_s = [], []
     for _ in range(a.reps):
         sync_s.append(timed(push))
         raw_s.append(timed(raw))
+    for _ in range(3):  # the receivers' own broadcast time (not part of either timing)
+        timed(lambda: raw(measure=True))
+    # several senders on gloo: the raw bytes with the groups received one after the other
+    serial_s = ([timed(lambda: raw(serial=True)) for _ in range(a.reps)]
+                if len(raw_groups) > 1 and not compat.HAS_CUDA else None)
+    # where the time goes: the copy plan alone (gathers + copies, no broadcast), and the sync without it
+    # (broadcasts and per-bucket requests of whatever the send buffers hold)
+    fill_s = min(timed(lambda: [st.fill() for st in sync.steps()]) for _ in range(3))
+    fill = BucketStep.fill
+    BucketStep.fill = lambda self: None
+    try:
+        nofill_s = min(timed(push) for _ in range(3))
+    finally:
+        BucketStep.fill = fill
     out = {"bucket_mb": bucket_mb, "bytes": sync.plan.nbytes, "sync_s": min(sync_s), "raw_s": min(raw_s),
+           "fill_only_s": fill_s, "sync_without_fill_s": nofill_s,
            "sync_median_s": statistics.median(sync_s), "raw_median_s": statistics.median(raw_s),
            "raw_receiver_broadcast_s": min(recv_s) if recv_s else None,
+           "raw_serial_s": min(serial_s) if serial_s else None,
            "senders": len(sync.plan.groups), "buckets": len(sync.plan.buckets),
            "all_sync_s": sync_s, "all_raw_s": raw_s}
     del buf

@@ -6,9 +6,17 @@ cannot run (the GPU machine has no SGLang) and to time raw broadcasts over the s
 Endpoints: /init_weights_update_group (joins the trainer's group exactly like SGLang: TCP store
 client, PrefixStore(group_name), rank = rank_offset), /update_weights_from_distributed (receives the
 flattened bucket or per-tensor broadcasts from rank 0; weights are received, not loaded),
-/raw_receive {groups: [[group_name, nbytes], ...]} (the benchmark's baseline: one raw broadcast per
-group, launched in the listed order), /destroy_weights_update_group, and no-op
-pause/continue/flush/update_weight_version/model_info.
+/raw_receive {groups: [[group_name, nbytes], ...], measure, serial} (the benchmark's baseline: one raw
+broadcast per group, launched in the listed order; ``measure``: wait for the data and return the
+seconds; ``serial``: one group after the other, as an engine that blocks in each request must),
+/destroy_weights_update_group, and no-op pause/continue/flush/update_weight_version/model_info.
+
+Like SGLang 0.5.10 (``ModelRunner._update_bucketed_weights_from_distributed``: broadcast, then
+load_weights, no device sync), an update answers once its broadcast is enqueued: on GPU the answer
+can come before the data, and the next request's broadcast queues behind it on the group's stream.
+The raw baseline answers the same way unless asked to measure. Receive buffers are kept per group
+and reused (SGLang takes them from torch's caching allocator, which reuses memory the same way; on
+CPU a fresh buffer would page-fault inside the timing).
 
 Every request is logged (stdout) with its time; SIGUSR1 dumps every thread's stack (hang diagnosis).
 
@@ -23,6 +31,7 @@ was the 4-GPU hang of the raw baseline with two senders (ep2, tp2ep2) and two re
 import argparse
 import asyncio
 import faulthandler
+import math
 import signal
 import sys
 import time
@@ -46,6 +55,18 @@ class Receiver:
         self.device = torch.device(device)
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.version = "0"
+        self._scratch: dict[object, torch.Tensor] = {}  # receive buffers, reused by both paths
+
+    def _buffer(self, key, nbytes: int) -> torch.Tensor:
+        """Receive buffer ``key`` (a group, or a slot of a raw request), grown when too small. Growing
+        synchronizes the device first: no allocation while a broadcast is in flight (NCCL rule above);
+        the receivers take requests in one order, so this waits only on broadcasts every peer has."""
+        b = self._scratch.get(key)
+        if b is None or b.numel() < nbytes:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            b = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return b[:nbytes]
 
     def _on_device(self) -> None:
         """Worker threads start on cuda:0: bind them to this receiver's GPU (no stray contexts)."""
@@ -64,20 +85,21 @@ class Receiver:
 
     def _recv(self, group: str, nbytes: int) -> None:
         self._on_device()
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, src=0, group=self.groups[group])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        dist.broadcast(self._buffer(group, nbytes), src=0, group=self.groups[group])
 
-    def _recv_many(self, groups: list[tuple[str, int]]) -> float:
-        """Every buffer first, then every broadcast enqueued in the given order, then one wait: no
-        allocation while a broadcast is pending, and the same order on every receiver."""
+    def _recv_many(self, groups: list[tuple[str, int]], measure: bool, serial: bool) -> float | None:
+        """Every buffer first, then every broadcast enqueued in the given order: no allocation while a
+        broadcast is pending, and the same order on every receiver. ``measure``: wait for the data."""
         self._on_device()
-        bufs = [torch.empty(int(n), dtype=torch.uint8, device=self.device) for _, n in groups]
+        bufs = [self._buffer(("raw", i), n) for i, (_, n) in enumerate(groups)]
         t0 = time.perf_counter()
-        works = [dist.broadcast(b, src=0, group=self.groups[g], async_op=True) for b, (g, _) in zip(bufs, groups)]
+        works = [dist.broadcast(b, src=0, group=self.groups[g], async_op=not serial)
+                 for b, (g, _) in zip(bufs, groups)]
+        works = [w for w in works if w is not None]
         for w in works:
             w.wait()
+        if not measure:
+            return None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -94,8 +116,7 @@ class Receiver:
 
     async def update(self, req):
         b = await req.json()
-        sizes = [torch.empty(s, dtype=DT[d], device="meta").numel() * DT[d].itemsize
-                 for s, d in zip(b["shapes"], b["dtypes"])]
+        sizes = [math.prod(s) * DT[d].itemsize for s, d in zip(b["shapes"], b["dtypes"])]
         log("update", b["group_name"], sum(sizes), "bytes")
         if b.get("load_format") == "flattened_bucket":
             await asyncio.to_thread(self._recv, b["group_name"], sum(sizes))
@@ -110,7 +131,8 @@ class Receiver:
         b = await req.json()
         groups = b.get("groups") or [[b["group_name"], b["nbytes"]]]
         log("raw", groups)
-        seconds = await asyncio.to_thread(self._recv_many, [(g, int(n)) for g, n in groups])
+        seconds = await asyncio.to_thread(self._recv_many, [(g, int(n)) for g, n in groups], b.get("measure", True),
+                                          b.get("serial", False))
         return web.json_response({"success": True, "message": "received", "seconds": seconds})
 
     async def destroy(self, req):

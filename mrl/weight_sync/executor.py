@@ -7,19 +7,25 @@
     sync.close()
 
 Per sender, bucket k is broadcast asynchronously while bucket k+1 is gathered (TP / expert-TP
-all-gathers only, never the whole model on one rank). Each collective and HTTP call has a timeout.
+shards to the sender only, never the whole model on one rank) into the other of two reused send
+buffers. What goes where is a static copy plan (``copy_plan``), built on the first push and replayed:
+a few batched copies per bucket, no per-tensor Python, no allocation, and on GPU no host sync before
+the last bucket (gloo runs one broadcast at a time). Each collective and HTTP call has a timeout.
 
 Ordering: an SGLang engine serves one weight request at a time, and a broadcast completes only when
 every engine of its group has reached the matching request. With several senders, two engines that
 picked up different senders' requests first would wait on each other forever. So one process -- the
 controller, trainer rank 0 -- posts every engine's requests (group inits, bucket updates, destroys)
 in a single global order, one request at a time per engine, while each sender broadcasts its own
-buckets in that same order.
+buckets in that same order. The requests of one engine are pipelined on one HTTP connection
+(``http_pipeline``): the server takes them strictly in order, and bucket k+1's request is already
+waiting in the engine when bucket k completes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import Future
@@ -32,10 +38,14 @@ import torch.distributed as dist
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
-from mrl.models.bridge import ModelBridge, split_full
+from mrl.models.bridge import ModelBridge
 from mrl.rollout.client import EngineClient
 from mrl.rollout.engine import free_port
+from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable,
+                                  error_message, parse_success)
+from mrl.weight_sync.copy_plan import BucketStep, build_steps
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
+from mrl.weight_sync.http_pipeline import post_pipelined
 from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,8 +124,9 @@ class DistributedWeightSync:
         stage = layout.pp.rank
         self._global = sorted(self.plan.buckets, key=lambda b: (b.index, b.sender))
         self._order = [b for b in self._global if any(p.stage == stage for p in b.params)]
-        self._identity = {p.mcore_name: _row_identity(self.maps[p.mcore_name], p)
-                          for b in self.plan.for_sender(me) for p in b.params}
+        self._steps: list[BucketStep] | None = None  # the copy plan, built on the first push
+        self._sources: tuple[list[torch.Tensor], list[int]] = ([], [])  # params the plan's views read, data_ptrs
+        self._bodies: list[bytes] | None = None  # controller: each bucket's request, in the global order
 
     # -- controller: every engine request, one global order -------------------------------------
     def _post_in_order(self, make_calls) -> Future:
@@ -170,6 +181,7 @@ class DistributedWeightSync:
                                                for g in self.plan.groups.values()])
         if self._pg is not None:
             destroy_sender_group(self._pg)
+        self.release_buffers()
         if fut is not None:
             fut.result(self.timeout_s)
             self._io.close()
@@ -178,7 +190,9 @@ class DistributedWeightSync:
     # -- one sync --------------------------------------------------------------------------------
     def _gather_bucket(self, bucket: Bucket) -> list[tuple] | None:
         """Join the gathers this rank belongs to (one all-gather per group and dtype); the bucket's
-        sender gets ``(planned param, param map, full tensor)`` per param, in bucket order."""
+        sender gets ``(planned param, param map, full tensor)`` per param, in bucket order. The
+        per-tensor path: the tensor transport sends tensors one by one, and tests check the copy plan
+        against it."""
         me = self.layout.world_rank
         items, planned = [], []
         for p in bucket.params:
@@ -197,75 +211,151 @@ class DistributedWeightSync:
             return None
         return [(p, pm, full) for p, (_, pm), full in zip(planned, items, fulls)]
 
-    def _flatten(self, bucket: Bucket, gathered: list[tuple]) -> torch.Tensor:
-        """The bucket's bytes in ``flattened_bucket`` order. A param whose HF tensors are its own rows in
-        order (experts' [gate; up], down, norms, ...: ``_row_identity``) goes in as one piece; only the
-        others (q/k/v interleaved per KV group, vocab padding) are split per HF tensor."""
-        dtype = _TORCH_DTYPES[self.dtype]
-        pieces = []
-        for p, pm, full in gathered:
-            if self._identity[p.mcore_name]:
-                pieces.append(full.to(dtype).reshape(-1).view(torch.uint8))
-            else:
-                hf = split_full(pm, full)
-                pieces += [hf[t.name].to(dtype).contiguous().view(-1).view(torch.uint8) for t in p.tensors]
-        return torch.cat(pieces)
-
     def _bucket_meta(self, bucket: Bucket):
         meta = bucket.tensors
         if self.fault is not None and bucket.index == self.fault.bucket:
             meta = _cut_one_row(meta)
         return meta
 
+    def steps(self) -> list[BucketStep]:
+        """This rank's copy plan (cached; rebuilt when a param's storage moved, e.g. after offloading)."""
+        params, ptrs = self._sources
+        if self._steps is None or list(map(torch.Tensor.data_ptr, params)) != ptrs:  # ~0.1 us a param
+            self._steps = None  # drop the old buffers first
+            steps, sources = build_steps(self._order, self.local, self.maps, rank=self.layout.world_rank,
+                                         dp_rank=self.layout.dp.rank, edp_rank=self.layout.edp.rank,
+                                         dtype=_TORCH_DTYPES[self.dtype], device=compat.DEVICE)
+            self._steps, self._sources = steps, (sources, list(map(torch.Tensor.data_ptr, sources)))
+        return self._steps
+
+    def release_buffers(self) -> None:
+        """Free the send and gather buffers (2 buckets + one bucket's shards); the next push rebuilds them."""
+        self._steps, self._sources = None, ([], [])
+
     def push(self) -> PushStats:
         """Stream every bucket to every engine; all trainer ranks call it. Engines must be paused (and
         flushed) by the controller. Never raises for engine-side failures: they are collected (all
         ranks get the union) so the controller can repair those engines -- never a silent partial update."""
         t0 = time.perf_counter()
-        posted = None
-        if self.is_controller:
-            def calls():
-                return [lambda c, b=b, m=self._bucket_meta(b): c.update_weights_from_distributed(
-                    names=[t.name for t in m], dtypes=[t.dtype for t in m], shapes=[list(t.shape) for t in m],
-                    group_name=b.group, load_format="flattened_bucket", flush_cache=False) for b in self._global]
-
-            posted = self._post_in_order(calls)
-        pending = None
+        posted = self._post_updates() if self.is_controller else None
+        steps = self.steps()
+        in_flight: dict[int, tuple] = {}  # send buffer slot -> (work, bucket) of its last broadcast
         sent = nbytes = 0
         failed: dict[str, str] = {}
-        for bucket in self._order:
-            gathered = self._gather_bucket(bucket)
-            if gathered is None or failed:
-                continue  # still joined the gathers above, so the other ranks never wait on us
-            flat = self._flatten(bucket, gathered)
-            if self.fault is not None and bucket.index == self.fault.bucket:  # test hook: one row short
-                flat = _cut_bytes(flat, bucket.tensors, self._bucket_meta(bucket), _TORCH_DTYPES[self.dtype])
-            if pending is not None:
-                self._finish(*pending, failed)
-            work = dist.broadcast(flat.to(compat.DEVICE), src=0, group=self._pg, async_op=True)
-            pending = (work, bucket)
+        for step in steps:
+            if step.flat is not None and step.slot in in_flight:  # the buffer is free once its broadcast is done
+                self._settle(*in_flight.pop(step.slot), failed, block=not compat.HAS_CUDA)
+            step.fill()  # joins the gathers even after a failure, so the other ranks never wait on us
+            if step.flat is None or failed:
+                continue
+            if not compat.HAS_CUDA:  # gloo: one broadcast at a time (receivers buffer early data: copies)
+                for slot in list(in_flight):
+                    self._settle(*in_flight.pop(slot), failed, block=True)
+            flat = step.flat
+            if self.fault is not None and step.bucket.index == self.fault.bucket:  # test hook: one row short
+                flat = _cut_bytes(flat, step.bucket.tensors, self._bucket_meta(step.bucket), _TORCH_DTYPES[self.dtype])
+            in_flight[step.slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), step.bucket)
             sent += 1
             nbytes += flat.numel()
-        if pending is not None:
-            self._finish(*pending, failed)
+        for work, bucket in in_flight.values():
+            self._settle(work, bucket, failed, block=True)
         if posted is not None:  # EngineHTTPError "...partially updated..." when an engine rejected a bucket
             for url, err in posted.result(self.timeout_s * max(1, len(self._global))).items():
                 failed.setdefault(url, err)
+        failed = union_failures(self.layout, failed)
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
-                         failed_engines=union_failures(self.layout, failed))
+                         failed_engines=failed)
 
-    def _finish(self, work, bucket: Bucket, failed: dict[str, str]) -> None:
+    def _settle(self, work, bucket: Bucket, failed: dict[str, str], *, block: bool) -> None:
+        """Wait for a broadcast: on the host (``block``, with the timeout), or on CUDA only by ordering
+        the current stream after it (no host sync; a hang is caught by the final blocking settle)."""
         try:
-            if not work.wait(timeout=timedelta(seconds=self.timeout_s)):
+            if not block:
+                work.wait()
+            elif compat.HAS_CUDA:  # NCCL's wait(timeout) polls in 1 ms sleeps: poll the event finer
+                deadline = time.monotonic() + self.timeout_s
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("timed out")
+                    time.sleep(20e-6)
+                work.wait()
+            elif not work.wait(timeout=timedelta(seconds=self.timeout_s)):
                 raise TimeoutError("timed out")
         except Exception as e:  # a dead engine breaks the collective for every engine of the group
             msg = f"broadcast of bucket {bucket.index} over {bucket.group} failed: {e}"
             for e_ in self.engines:
                 failed.setdefault(e_.url, msg)
 
+    # -- controller: the bucket requests ---------------------------------------------------------
+    def _request_bodies(self) -> list[bytes]:
+        """Every bucket's request in the global order; static, so encoded once (the version is stamped
+        after the sync by ``update_weight_version``)."""
+        if self._bodies is None:
+            self._bodies = []
+            for b in self._global:
+                m = self._bucket_meta(b)
+                self._bodies.append(json.dumps(dict(
+                    names=[t.name for t in m], dtypes=[t.dtype for t in m], shapes=[list(t.shape) for t in m],
+                    group_name=b.group, flush_cache=False, weight_version=None,
+                    load_format="flattened_bucket")).encode())
+        return self._bodies
+
+    def _post_updates(self) -> Future:
+        """Every bucket request to every engine, pipelined per engine; a future of {url: first error}."""
+        bodies = self._request_bodies()
+        ep = "/update_weights_from_distributed"
+
+        async def one_engine(client: EngineClient) -> str | None:
+            missing = sorted({b.group for b in self._global} - client.groups)
+            if missing:  # an unknown group kills the 0.5.10 scheduler: send nothing
+                return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client"))
+            admin = client._keys[1]  # weight updates take the admin key (mrl.rollout.secrets)
+            answers = await post_pipelined(client.url, ep, bodies, timeout=client.timeouts.weight_update,
+                                           connect_timeout=client.timeouts.connect,
+                                           headers={"Authorization": f"Bearer {admin}"} if admin else None)
+            first = None
+            for a in answers:
+                try:
+                    _check_answer(client.url, ep, a)
+                except Exception as e:  # record, and keep going: the senders' broadcasts stay matched
+                    first = first or str(e)
+            return first
+
+        async def all_engines():
+            errs = await asyncio.gather(*(one_engine(c) for c in self._clients))
+            return {c.url: e for c, e in zip(self._clients, errs) if e is not None}
+
+        return self._io.submit(all_engines())
+
+
+def _check_answer(url: str, ep: str, answer) -> str:
+    """An update's answer as ``EngineClient`` reads it: 200/400 with ``{success, message}``."""
+    if isinstance(answer, Exception):
+        raise answer
+    status, raw = answer
+    text = raw.decode("utf-8", "replace")
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = None
+    if status in (502, 503, 504):
+        raise EngineUnavailable(url, ep, f"HTTP {status}: {error_message(body, text)}")
+    if status not in (200, 400):
+        raise EngineHTTPError(url, ep, status, error_message(body, text))
+    if body is None:
+        raise EngineProtocolError(url, ep, f"HTTP {status}: not JSON: {text[:160]!r}")
+    return parse_success(body, (url, ep))
+
 
 def union_failures(layout: Layout, failed: dict[str, str]) -> dict[str, str]:
-    """Every rank's {engine url: first error}, merged, on every rank (collective)."""
+    """Every rank's {engine url: first error}, merged, on every rank (collective). Without failures
+    (the usual case) one one-element all-reduce, not an object all-gather (pickles, several syncs)."""
+    if layout.world_size == 1:
+        return dict(failed)
+    any_failed = torch.tensor([float(bool(failed))], device=compat.DEVICE)
+    dist.all_reduce(any_failed)
+    if not any_failed.item():
+        return {}
     everyone = [None] * layout.world_size
     dist.all_gather_object(everyone, failed)
     union: dict[str, str] = {}
@@ -280,16 +370,6 @@ def _numel(t) -> int:
     for d in t.shape:
         n *= d
     return n
-
-
-def _row_identity(pm, planned) -> bool:
-    """True when the full megatron tensor's rows are exactly the param's HF tensors, whole and in the
-    bucket's order (so its bytes are theirs, concatenated)."""
-    parts = [part for seg in pm.segments for part in seg]
-    names = [part.hf_name for part in parts]
-    rows = {t.name: t.shape[0] for t in planned.tensors}
-    return (None not in names and names == [t.name for t in planned.tensors]
-            and all(part.start == 0 and part.num_rows == rows[part.hf_name] for part in parts))
 
 
 def _cut_bytes(flat: torch.Tensor, declared, sent, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""The executor's static copy plan writes, bit for bit, the bytes of the per-tensor path (gather the
+full tensor, ``split_full``, cast, concatenate) for every bucket, in TP1 / TP2 (expert-TP2) / EP2 /
+TP2xEP2 / PP2 layouts over gloo -- on first use, when replayed after the weights changed in place,
+and after a param's storage moved (the plan is rebuilt).
+
+The worker is this file run under torchrun (``python -m tests.distributed.test_weight_sync_copy_plan``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import run_torchrun
+
+pytestmark = pytest.mark.dist
+
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
+           "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"]), "pp2": (2, ["--pp", "2"])}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
+    nproc, args = LAYOUTS[name]
+    out = tmp_path / "rows.json"
+    r = run_torchrun("tests.distributed.test_weight_sync_copy_plan",
+                     ["--hf", ckpt_dir["stress_a"], "--out", str(out), *args], nproc, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]][:3]
+    checked = {(row["dtype"], row["phase"]) for row in rows}
+    assert checked == {(d, p) for d in ("float32", "bfloat16") for p in ("first", "changed", "moved")}
+    buckets = {row["bucket"] for row in rows}
+    assert len(buckets) >= 4  # several buckets per sender: both send buffers are used
+
+
+def _reference(ex, bucket, dtype):
+    """The per-tensor path (the executor before the copy plan): full tensors -> HF tensors -> bytes."""
+    from mrl.models.bridge import split_full
+
+    gathered = ex._gather_bucket(bucket)
+    if gathered is None:
+        return None
+    return torch.cat([split_full(pm, full)[t.name].to(dtype).contiguous().view(-1).view(torch.uint8)
+                      for p, pm, full in gathered for t in p.tensors])
+
+
+def _check(ex, dtype, phase, rows):
+    refs = {b.index * 1000 + b.sender: _reference(ex, b, dtype) for b in ex._order}  # collective, global order
+    for step in ex.steps():  # collective too
+        step.fill()
+        if step.flat is not None:
+            ref = refs[step.bucket.index * 1000 + step.bucket.sender]
+            rows.append(dict(dtype=str(dtype).removeprefix("torch."), phase=phase, bucket=step.bucket.index,
+                             sender=step.bucket.sender, nbytes=step.bucket.nbytes,
+                             equal=bool(ref is not None and ref.numel() == step.flat.numel()
+                                        and torch.equal(ref.cpu(), step.flat.cpu()))))
+
+
+def main() -> None:
+    import argparse
+
+    import torch.distributed as dist
+
+    from mrl.jobs.common import add_layout_args, load_model
+    from mrl.megatron.parallel import destroy
+    from mrl.weight_sync.executor import DistributedWeightSync
+
+    ap = argparse.ArgumentParser()
+    add_layout_args(ap)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    m = load_model(a)
+    rows: list[dict] = []
+    for dtype in ("float32", "bfloat16"):
+        ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                                   engines=[], bucket_bytes=48 << 10, dtype=dtype)
+        tdtype = getattr(torch, dtype)
+        _check(ex, tdtype, "first", rows)
+        with torch.no_grad():  # an optimizer step: in place, the cached views see it
+            for lp in ex.local.values():
+                lp.param.mul_(1.5).add_(0.25)
+        _check(ex, tdtype, "changed", rows)
+        with torch.no_grad():  # offload and reload: new storage, the plan must notice
+            for lp in list(ex.local.values())[::3]:
+                lp.param.data = lp.param.data.clone() - 1
+        _check(ex, tdtype, "moved", rows)
+        ex.release_buffers()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        with open(a.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for rs in everyone for r in rs)
+    destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
