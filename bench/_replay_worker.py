@@ -1,22 +1,29 @@
 """torchrun worker of bench/replay_overhead.py: megatron forward+backward through
 ``mrl.megatron.train_step.forward_backward`` with Keep Routing replay on (a ReplayDriver in
-ReplayMode.replay fed with routes) vs off (driver=None), same model/layout/batch, interleaved."""
+ReplayMode.replay fed with routes) vs off (driver=None), same model/layout/batch, interleaved.
+
+``--compare packing``: replay on in both modes; "off" = one right-padded sample per row, "on" = the
+same long-tailed samples packed (first-fit decreasing rows of ``--seq`` tokens, block-diagonal mask),
+as many micro-batches each."""
 
 import argparse
 import json
+import math
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from _bench_common import record_routes
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron import compat
+from mrl.megatron.packing import first_fit_decreasing, pack_micro_batches
 from mrl.megatron.parallel import destroy
 from mrl.megatron.train_step import MicroBatch, forward_backward
 from mrl.routing.codec import RoutesCodec
-from mrl.routing.replay import RankSlice, ReplayDriver, ReplayMode, stage_moe_columns
+from mrl.routing.replay import RankSlice, ReplayDriver, ReplayMode, align_routes, stage_moe_columns
 
 ap = argparse.ArgumentParser()
 add_layout_args(ap)
@@ -26,6 +33,7 @@ ap.add_argument("--micro-batches", type=int, default=2)
 ap.add_argument("--reps", type=int, default=10)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--profile", action="store_true", help="also profile one step of each mode (torch.profiler)")
+ap.add_argument("--compare", choices=["replay", "packing"], default="replay")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -55,7 +63,51 @@ def make_batch() -> list[MicroBatch]:
     return mbs
 
 
-batches = [make_batch() for _ in range(a.warmup + a.reps)]
+def long_tailed_lengths(n: int) -> list[int]:
+    """Pareto-tailed lengths in [8, seq], the longest exactly seq: most samples short, a few long."""
+    x = (np.random.default_rng(int(g.initial_seed())).pareto(1.5, n) + 1.0) * a.seq / 8
+    lengths = np.clip(x, 8, a.seq).astype(int)
+    lengths[int(np.argmax(lengths))] = a.seq
+    return lengths.tolist()
+
+
+def make_packing_pair() -> dict[str, list[MicroBatch]]:
+    """One long-tailed batch as "off" (padded rows) and "on" (packed rows), same samples and routes."""
+    n = a.micro_batches * a.batch
+    lengths = long_tailed_lengths(n)
+    ids = torch.zeros(n, a.seq, dtype=torch.long)
+    mask = torch.zeros(n, a.seq - 1)
+    routes = []
+    for i, m_ in enumerate(lengths):
+        ids[i, :m_] = torch.randint(1, bridge.vocab_size, (m_,), generator=g)
+        mask[i, m_ // 2:m_ - 1] = 1.0
+        r = torch.stack([torch.stack([torch.randperm(codec.num_experts, generator=g)[:codec.top_k]
+                                      for _ in codec.moe_layers]) for _ in range(m_ - 1)])
+        routes.append(align_routes(r.numpy(), a.seq, codec.num_experts))
+    routes = torch.from_numpy(np.stack(routes))
+    dev = compat.DEVICE
+    off = [MicroBatch(ids[j:j + a.batch].to(dev), routes[j:j + a.batch].to(dev), {"mask": mask[j:j + a.batch].to(dev)})
+           for j in range(0, n, a.batch)]
+    rows = len(first_fit_decreasing(lengths, a.seq))
+    on = []
+    fill = torch.arange(codec.top_k) % codec.num_experts
+    for idx, pk in pack_micro_batches(lengths, dp_size=1, dp_rank=0, row_len=a.seq, device=dev,
+                                      rows_per_micro_batch=math.ceil(rows / a.micro_batches)):
+        w = pk.width
+        on.append(MicroBatch(pk.pack_tokens(ids[idx, :w], 0).to(dev), pk.pack_tokens(routes[idx, :w], fill).to(dev),
+                             {"mask": mask[idx, :w - 1].to(dev)}, packing=pk))
+        on[-1].data["order"] = torch.tensor(idx)
+    stats["padded_tokens"], stats["packed_tokens"] = n * a.seq, sum(mb.input_ids.numel() for mb in on)
+    stats["real_tokens"], stats["rows_packed"] = sum(lengths), sum(mb.input_ids.shape[0] for mb in on)
+    return {"off": off, "on": on}
+
+
+stats: dict[str, float] = {}
+if a.compare == "packing":
+    batches = [make_packing_pair() for _ in range(a.warmup + a.reps)]
+    ntok = sum(float(mb.data["mask"].sum()) for mb in batches[0]["off"])
+else:
+    batches = [make_batch() for _ in range(a.warmup + a.reps)]
 driver = ReplayDriver(cfg, rs, ReplayMode.replay)
 
 
@@ -71,7 +123,10 @@ def sync():
 cpu_s = {"off": [], "on": []}
 
 
-def step(on: bool, mbs: list[MicroBatch]) -> tuple[float, list]:
+def step(on: bool, mbs) -> tuple[float, list]:
+    mode = "on" if on else "off"
+    if isinstance(mbs, dict):  # packing comparison: replay in both modes, padded vs packed rows
+        mbs, on = mbs[mode], True
     model.zero_grad(set_to_none=True)
     dist.barrier()
     sync()
@@ -79,7 +134,7 @@ def step(on: bool, mbs: list[MicroBatch]) -> tuple[float, list]:
     outs = forward_backward(model, layout, mbs, vocab_size=bridge.vocab_size, loss_fn=loss_fn,
                             driver=driver if on else None)
     sync()
-    cpu_s["on" if on else "off"].append(time.process_time() - c0)
+    cpu_s[mode].append(time.process_time() - c0)
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=compat.DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item(), outs
@@ -111,16 +166,27 @@ if a.profile:
                           "top_device": ev.table(sort_by="self_device_time_total", row_limit=12,
                                                  max_name_column_width=60) if compat.HAS_CUDA else ""}
 
-# checks: natural routes replayed -> same logprobs; shifted routes -> different logprobs (replay is live)
+# checks: natural routes replayed -> same logprobs; shifted routes -> different logprobs (replay is live);
+# packing: every sample's packed logprobs equal its padded-row ones
 check = {}
-if last["on"]:
+if a.compare == "packing":
+    if last["on"]:
+        pair = batches[a.warmup + a.reps - 1]
+        off_lp = torch.cat([o["logprobs"] for o in last["off"]])
+        diffs = []
+        for o, mb in zip(last["on"], pair["on"]):
+            for row, i, n_ in zip(o["logprobs"], mb.data["order"].tolist(), mb.packing.length):
+                diffs.append(float((row[:n_ - 1] - off_lp[i, :n_ - 1]).abs().max()))
+        check["max_abs_logprob_diff_packed_vs_padded"] = max(diffs)
+elif last["on"]:
     check["max_abs_logprob_diff_replay_vs_natural"] = max(
         float((x["logprobs"] - y["logprobs"]).abs().max()) for x, y in zip(last["on"], last["off"]))
-shifted = [MicroBatch(mb.input_ids, (mb.routes + 1) % codec.num_experts, mb.data) for mb in batches[-1]]
-_, outs = step(True, shifted)
-if outs:
-    check["max_abs_logprob_diff_shifted_routes"] = max(
-        float((x["logprobs"] - y["logprobs"]).abs().max()) for x, y in zip(outs, last["off"]))
+if a.compare == "replay":
+    shifted = [MicroBatch(mb.input_ids, (mb.routes + 1) % codec.num_experts, mb.data) for mb in batches[-1]]
+    _, outs = step(True, shifted)
+    if outs:
+        check["max_abs_logprob_diff_shifted_routes"] = max(
+            float((x["logprobs"] - y["logprobs"]).abs().max()) for x, y in zip(outs, last["off"]))
 box = [None] * layout.world_size
 dist.all_gather_object(box, check)
 if layout.world_rank == 0:
@@ -132,5 +198,5 @@ if layout.world_rank == 0:
                "ratio_median": med["on"] / med["off"], "ratio_min": min(times["on"]) / min(times["off"]),
                "tokens_per_step": a.micro_batches * a.batch * a.seq * dp, "dp": dp,
                "moe_layers_local": len(rs.moe_columns), "cpu_s_median": {k: statistics.median(v) for k, v in cpu_s.items()},
-               "profiles": profiles, **merged}, open(a.out, "w"))
+               "profiles": profiles, **stats, **merged}, open(a.out, "w"))
 destroy()

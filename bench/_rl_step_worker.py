@@ -40,13 +40,14 @@ ap.add_argument("--seq", type=int, default=64, help="longest sequence; lengths a
 ap.add_argument("--micro-batch-size", type=int, default=2)
 ap.add_argument("--reps", type=int, default=6)
 ap.add_argument("--warmup", type=int, default=2)
+ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step (loop default: on)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
 pcfg = ParallelConfig(tp=a.tp, ep=a.ep, etp=a.etp, sequence_parallel=True, world_size=world)
 cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType(a.dtype), make_tiny_if_missing=False), parallel=pcfg,
-             train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True))
+             train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True, packing=a.packing == "on"))
 layout = init_parallel(pcfg, seed=cfg.seed)
 policy = Policy(cfg, layout, a.hf)
 bridge, codec = policy.bridge, policy.codec

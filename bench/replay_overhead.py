@@ -3,6 +3,7 @@
     python bench/replay_overhead.py                       # CPU (gloo, fp32): tiny model, TP1 and TP2
     python bench/replay_overhead.py --preset stress_a
     python bench/replay_overhead.py --scale gpu --json r.json   # 2 GPUs, bf16: §13's 490M MoE, TP2(SP), EP2
+    python bench/replay_overhead.py --compare packing --seq 256 --batch 8   # packed vs padded rows
 
 A step is megatron's forward+backward through ``mrl.megatron.train_step.forward_backward`` over
 ``--micro-batches`` micro-batches (megatron's schedule). "on" passes a ``ReplayDriver`` in
@@ -11,6 +12,10 @@ loads are the same in both modes); "off" passes ``driver=None``. Modes alternate
 (order flipped every repetition) after a warm-up; the ratio is of medians (goal <= 1.02). Two checks
 ride along: replaying the natural routes gives the natural logprobs, and replaying shifted routes
 changes them (replay is really applied).
+
+``--compare packing``: replay on in both modes; "off" puts one long-tailed sample per ``--seq`` row
+(right-padded), "on" packs the same samples into first-fit-decreasing rows of ``--seq`` tokens
+(block-diagonal causal mask), as many micro-batches; the check is packed == padded logprobs per sample.
 """
 
 import argparse
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="profile one step per mode; print the top ops")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compare", choices=["replay", "packing"], default="replay")
     a = ap.parse_args()
     gpu = a.scale == "gpu"
     preset = a.preset or ("gpu" if gpu else "tiny")
@@ -49,9 +55,14 @@ def main() -> None:
     hf = a.hf or make_model(os.path.join(tmp, preset), preset)
     rows = run_layouts("_replay_worker.py", layouts, LAYOUTS, tmp,
                        ["--hf", hf, "--dtype", dtype, "--batch", str(batch), "--seq", str(seq),
-                        "--micro-batches", str(a.micro_batches), "--reps", str(reps),
+                        "--micro-batches", str(a.micro_batches), "--reps", str(reps), "--compare", a.compare,
                         *(["--profile"] if a.profile else [])])
     dev = device_name()
+    if a.compare == "packing":
+        _packing_table(rows, dev, preset, dtype, a.micro_batches, batch, seq, reps)
+        dump({"bench": "packing", "device": dev, "preset": preset, "dtype": dtype, "micro_batches": a.micro_batches,
+              "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json)
+        return
     t = Table(title=f"Keep Routing overhead, {dev}, {preset} ({dtype}), {a.micro_batches} micro-batches x "
                     f"{batch} x {seq} tokens per DP rank, {reps} interleaved reps")
     for c in ("layout", "off ms (median)", "on ms (median)", "on/off (median)", "on/off (min)",
@@ -72,6 +83,20 @@ def main() -> None:
             p.pop("top_cpu"), p.pop("top_device")
     dump({"bench": "replay_overhead", "device": dev, "preset": preset, "dtype": dtype, "micro_batches": a.micro_batches,
           "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json)
+
+
+def _packing_table(rows, dev, preset, dtype, micro_batches, batch, seq, reps) -> None:
+    t = Table(title=f"Sequence packing, replay on, {dev}, {preset} ({dtype}): {micro_batches * batch} long-tailed "
+                    f"samples of <= {seq} tokens per DP rank, {micro_batches} micro-batches, {reps} interleaved reps")
+    for c in ("layout", "padded ms (median)", "packed ms (median)", "packed/padded (median)", "packed/padded (min)",
+              "tokens real / padded / packed", "rows padded -> packed", "packed=padded lp diff"):
+        t.add_column(c)
+    for name, d in rows.items():
+        t.add_row(name, f"{1e3 * d['off_median_s']:.1f}", f"{1e3 * d['on_median_s']:.1f}", f"{d['ratio_median']:.3f}",
+                  f"{d['ratio_min']:.3f}", f"{d['real_tokens']} / {d['padded_tokens']} / {d['packed_tokens']}",
+                  f"{micro_batches * batch} -> {d['rows_packed']}",
+                  f"{d.get('max_abs_logprob_diff_packed_vs_padded', float('nan')):.2g}")
+    Console(width=180).print(t)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--micro-batch-size", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     gpu = a.scale == "gpu"
@@ -52,10 +53,10 @@ def main() -> None:
     hf = a.hf or make_model(os.path.join(tmp, preset), preset)
     rows = run_layouts("_rl_step_worker.py", layouts, LAYOUTS, tmp,
                        ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
-                        "--micro-batch-size", str(mbs), "--reps", str(reps)])
+                        "--micro-batch-size", str(mbs), "--reps", str(reps), "--packing", a.packing])
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
-                    f"micro-batch {mbs}, {reps} interleaved reps")
+                    f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps")
     for c in ("layout", "rl_step tok/s", "rl_fb tok/s", "ce_fb tok/s", "bare_fb tok/s", "bare_step tok/s",
               "rl_step/bare_fb", "rl_step/bare_step", "rl_fb/bare_fb", "rl_fb/ce_fb"):
         t.add_column(c)
@@ -66,7 +67,7 @@ def main() -> None:
                   f"{d['rl_fb_vs_ce_fb']:.3f}")
     Console(width=170).print(t)
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
-          "micro_batch_size": mbs, "reps": reps, "layouts": rows}, a.json)
+          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "layouts": rows}, a.json)
 
 
 if __name__ == "__main__":

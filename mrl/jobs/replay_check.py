@@ -1,14 +1,16 @@
 """Keep Routing check: replay engine-recorded experts in any layout, and report what the routers did.
 
     torchrun --nproc-per-node 2 -m mrl.jobs.replay_check --hf DIR --tp 2 --input samples.json \\
-        --micro-batches 2 --recompute --out DIR
+        --micro-batches 2 --recompute --pack-len 32 --out DIR
 
 ``samples.json``: ``{"sequences": [[ids]], "routes": [[[[expert]*K]*L]*(n-1)]}`` (engine records, dense
 layers dropped). One training forward/backward with replay (``--micro-batches`` through megatron's
-schedule, optional full activation recompute), then a natural (RECORD) pass. Each rank writes
-``rank<r>.json``: the experts its routers actually dispatched to (from the routing map, forward
-and recompute calls separately) with the token coordinates they belong to, and on the last stage
-the per-token logprobs of both passes.
+schedule, optional full activation recompute), then a natural (RECORD) pass, and with ``--pack-len``
+the replayed training pass again on packed rows (each micro-batch's samples first-fit into rows of
+that many tokens, block-diagonal causal mask). Each rank writes ``rank<r>.json``: the experts its
+routers actually dispatched to (from the routing map, forward and recompute calls separately) with
+the token coordinates they belong to (packed: where each sample sits), and on the last stage the
+per-sample logprobs of every pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron import compat
+from mrl.megatron.packing import Packing, first_fit_decreasing
 from mrl.megatron.parallel import destroy
 from mrl.megatron.train_step import MicroBatch, forward_backward
 from mrl.models import get_bridge
@@ -48,12 +51,33 @@ def _router_taps(model):
     return calls
 
 
+def _packed_micro_batches(mbs, seqs, mine, per_mb, row_len, codec):
+    """Each micro-batch's samples first-fit into rows of ``row_len`` (as many rows in every micro-batch),
+    routes packed the same way; returns them and, per micro-batch, ``[sample, row, offset]`` of each."""
+    groups = []
+    for j in range(len(mbs)):
+        idx = mine[j * per_mb:(j + 1) * per_mb]
+        groups.append((j, idx, first_fit_decreasing([len(seqs[i]) for i in idx], row_len)))
+    rows = max(len(bins) for _, _, bins in groups)
+    out, where = [], []
+    for j, idx, bins in groups:
+        pk = Packing.build([len(seqs[i]) for i in idx], bins, row_len=row_len, num_rows=rows, fmt="mask",
+                           device=compat.DEVICE)
+        width = pk.width
+        fill = torch.arange(codec.top_k, device=compat.DEVICE) % codec.num_experts
+        out.append(MicroBatch(pk.pack_tokens(mbs[j].input_ids[:, :width], 0),
+                              pk.pack_tokens(mbs[j].routes[:, :width], fill), packing=pk))
+        where.append([[i, pk.row[b], pk.offset[b]] for b, i in enumerate(idx)])
+    return out, where
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     add_layout_args(ap)
     ap.add_argument("--input", required=True)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--pack-len", type=int, default=None, help="also run the replayed pass packed, rows of N tokens")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -95,6 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     natural = forward_backward(model, layout, mbs, vocab_size=bridge.vocab_size, forward_only=True,
                                driver=ReplayDriver(m.cfg, rs, ReplayMode.record))
+    natural_calls = list(calls)
+    packed = {}
+    if a.pack_len:
+        calls.clear()
+        pmbs, layout_rows = _packed_micro_batches(mbs, seqs, mine, per_mb, a.pack_len, codec)
+        model.train()
+        outs = forward_backward(model, layout, pmbs, vocab_size=bridge.vocab_size, loss_fn=loss_fn,
+                                driver=ReplayDriver(m.cfg, rs, ReplayMode.replay))
+        packed = {"packed_rows": layout_rows, "packed_row_len": a.pack_len,
+                  "packed_num_rows": pmbs[0].packing.num_rows,
+                  "packed_forward_calls": [(j, c.tolist()) for j, r, c in calls if not r],
+                  "packed_recompute_calls": [(j, c.tolist()) for j, r, c in calls if r],
+                  "logprobs_packed": [o["logprobs"].tolist() for o in outs]}
     fwd = [(j, c.tolist()) for j, rec, c in replay_calls if not rec]
     rec = [(j, c.tolist()) for j, rec, c in replay_calls if rec]
     report = {
@@ -102,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         "sequences": mine, "per_mb": per_mb, "seq_len": seq_len, "moe_columns": list(rs.moe_columns),
         "tp": layout.tp.size, "sp": bool(m.cfg.sequence_parallel),
         "forward_calls": fwd, "recompute_calls": rec,
-        "natural_calls": [(j, c.tolist()) for j, _, c in calls],
+        "natural_calls": [(j, c.tolist()) for j, _, c in natural_calls],
         "logprobs_replay": [o["logprobs"].tolist() for o in replayed],
         "logprobs_natural": [o["logprobs"].tolist() for o in natural],
+        **packed,
     }
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{layout.world_rank}.json"), "w") as f:

@@ -1,70 +1,132 @@
 """Micro-batched forward/backward of token logprobs through megatron's schedules, with Keep Routing.
 
-    outs = forward_backward(model, layout, mbs, vocab_size=V, loss_fn=fn, driver=replay_driver)
+    outs = forward_backward(model, layout, mbs, vocab_size=V, loss_fn=fn, driver=replay_driver,
+                            support=SupportSpec(temperature=1.0, on_outside="drop"))
 
-Each micro-batch is padded ``[b, S]`` token ids (S a multiple of tp for sequence parallelism) with
-its routes ``[b, S, L, K]``; ``loss_fn(logprobs [b, S-1], mb) -> (loss, metrics)`` runs on the last
-PP stage. Logits are gathered over TP and the log-softmax is taken over the real vocabulary only
-(padding rows are not part of the engine's distribution).
+Each micro-batch is ``[b, S]`` token ids (S a multiple of tp for sequence parallelism) with its routes
+``[b, S, L, K]``: one right-padded sample per row, or several samples per row (``packing``: see
+``mrl.megatron.packing``). ``loss_fn(logprobs [n, T-1], mb) -> (loss, metrics)`` runs on the last PP
+stage with one row per sample either way (packed logprobs are unpacked first). Logits are gathered
+over TP and the log-softmax is taken over the real vocabulary only (padding rows are not part of the
+engine's distribution); with a sampling support (Keep Sampling Mask) over that support only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from mrl._compat.te import HAVE_TE
 from mrl.megatron.forward import token_logprobs
+from mrl.megatron.packing import Packing
 from mrl.megatron.parallel import Layout
 from mrl.routing.replay import ReplayDriver
+from mrl.routing.sampling_mask import SupportSpec, support_logprobs
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor
-    """[b, S] token ids, right-padded."""
+    """[b, S] token ids: right-padded samples, or packed rows (then the shape of ``packing.grid``)."""
     routes: torch.Tensor | None = None
-    """[b, S, L, K] int64 expert ids aligned to input_ids (``routing.replay.align_routes``)."""
+    """[b, S, L, K] int64 expert ids aligned to input_ids (``routing.replay.align_routes``; packed the same way)."""
     data: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-token loss inputs ([b, S-1]: mask, old/behaviour logprobs, advantages, ...)."""
+    """Loss inputs, one row per sample ([n, T-1]: ``mask`` (the loss mask), old/behaviour logprobs,
+    advantages, ...). Unpacked, n = b and T = S."""
+    packing: Packing | None = None
+    """Several samples per row: where each sits, and the attention inputs that keep them apart."""
+    support: torch.Tensor | None = None
+    """[b, S-1, K] Keep Sampling Mask: token ids of the engine's sampling support for the token at t + 1
+    (-1 = empty slot; a position with no id is not masked), in the input's row layout."""
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
 
 
+def _model_inputs(mb: MicroBatch) -> dict[str, Any]:
+    ids = mb.input_ids
+    pk = mb.packing
+    if pk is None:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        return dict(input_ids=ids, position_ids=pos, attention_mask=None)
+    if pk.fmt == "mask":
+        if HAVE_TE:  # model.layer_spec picks TE's attention, whose causal mask type ignores a custom mask
+            raise ValueError("packed rows with a block-diagonal mask need megatron's local attention; with the "
+                             "Transformer Engine spec pack with fmt='thd'")
+        return dict(input_ids=ids, position_ids=pk.position_ids, attention_mask=pk.attention_mask)
+    return dict(input_ids=ids, position_ids=pk.position_ids, attention_mask=None,
+                packed_seq_params=pk.packed_seq_params)
+
+
+def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: SupportSpec | None,
+              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-sample logprobs [n, T-1] and, under a sampling support, where the token lies outside it.
+    ``temperature``: the engine samples (and reports logprobs) from softmax(logits / T)."""
+    ids = mb.input_ids
+    outside = None
+    if mb.support is None:
+        lp = token_logprobs(logits if temperature == 1.0 else logits / temperature, ids, vocab_size)
+    else:
+        if support is None:
+            raise ValueError("micro-batch carries a sampling support but forward_backward got no SupportSpec")
+        lp, outside = support_logprobs(logits[:, :-1, :vocab_size], ids[:, 1:], mb.support, support.temperature,
+                                       on_outside=support.on_outside)
+    if mb.packing is not None:
+        lp = mb.packing.unpack_predictions(lp)
+        outside = None if outside is None else mb.packing.unpack_predictions(outside, fill=False)
+    return lp, outside
+
+
 def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatch], *, vocab_size: int,
                      loss_fn: LossFn | None = None, driver: ReplayDriver | None = None,
-                     forward_only: bool = False, loss_scale: float = 1.0) -> list[dict[str, Any]]:
+                     forward_only: bool = False, loss_scale: float = 1.0,
+                     support: SupportSpec | None = None, temperature: float = 1.0) -> list[dict[str, Any]]:
     """One pass over ``mbs`` (megatron's 1F1B schedule when PP > 1). Returns, on the last stage, one
-    dict per micro-batch: ``logprobs`` [b, S-1] (detached) plus the loss_fn metrics; [] elsewhere.
+    dict per micro-batch: ``logprobs`` [n, T-1] (detached, one row per sample) plus the loss_fn metrics;
+    [] elsewhere.
 
     ``loss_fn`` losses are used as given (times ``loss_scale``): megatron's division by the number of
-    micro-batches is undone here, so callers pass globally normalized losses."""
+    micro-batches is undone here, so callers pass globally normalized losses. With ``support`` and
+    ``on_outside="drop"``, tokens outside their support are taken out of ``data["mask"]`` before
+    ``loss_fn`` sees it (metric ``outside_support_tokens``). ``temperature``: logprobs of softmax(logits / T),
+    the distribution the engine sampled from (a sampling support carries its own)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature {temperature}: RL samples need a temperature > 0")
+    if layout.config.cp > 1:
+        raise ValueError(f"parallel.cp={layout.config.cp}: the training step does not split inputs, labels and "
+                         "losses over context-parallel ranks yet (routes are: RankSlice); use parallel.cp=1")
     n = len(mbs)
-    seq = mbs[0].input_ids.shape[1]
-    mb_size = mbs[0].input_ids.shape[0]
-    if any(mb.input_ids.shape != (mb_size, seq) for mb in mbs):
+    shape = tuple(mbs[0].input_ids.shape)
+    if any(tuple(mb.input_ids.shape) != shape for mb in mbs):
         raise ValueError("all micro-batches must share one [b, S] shape (pad them)")
     it = iter(mbs)
 
     def forward_step(_data_iterator, m):
         mb = next(it)
-        ids = mb.input_ids
-        pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
+        pk = mb.packing
         if driver is not None:
-            driver.before_forward(mb.routes)
-        out = m(input_ids=ids, position_ids=pos, attention_mask=None, runtime_gather_output=True)
+            driver.before_forward(mb.routes, pk.cu_seqlens_padded if pk is not None and pk.fmt == "thd" else None)
+        out = m(**_model_inputs(mb), runtime_gather_output=True)
         if driver is not None:
             out = driver.after_forward(out)
 
         def loss_func(logits):
-            lp = token_logprobs(logits, ids, vocab_size)
+            lp, outside = _logprobs(logits, mb, vocab_size, support, temperature)
+            extra: dict[str, Any] = {}
+            batch = mb
+            if outside is not None:
+                extra["outside_support_tokens"] = outside.sum().float()  # only response rows carry supports
+                if bool(outside.any()):
+                    batch = dataclasses.replace(mb, data={**mb.data, "mask": mb.data["mask"] * ~outside})
+                    lp = lp.masked_fill(outside, 0.0)  # constant: no gradient, no -inf in the loss
             if loss_fn is None:
-                return lp.sum() * 0.0, {"logprobs": lp.detach()}
-            loss, metrics = loss_fn(lp, mb)
-            return loss * (loss_scale * n), {"logprobs": lp.detach(), **metrics}
+                return lp.sum() * 0.0, {"logprobs": lp.detach(), **extra}
+            loss, metrics = loss_fn(lp, batch)
+            return loss * (loss_scale * n), {"logprobs": lp.detach(), **metrics, **extra}
 
         return out, loss_func
 
@@ -73,7 +135,7 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
         with ctx:
             outs = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter([None] * n), model=[model],
-                num_microbatches=n, seq_length=seq, micro_batch_size=mb_size, forward_only=forward_only)
+                num_microbatches=n, seq_length=shape[1], micro_batch_size=shape[0], forward_only=forward_only)
     finally:
         if driver is not None:
             driver.close()

@@ -5,6 +5,9 @@
     mask_NV = mask_from_support_ids(ids, vocab_size)                                          # engine side
     logprobs_N, outside_N = masked_logprobs(logits_NV, tokens_N, mask_NV, 1.0, on_outside="drop")
 
+    ids_NK = support_tensor(ids)                                                              # in the loss
+    logprobs_N, outside_N = support_logprobs(logits_NV, tokens_N, ids_NK, 1.0, on_outside="drop")
+
 What SGLang 0.5.10 does (read from ``sglang/srt/layers/sampler.py`` ``Sampler.forward``,
 ``top_k_top_p_min_p_sampling_from_probs_torch``, ``sampling/sampling_params.py`` ``SamplingParams.__init__``,
 ``sampling/sampling_batch_info.py`` ``SamplingBatchInfo.from_schedule_batch``, flashinfer ``sampling.cuh``):
@@ -39,6 +42,7 @@ K candidates.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
@@ -46,6 +50,16 @@ import torch
 SAMPLING_EPS = 1e-6  # sglang SamplingParams: temperatures below this mean greedy
 SamplingBackend = Literal["pytorch", "flashinfer"]
 OnOutside = Literal["raise", "drop"]
+
+
+@dataclass(frozen=True)
+class SupportSpec:
+    """How the training loss applies the engine's sampling support (``train_step.forward_backward``)."""
+
+    temperature: float
+    """The rollout temperature: the support's distribution is ``softmax(logits / temperature)``."""
+    on_outside: "OnOutside" = "raise"
+    """A sampled token outside its support: raise, or drop it from the loss (counted)."""
 
 
 class OutsideSupportError(ValueError):
@@ -136,6 +150,88 @@ def masked_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, mask_NV: to
     # the outside branch is a constant: those rows carry no gradient even if the caller forgets to drop them
     lp_N = x_NV.gather(-1, idx_N1).squeeze(-1) - logz_N
     return torch.where(outside_N, torch.full_like(lp_N, float("-inf")), lp_N), outside_N
+
+
+def support_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, support_NK: torch.Tensor, temperature: float,
+                     *, on_outside: OnOutside) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_logprobs`` with the support as token ids ``[N, K]`` (-1 = empty slot) instead of a
+    ``[N, V]`` mask: what the training loss uses (K is top_k-sized, V is the vocabulary). A row with
+    no id at all is not masked: plain log-softmax of ``logits / temperature`` (prompt, padding, and
+    positions whose support could not be rebuilt, which the caller keeps out of the loss).
+    Gradients reach only the support's logits; an outside token's row gets none."""
+    if on_outside not in ("raise", "drop"):
+        raise ValueError(f"on_outside must be 'raise' or 'drop', got {on_outside!r}")
+    if support_NK.shape[:-1] != tokens_N.shape:
+        raise ValueError(f"support shape {tuple(support_NK.shape)} does not match tokens {tuple(tokens_N.shape)}")
+    if support_NK.numel() and int(support_NK.max()) >= logits_NV.shape[-1]:
+        raise ValueError(f"support id {int(support_NK.max())} >= vocabulary {logits_NV.shape[-1]}")
+    temperature, _ = _normalize(temperature, -1, 1.0, 0.0)
+    x_NV = logits_NV.float() / temperature
+    slot_NK = support_NK >= 0
+    has_N = slot_NK.any(-1)
+    # rows without a support get a finite dummy (zeros): an all -inf logsumexp would put NaN in backward
+    sup_NK = x_NV.gather(-1, support_NK.clamp(min=0)).masked_fill(~slot_NK, float("-inf"))
+    sup_NK = sup_NK.masked_fill(~has_N[..., None], 0.0)
+    logz_N = torch.where(has_N, torch.logsumexp(sup_NK, -1), torch.logsumexp(x_NV, -1))
+    tok_N1 = tokens_N.long().unsqueeze(-1)
+    outside_N = has_N & ~(support_NK == tok_N1).any(-1)
+    if on_outside == "raise" and bool(outside_N.any()):
+        where = outside_N.nonzero()
+        raise OutsideSupportError(f"{where.shape[0]} sampled token(s) outside the sampling support, at positions "
+                                  f"{where[:8].tolist()}; tokens {tokens_N[outside_N][:8].tolist()}")
+    lp_N = x_NV.gather(-1, tok_N1).squeeze(-1) - logz_N
+    return torch.where(outside_N, torch.full_like(lp_N, float("-inf")), lp_N), outside_N
+
+
+def support_tensor(support_ids: Sequence[Sequence[int]], width: int | None = None,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-position id lists -> ``[N, K]`` int64, -1 padded (K = the longest list, or ``width``)."""
+    k = max([len(ids) for ids in support_ids] + [1]) if width is None else width
+    out = torch.full((len(support_ids), k), -1, dtype=torch.long)
+    for t, ids in enumerate(support_ids):
+        out[t, :len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+    return out.to(device) if device is not None else out
+
+
+def top_logprobs_to_request(*, temperature: float, top_k: int, top_logprobs_num: int | None) -> int:
+    """How many top logprobs per response token the engine must return (``top_logprobs_num``) for the
+    support to be rebuilt: the configured number, else top_k (1 when greedy)."""
+    if top_logprobs_num is not None:
+        return int(top_logprobs_num)
+    if temperature < SAMPLING_EPS:
+        return 1
+    if top_k == -1:
+        raise ValueError("rollout.top_logprobs_num: must be set for train.sampling_mask when rollout.top_k=-1 "
+                         "(the top_p / min_p support is rebuilt only where its cut falls inside the returned top)")
+    return int(top_k)
+
+
+def engine_support(output_top_logprobs: Sequence[Sequence[Sequence[float]]], *, temperature: float, top_k: int,
+                   top_p: float, min_p: float, backend: SamplingBackend = "pytorch"
+                   ) -> tuple[list[list[int]], list[float]]:
+    """Per response position: the engine's support ids and the log of its probability mass there
+    (``log sum exp(engine logprob)`` over the support: the engine reports logprobs over the whole
+    vocabulary, so ``engine logprob - log mass`` is the logprob under the distribution it sampled).
+    A position whose support cannot be rebuilt (too few top logprobs) gets ``([], 0.0)``: the trainer
+    errors or masks it out (``train.bad_support``)."""
+    try:
+        ids = support_from_top_logprobs(output_top_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        min_p=min_p, backend=backend)
+    except IncompleteSupportError:
+        ids = [_position_support(step, temperature, top_k, top_p, min_p, backend) for step in output_top_logprobs]
+    mass = []
+    for step, kept in zip(output_top_logprobs, ids):
+        lp = {int(c[1]): float(c[0]) for c in step}
+        mass.append(float(torch.logsumexp(torch.tensor([lp[i] for i in kept]), 0)) if kept else 0.0)
+    return ids, mass
+
+
+def _position_support(step, temperature, top_k, top_p, min_p, backend) -> list[int]:
+    try:
+        return support_from_top_logprobs([step], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                         backend=backend)[0]
+    except IncompleteSupportError:
+        return []
 
 
 def support_from_top_logprobs(output_top_logprobs: Sequence[Sequence[Sequence[float]]], *, temperature: float,

@@ -3,9 +3,10 @@
 The engine serves the tiny model; the trainer holds the same weights one update ahead (a small
 perturbation of every tensor: the engine is one weight version behind, as with stale rollouts), so
 natural training routing differs from the sampled one. Under TP2+SP, EP2 (DP2), TP2xEP2, PP2 (uneven)
-with activation recompute and PP2 without, 2 micro-batches each:
+with activation recompute and PP2 without, 2 micro-batches each, unpacked (one sample per row) and
+packed (first-fit rows of 32 tokens, block-diagonal causal mask) in the same run:
 - every router dispatches exactly the engine's experts, token for token (forward and recompute);
-- logprobs equal those of the single-process replay run;
+- logprobs equal those of the single-process replay run, and packed equal unpacked;
 - replay off (natural routing) disagrees with the engine; replay on does not (KL of the training
   logprobs vs the engine's reported for both).
 """
@@ -28,7 +29,9 @@ from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec
 from tests.conftest import run_torchrun
 
-PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 5], [1, 11, 12, 13, 14, 15, 16], [1, 250, 251]]
+PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 5], [1, 11, 12, 13, 14, 15, 16], [1, 250, 251],
+           [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 400], [1, 77, 78, 79], [1, 2, 3, 4, 5, 6]]
+PACK_LEN = 32  # 10 new tokens each: rows hold 1-2 samples, some a tail, some micro-batches an empty row
 LAYOUTS = {  # name: (nproc, args)
     "tp2": (2, ["--tp", "2", "--recompute"]),
     "ep2": (2, ["--ep", "2", "--recompute"]),
@@ -73,7 +76,8 @@ def ahead(ckpt_dir, tmp_path_factory):
 
 def _run(ahead, samples, out, nproc, args):
     r = run_torchrun("mrl.jobs.replay_check", ["--hf", ahead, "--input", str(samples), "--out", str(out),
-                                               "--micro-batches", "2", *args], nproc, timeout=400)
+                                               "--micro-batches", "2", "--pack-len", str(PACK_LEN), *args],
+                     nproc, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads((out / f).read_text()) for f in sorted(os.listdir(out))]
 
@@ -83,32 +87,40 @@ def reference(ahead, samples, tmp_path_factory):
     return _run(ahead, samples, tmp_path_factory.mktemp("ref"), 1, [])[0]
 
 
-def _expected(samples_json, rep, mb, col):
+def _sample_at(samples_json, rep, mb, b, s, packed):
+    """(sample, position in it) of row b, position s of micro-batch mb; (None, None) on padding."""
+    if not packed:
+        return rep["sequences"][mb * rep["per_mb"] + b], s
+    for i, row, off in rep["packed_rows"][mb]:
+        if row == b and off <= s < off + len(samples_json["sequences"][i]):
+            return i, s - off
+    return None, None
+
+
+def _expected(samples_json, rep, mb, col, packed=False):
     """Engine experts for this rank's routers, micro-batch ``mb``, local MoE layer ``col``: token i of
-    the router input is (s, b) = (s0 + i // b_mb, i % b_mb), s-first, with SP chunking over TP."""
-    seq_len, per_mb = rep["seq_len"], rep["per_mb"]
+    the router input is (s, b) = (s0 + i // rows, i % rows), s-first, with SP chunking over TP."""
+    seq_len, rows = (rep["packed_row_len"], rep["packed_num_rows"]) if packed else (rep["seq_len"], rep["per_mb"])
     chunk = seq_len // rep["tp"] if rep["sp"] else seq_len
     s0 = rep["tp_rank"] * chunk if rep["sp"] else 0
-    rows = []
+    out = []
     for s in range(s0, s0 + chunk):
-        for b in range(per_mb):
-            seq = rep["sequences"][mb * per_mb + b]
-            routes = samples_json["routes"][seq]
-            if s < len(routes):  # engine rows: every position but the last; the rest is padding
-                rows.append(sorted(routes[s][rep["moe_columns"][col]]))
-            else:
-                rows.append(None)
-    return rows
+        for b in range(rows):
+            seq, t = _sample_at(samples_json, rep, mb, b, s, packed)
+            routes = samples_json["routes"][seq] if seq is not None else []
+            # engine rows: every position but the last; the rest is padding
+            out.append(sorted(routes[t][rep["moe_columns"][col]]) if seq is not None and t < len(routes) else None)
+    return out
 
 
-def _check_routers(samples_json, rep, calls):
+def _check_routers(samples_json, rep, calls, packed=False):
     ncol = len(rep["moe_columns"])
     assert len(calls) == 2 * ncol, f"rank {rep['rank']}: {len(calls)} router calls"
     checked = 0
     for n, (col, ids) in enumerate(calls):
         # one call per local MoE layer per micro-batch (recompute runs the layers in reverse order)
         assert sorted(c for c, _ in calls[n - n % ncol:n - n % ncol + ncol]) == list(range(ncol))
-        for got, want in zip(ids, _expected(samples_json, rep, n // ncol, col), strict=True):
+        for got, want in zip(ids, _expected(samples_json, rep, n // ncol, col, packed), strict=True):
             if want is not None:
                 assert got == want
                 checked += 1
@@ -130,18 +142,23 @@ def test_replay_equals_engine_records_and_single_process(name, ahead, samples, r
     nproc, args = LAYOUTS[name]
     reps = _run(ahead, samples, tmp_path / name, nproc, args)
     sj = json.loads(samples.read_text())
-    checked = sum(_check_routers(sj, rep, rep["forward_calls"]) for rep in reps)
-    assert checked > 0
-    if "--recompute" in args:  # the recompute pass replays the same experts (REPLAY_BACKWARD queue)
-        assert all(_check_routers(sj, rep, rep["recompute_calls"]) for rep in reps)
-    else:
-        assert all(rep["recompute_calls"] == [] for rep in reps)
+    for packed, prefix in ((False, ""), (True, "packed_")):
+        checked = sum(_check_routers(sj, rep, rep[prefix + "forward_calls"], packed) for rep in reps)
+        # every (engine-routed token, MoE layer) exactly once over the ranks
+        assert checked == sum(len(x) - 1 for x in sj["sequences"]) * len(reference["moe_columns"]), (packed, checked)
+        if "--recompute" in args:  # the recompute pass replays the same experts (REPLAY_BACKWARD queue)
+            assert all(_check_routers(sj, rep, rep[prefix + "recompute_calls"], packed) for rep in reps)
+        else:
+            assert all(rep[prefix + "recompute_calls"] == [] for rep in reps)
     ref = _logprobs_by_seq([reference], "logprobs_replay")
-    got = _logprobs_by_seq(reps, "logprobs_replay")
-    assert sorted(got) == sorted(ref) == list(range(len(PROMPTS)))
-    for i in ref:
-        n = len(sj["sequences"][i]) - 1
-        assert np.abs(got[i][:n] - ref[i][:n]).max() < 2e-5, (name, i)
+    for key in ("logprobs_replay", "logprobs_packed"):
+        got = _logprobs_by_seq(reps, key)
+        ref_same = _logprobs_by_seq([reference], key)  # single process, same packing or none
+        assert sorted(got) == sorted(ref) == list(range(len(PROMPTS)))
+        for i in ref:
+            n = len(sj["sequences"][i]) - 1
+            assert np.abs(got[i][:n] - ref_same[i][:n]).max() < 2e-5, (name, key, i)
+            assert np.abs(got[i][:n] - ref[i][:n]).max() < 2e-5, (name, key, i)  # packed == unpacked
 
 
 def test_stale_engine_disagreement_and_kl(reference, samples):

@@ -1,7 +1,8 @@
 """Keep Sampling Mask: the support equals SGLang 0.5.10's sampler support; off-support tokens get no mass.
 
 Hand-computed small-vocab cases, then SGLang's own ``top_k_top_p_min_p_sampling_from_probs_torch`` as the
-oracle (its multinomial is intercepted to read back exactly which sorted entries it kept).
+oracle (its multinomial is intercepted to read back exactly which sorted entries it kept), then the
+trainer's loss path: ``train_step.forward_backward`` on an in-process tiny megatron model.
 """
 
 import math
@@ -15,11 +16,16 @@ from mrl.routing.sampling_mask import (
     OutsideSupportError,
     count_support_mismatch,
     mask_from_support_ids,
+    SupportSpec,
+    engine_support,
     masked_logprobs,
     support_from_top_logprobs,
+    support_logprobs,
     support_mask,
+    support_tensor,
 )
 from tests.fakes.fake_sglang import fixture
+from tests.unit.test_packing import gloo_world, tiny  # noqa: F401  (in-process tiny megatron model, module-scoped)
 
 P = [0.1, 0.4, 0.2, 0.3]  # sorted: id1 0.4, id3 0.3, id2 0.2, id0 0.1
 
@@ -246,3 +252,115 @@ def test_sglang_seeded_sampler_can_emit_an_off_support_token(sglang_sampler, mon
         masked_logprobs(logits, tok, mask, 1.0, on_outside="raise")
     lp, outside = masked_logprobs(logits, tok, mask, 1.0, on_outside="drop")
     assert outside.item() and lp.item() == float("-inf")
+
+
+# -- the sparse (token-id) support the loss uses ------------------------------------------------------------
+
+def test_support_ids_equal_the_dense_mask():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    mask = support_mask(logits, temperature=0.7, top_k=5, top_p=0.9, min_p=0.0)
+    ids = support_tensor([row.nonzero().flatten().tolist() for row in mask])
+    tokens = torch.tensor([int(row.nonzero()[0]) for row in mask])
+    tokens[2] = int((~mask[2]).nonzero()[0])  # one sampled token outside
+    dense, out_d = masked_logprobs(logits, tokens, mask, 0.7, on_outside="drop")
+    sparse, out_s = support_logprobs(logits, tokens, ids, 0.7, on_outside="drop")
+    assert torch.equal(out_d, out_s) and out_s.tolist() == [False, False, True, False, False, False]
+    assert torch.allclose(sparse[~out_s], dense[~out_s], atol=1e-6) and sparse[2] == float("-inf")
+    ids[4] = -1  # no support at all: plain log-softmax (prompt or padding position)
+    lp, out = support_logprobs(logits, tokens, ids, 0.7, on_outside="drop")
+    assert not out[4] and lp[4] == pytest.approx(float(torch.log_softmax(logits[4] / 0.7, -1)[tokens[4]]), abs=1e-6)
+
+
+def test_engine_support_gives_ids_log_mass_and_empty_when_undecided():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    top = [[[float(lp), int(i), None] for lp, i in zip(*torch.topk(row, 3))] for row in torch.log_softmax(logits, -1)]
+    ids, mass = engine_support(top, temperature=1.0, top_k=-1, top_p=0.7, min_p=0.0)
+    assert sorted(ids[0]) == [0, 1] and mass[0] == pytest.approx(math.log(0.8), abs=1e-6)
+    assert ids[1] == [] and mass[1] == 0.0  # the 0.7 cut falls past the 3 returned candidates
+
+
+# -- through the training loss path (train_step.forward_backward, real megatron forward/backward) -----------
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_outside_token_gets_no_mass_and_no_gradient_in_the_loss_path(tiny, packed):  # noqa: F811
+    from mrl.megatron.forward import forward_logits
+    from mrl.megatron.packing import Packing
+    from mrl.megatron.train_step import MicroBatch, forward_backward
+
+    v = tiny.bridge.vocab_size
+    temperature = 0.7
+    g = torch.Generator().manual_seed(3)
+    lengths, prompt = [12, 9], 4
+    ids = torch.randint(1, v, (2, 12), generator=g)
+    ids[1, 9:] = 0
+    tiny.model.eval()
+    ref_logits = forward_logits(tiny.model, tiny.layout, ids)[..., :v]  # same weights, no grad
+    # supports: the 6 most likely tokens at each response position, with the sampled token swapped in;
+    # at sample 0, position 6 the sampled token is left outside its support
+    support = torch.full((2, 11, 6), -1, dtype=torch.long)
+    mask = torch.zeros(2, 11)
+    for b, n in enumerate(lengths):
+        for t in range(prompt - 1, n - 1):
+            cand, nxt = ref_logits[b, t].topk(7).indices, ids[b, t + 1]
+            top = cand[cand != nxt][:6]
+            if (b, t) != (0, 6):
+                top[-1] = nxt
+            support[b, t], mask[b, t] = top, 1.0
+    assert not (support[0, 6] == ids[0, 7]).any()
+
+    if packed:
+        pk = Packing.build(lengths, [[1, 0]], row_len=22, num_rows=1)  # both samples in one row
+        mb = MicroBatch(pk.pack_tokens(ids, 0), data={"mask": mask}, packing=pk,
+                        support=pk.pack_predictions(support, -1))
+    else:
+        mb = MicroBatch(ids, data={"mask": mask}, support=support)
+    grads = []
+
+    def keep_grad(_module, _inputs, out):  # logits [s, b, V]: their gradient, as [b, s, V]
+        out[0].register_hook(lambda gr: grads.append(gr.transpose(0, 1).clone()))
+
+    hook = tiny.model.output_layer.register_forward_hook(keep_grad)
+    seen = {}
+
+    def loss_fn(lp, batch):
+        seen["mask"] = batch.data["mask"].clone()
+        return -(lp * batch.data["mask"]).sum(), {}
+
+    tiny.model.train()
+    try:
+        spec = SupportSpec(temperature=temperature, on_outside="drop")
+        out = forward_backward(tiny.model, tiny.layout, [mb], vocab_size=v, loss_fn=loss_fn, support=spec)[0]
+        with pytest.raises(OutsideSupportError, match="1 sampled token"):
+            forward_backward(tiny.model, tiny.layout, [mb], vocab_size=v, loss_fn=loss_fn,
+                             support=SupportSpec(temperature=temperature, on_outside="raise"))
+    finally:
+        hook.remove()
+    assert float(out["outside_support_tokens"]) == 1.0
+    assert seen["mask"][0, 6] == 0 and seen["mask"].sum() == mask.sum() - 1  # dropped from the loss only
+    # in-support tokens: log-softmax of logits / T over the support alone (mass sums to 1 there)
+    lp = out["logprobs"]
+    for b, n in enumerate(lengths):
+        for t in range(prompt - 1, n - 1):
+            if (b, t) == (0, 6):
+                continue
+            x = ref_logits[b, t, support[b, t]] / temperature
+            want = x[support[b, t] == ids[b, t + 1]] - torch.logsumexp(x, 0)
+            assert float(lp[b, t]) == pytest.approx(float(want), abs=1e-5), (b, t)
+    # gradients of the logits: only on support ids, and none at all where the token was outside
+    grad = grads[0][..., :v]
+    grad = pk.unpack_predictions(grad[:, :-1]) if packed else grad[:, :-1]
+    on_support = torch.zeros(2, 11, v, dtype=torch.bool).scatter_(-1, support.clamp(min=0), support >= 0)
+    assert torch.equal(grad[~on_support], torch.zeros_like(grad[~on_support]))
+    assert torch.equal(grad[0, 6], torch.zeros(v))
+    assert (grad[1, prompt - 1].abs() > 0).sum() == 6  # a kept position: every support logit moves
+
+
+def test_top_logprobs_to_request():
+    from mrl.routing.sampling_mask import top_logprobs_to_request
+
+    assert top_logprobs_to_request(temperature=1.0, top_k=20, top_logprobs_num=None) == 20
+    assert top_logprobs_to_request(temperature=1.0, top_k=-1, top_logprobs_num=64) == 64
+    assert top_logprobs_to_request(temperature=0.0, top_k=-1, top_logprobs_num=None) == 1
+    with pytest.raises(ValueError, match="rollout.top_logprobs_num"):
+        top_logprobs_to_request(temperature=1.0, top_k=-1, top_logprobs_num=None)
