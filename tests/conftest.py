@@ -1,10 +1,14 @@
-"""Shared fixtures: tiny checkpoints made once per session, torchrun launcher for gloo jobs."""
+"""Shared fixtures: tiny checkpoints made once per session, torchrun launcher for gloo jobs, and the records of
+the reliability suite (``-m reliability``; ``scripts/reliability_report.py`` turns them into docs/reliability.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
+from dataclasses import asdict, dataclass, field
 
 import pytest
 
@@ -30,3 +34,80 @@ def run_torchrun(module: str, args: list[str], nproc: int, timeout: float = 300)
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+# -- reliability records (scripts/reliability_report.py renders them into docs/reliability.md) ---------
+RELIABILITY_ENV = "MRL_RELIABILITY_DIR"
+# Tests of these files belong to the reliability suite without a marker of their own (category per file).
+RELIABILITY_FILES = {"tests/unit/test_fuzz.py": "fuzz"}
+
+
+@dataclass
+class ReliabilityRecord:
+    """What one injected fault or bad input was and what came out."""
+
+    category: str
+    """fault | timeout | bad_input | access"""
+    name: str
+    injected: str = ""
+    expected: str = ""
+    survived: bool | None = None
+    message: str = ""
+    """The error or log line the fault produced (what a user sees)."""
+    samples: dict | None = None
+    """{generated, trained, dropped, failed, retried, lost} for runs that generate."""
+    details: dict = field(default_factory=dict)
+
+
+class Reliability:
+    """``reliability.record(category=..., name=..., ...)``, any number of times per test."""
+
+    def __init__(self, test: str):
+        self.test, self.records = test, []
+
+    def record(self, **fields) -> ReliabilityRecord:
+        self.records.append(rec := ReliabilityRecord(**fields))
+        return rec
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("::")[0] in RELIABILITY_FILES:
+            item.add_marker("reliability")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
+        _write_outcome(item, rep)
+
+
+def _record_path(nodeid: str, suffix: str) -> str | None:
+    out = os.environ.get(RELIABILITY_ENV)
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, hashlib.sha1(nodeid.encode()).hexdigest()[:16] + suffix)
+
+
+def _write_outcome(item, rep) -> None:
+    if item.get_closest_marker("reliability") is None or not (path := _record_path(item.nodeid, ".outcome.json")):
+        return
+    outcome = "xfailed" if hasattr(rep, "wasxfail") else rep.outcome
+    category = RELIABILITY_FILES.get(item.nodeid.split("::")[0], "")
+    # hypothesis tests: the examples that ran (every phase), from the statistics its pytest plugin keeps
+    cases = sum(map(int, re.findall(r"(\d+) passing", getattr(item, "hypothesis_statistics", "") or ""))) or None
+    with open(path, "w") as f:
+        json.dump({"test": item.nodeid, "outcome": outcome, "seconds": round(rep.duration, 2), "category": category,
+                   "xfail_reason": getattr(rep, "wasxfail", ""), "hypothesis_cases": cases}, f)
+
+
+@pytest.fixture
+def reliability(request) -> Reliability:
+    """What the test injected and saw; written (the outcome beside it) when ``$MRL_RELIABILITY_DIR`` is set."""
+    rel = Reliability(request.node.nodeid)
+    yield rel
+    if rel.records and (path := _record_path(request.node.nodeid, ".record.json")):
+        with open(path, "w") as f:
+            json.dump({"test": rel.test, "records": [asdict(r) for r in rel.records]}, f, indent=1, default=str)

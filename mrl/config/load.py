@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+
 from omegaconf import DictConfig, OmegaConf
 
 from mrl.config.schema import Config
@@ -10,7 +13,26 @@ from mrl.config.store import CONF_DIR, register
 
 def to_config(cfg: DictConfig) -> Config:
     """Typed Config from a composed DictConfig; runs every ``__post_init__`` check."""
+    _check_no_unknown_keys(cfg)
     return OmegaConf.to_object(cfg)
+
+
+def _check_no_unknown_keys(node: DictConfig, path: str = "") -> None:
+    """Hydra's ``+key=value`` adds keys even to a structured config, and ``to_object`` then sets them as
+    stray attributes that nothing reads: ``+train.sft_warmup_step=0`` (a typo) would be silently ignored.
+    Only dict-typed fields (``rollout.server_args``, ``data.task_args``, ...) take new keys."""
+    cls = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in node.keys():
+            if key not in names:
+                near = difflib.get_close_matches(str(key), names, n=1)
+                raise ValueError(f"{path}{key}: not a field of {cls.__name__}"
+                                 + (f" (did you mean {path}{near[0]}?)" if near else f"; fields: {names}"))
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _check_no_unknown_keys(child, f"{path}{key}.")
 
 
 def compose(overrides: list[str] | None = None) -> Config:

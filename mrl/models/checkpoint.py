@@ -129,3 +129,65 @@ def save_hf(tensors: dict[str, torch.Tensor], path: str, config_src: str | None 
             src = os.path.join(config_src, fn)
             if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, fn)):
                 shutil.copy(src, os.path.join(path, fn))
+
+
+def check_tokenizer(path: str, *, vocab_size: int, special_ids: dict[str, int | list[int] | None]) -> None:
+    """The RL loop encodes prompts with ``<path>/tokenizer.json``: refuse one that cannot belong to the
+    model of ``<path>/config.json`` (more tokens than the model's vocabulary, or special token ids of the
+    config outside the tokenizer), naming both files."""
+    tok_file, cfg_file = os.path.join(path, "tokenizer.json"), os.path.join(path, "config.json")
+    if not os.path.isfile(tok_file):
+        raise CheckpointError(f"{tok_file}: missing; the RL loop encodes prompts with the model's own tokenizer "
+                              "(tokenizers' tokenizer.json next to config.json)")
+    from tokenizers import Tokenizer
+
+    try:
+        n = Tokenizer.from_file(tok_file).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises plain Exception on bad JSON
+        raise CheckpointError(f"{tok_file}: not a tokenizers file: {e}") from e
+    problems = []
+    if n > vocab_size:
+        problems.append(f"it has {n} tokens but {cfg_file} has vocab_size={vocab_size} (ids >= {vocab_size} "
+                        "have no embedding)")
+    for key, ids in special_ids.items():
+        for i in [ids] if isinstance(ids, int) else list(ids or []):
+            if not 0 <= i < n:
+                problems.append(f"{cfg_file} has {key}={i}, outside its {n} tokens")
+    if problems:
+        raise CheckpointError(f"{tok_file} does not match the model: " + "; ".join(problems)
+                              + " -- is it the tokenizer of another model?")
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def check_trainer_checkpoint(path: str, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...] | None],
+                             *, model: str) -> None:
+    """Before resuming from a trainer checkpoint (megatron dist_checkpointing): its tensors (``saved``: key ->
+    global shape, optimizer state excluded) must be the model's (``expected``: every rank's keys, shape None
+    where megatron does not give one up front). Raise CheckpointError naming the checkpoint, the model and
+    every missing, unexpected or mis-shaped tensor."""
+    saved = {k: v for k, v in saved.items() if not k.startswith("optimizer")}
+    missing = sorted(set(expected) - set(saved))
+    extra = sorted(set(saved) - set(expected))
+    bad = sorted(k for k in set(expected) & set(saved)
+                 if expected[k] is not None and tuple(saved[k]) != tuple(expected[k]))
+    if not (missing or extra or bad):
+        return
+
+    def layers(keys) -> int:
+        return 1 + max((int(m.group(1)) for k in keys if (m := _LAYER.match(k))), default=-1)
+
+    problems = []
+    if layers(saved) != layers(expected):
+        problems.append(f"{layers(saved)} transformer layers in the checkpoint, {layers(expected)} in the model")
+    if bad:
+        problems.append("mis-shaped tensors: " + ", ".join(
+            f"{k} is {list(saved[k])} in the checkpoint, {list(expected[k])} in the model" for k in bad[:5])
+            + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
+    for what, keys in (("missing from the checkpoint", missing), ("not in the model", extra)):
+        if keys:
+            problems.append(f"{len(keys)} tensors {what}: {keys[:5]}" + (" ..." if len(keys) > 5 else ""))
+    raise CheckpointError(f"{path}: this trainer checkpoint does not match the model of model.hf_path={model}: "
+                          + "; ".join(problems) + " -- it was written for another model: point run_dir elsewhere "
+                          "or set train.resume=false")

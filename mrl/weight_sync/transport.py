@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import base64
+import contextlib
 import io
 import os
 import tempfile
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.schema import WeightTransport
+from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import export_hf
 from mrl.models.bridge import ModelBridge, split_full
@@ -232,10 +234,20 @@ class EngineSync:
         self.dropped: list[str] = []
 
     def connect(self) -> None:
-        self.transport.connect()
+        t0 = time.monotonic()
+        try:
+            self.transport.connect()
+        except (RuntimeError, TimeoutError) as e:  # the store's "1/2 clients joined", or a bare future timeout
+            raise CollectiveError(f"rank {self.layout.world_rank}: creating the weight-update groups with engines "
+                                  f"{[x.url for x in self.engines]} failed after {time.monotonic() - t0:.1f} s "
+                                  f"(limit: weight_sync.timeout_s): {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        self.transport.close()
+        try:
+            self.transport.close()
+        except TimeoutError as e:  # the controller's wait for the engines' destroy requests: no message of its own
+            raise CollectiveError(f"rank {self.layout.world_rank}: engines {[x.url for x in self.engines]} did not "
+                                  "answer destroy_weights_update_group within weight_sync.timeout_s") from e
 
     def sync(self, version: str) -> SyncReport:
         t0 = time.perf_counter()
@@ -246,7 +258,13 @@ class EngineSync:
             raise RuntimeError(f"weight sync v{version}: could not pause engines: {errs}")
         if dead:  # died before the sync (mid-rollout): sync the others
             self._drop(dead, version, errs)
-        stats = self.transport.push(version)
+        try:
+            with _kill_during_sync(version, self.engines, controller):  # fault injection (tests); off by default
+                stats = self.transport.push(version)
+        except TimeoutError as e:  # the controller's wait for the engines' update requests: no message of its own
+            raise CollectiveError(f"weight sync v{version}: engines {[x.url for x in self.engines]} did not answer "
+                                  "every bucket request within weight_sync.timeout_s per bucket (one stopped "
+                                  "mid-push?)") from e
         if not stats.ok and (more := self._dead(stats.failed_engines)):
             # died mid-sync: its groups are broken for every member; rebuild them without it, push again
             self._drop(more, version, stats.failed_engines)
@@ -266,7 +284,8 @@ class EngineSync:
             errs = _run_on(self.engines, lambda c: self._finish(c, version))
             if errs:
                 raise RuntimeError(f"weight sync v{version}: could not stamp/continue engines: {errs}")
-        dist.barrier()
+        with named(f"the barrier closing weight sync v{version}"):
+            dist.barrier()
         return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
                           push_seconds=stats.seconds, bytes_sent=stats.bytes_sent,
                           failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
@@ -294,7 +313,8 @@ class EngineSync:
                 except OSError:
                     dead.append(url)
         box = [dead]
-        dist.broadcast_object_list(box, src=0)
+        with named("broadcast of the engines found dead during a weight sync", src=0):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     async def _pause(self, c: EngineClient) -> None:
@@ -305,6 +325,75 @@ class EngineSync:
     async def _finish(c: EngineClient, version: str) -> None:
         await c.update_weight_version(version, abort_all_requests=False)
         await c.resume()
+
+
+FAULT_KILL_ENGINE_DURING_SYNC = "MRL_FAULT_KILL_ENGINE_DURING_SYNC"
+"""Fault injection for tests, off unless set: ``<version>[:<engine>[:<broadcast>]]`` SIGKILLs engine number
+``engine`` (of those alive at that sync; default: the last) during the weight sync to ``version``, right
+before trainer rank 0's broadcast number ``broadcast`` (default 0) of the push: the engines are paused and
+flushed, the buckets before it are on them, every update request is posted. Only engines on this host
+(started by this process, or listening on the URL's port). docs/reliability.md lists what it showed."""
+
+
+@contextlib.contextmanager
+def _kill_during_sync(version: str, engines: list[EngineEndpoint], controller: bool):
+    spec = os.environ.get(FAULT_KILL_ENGINE_DURING_SYNC, "")
+    want, _, rest = spec.partition(":")
+    if not controller or want != version:
+        yield
+        return
+    idx, _, nth = rest.partition(":")
+    victim, at = engines[int(idx) if idx else -1].url, int(nth or 0)
+    real, seen = dist.broadcast, [0]
+
+    def broadcast(*args, **kwargs):  # the push's broadcasts, counted on the rank that injects the fault
+        if seen[0] == at:
+            print(f"[mrl] fault injection ({FAULT_KILL_ENGINE_DURING_SYNC}={spec}): SIGKILL engine {victim} "
+                  f"before broadcast {at} of weight sync v{version}", flush=True)
+            _kill_engine(victim)
+        seen[0] += 1
+        return real(*args, **kwargs)
+
+    dist.broadcast = broadcast  # test-only: patched for this one push, restored below
+    try:
+        yield
+    finally:
+        dist.broadcast = real
+    if seen[0] <= at:
+        raise RuntimeError(f"{FAULT_KILL_ENGINE_DURING_SYNC}={spec}: the push of v{version} made only "
+                           f"{seen[0]} broadcasts on this rank, so no engine was killed")
+
+
+def _kill_engine(url: str) -> None:
+    """SIGKILL the engine serving ``url`` (its whole process group when this process started it) and wait
+    until its port refuses connections."""
+    import signal
+    import socket
+    from urllib.parse import urlparse
+
+    import psutil
+
+    from mrl.rollout.engine import _LIVE
+
+    u = urlparse(url)
+    mine = [e for e in list(_LIVE) if e.url.rstrip("/") == url.rstrip("/") and e.alive()]
+    if mine:
+        os.killpg(mine[0].proc.pid, signal.SIGKILL)
+    else:
+        pids = {c.pid for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == u.port and c.pid}
+        if not pids:
+            raise RuntimeError(f"{FAULT_KILL_ENGINE_DURING_SYNC}: no process listens on {url}")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection((u.hostname, u.port), timeout=1).close()
+        except OSError:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{FAULT_KILL_ENGINE_DURING_SYNC}: {url} still accepts connections 30 s after SIGKILL")
 
 
 def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge,

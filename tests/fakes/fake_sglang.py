@@ -6,7 +6,7 @@ and pauses have something to interrupt). Faults:
 
 - ``crash_after``: the n-th /generate emits some tokens, then the connection drops and the server is
   dead (every later request is dropped too), like a SIGKILLed engine;
-- ``hang``: /generate never answers (the client must time out);
+- ``hang``: /generate never answers (the client must time out); ``hang_endpoints``: these never answer;
 - ``http_400`` / ``http_503``: /generate answers with that status and the recorded error body;
 - ``malformed``: /generate answers 200 with a body whose logprobs are null (NaN) or keys missing;
 - ``partial_update``: /update_weights_from_distributed answers the recorded "partially updated" 400.
@@ -60,6 +60,7 @@ class Faults:
     crash_after: int | None = None  # crash during the n-th /generate (1-based)
     crash_after_tokens: int = 2
     hang: bool = False
+    hang_endpoints: tuple[str, ...] = ()  # any endpoint: accepted, never answered
     http_400: bool = False
     http_503: bool = False
     malformed: str | None = None  # "null_logprob" | "no_meta" | "not_json"
@@ -132,7 +133,7 @@ class FakeSGLang:
         self._resume = asyncio.Event()
         self._resume.set()
         self._closing = asyncio.Event()
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self._auth, self._hang])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort)
@@ -148,6 +149,7 @@ class FakeSGLang:
         r.add_get("/get_weight_version", self.get_weight_version)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
+        r.add_get("/v1/loads", self.loads)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self._port)
@@ -165,6 +167,13 @@ class FakeSGLang:
             self.refused.append(request.path)
             return web.json_response({"error": "Unauthorized" if d.error_status_code == 401 else "Forbidden"},
                                      status=d.error_status_code)
+        return await handler(request)
+
+    @web.middleware
+    async def _hang(self, request: web.Request, handler):
+        if request.path in self.faults.hang_endpoints:  # never answers (until the test server shuts down)
+            await self._closing.wait()
+            self._drop(request)
         return await handler(request)
 
     @property
@@ -318,6 +327,10 @@ class FakeSGLang:
     async def get_weight_version(self, request: web.Request) -> web.Response:
         b = fixture("get_weight_version_404.json")
         return web.json_response(b["body"], status=404)
+
+    async def loads(self, request: web.Request) -> web.Response:
+        n = len(self._inflight)
+        return web.json_response({"loads": [{"num_running_reqs": n, "num_waiting_reqs": 0, "num_total_reqs": n}]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.st.dead:

@@ -42,18 +42,23 @@ def keys(engines) -> EngineSecrets:
     return s
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("name", ["tp1", "tp2"])
-def test_every_endpoint_refuses_a_missing_or_wrong_key(engines, keys, name):
+def test_every_endpoint_refuses_a_missing_or_wrong_key(engines, keys, name, reliability):
     url = engines[name].url
     before = httpx.get(url + "/model_info", headers={"Authorization": f"Bearer {keys.api_key}"}, timeout=30).json()
+    refused = {"no key": 0, "wrong key": 0, "the other key": 0}
     for (endpoint, query), right, other in [*((ep, keys.admin_api_key, keys.api_key) for ep in ADMIN),
                                            *((ep, keys.api_key, keys.admin_api_key) for ep in NORMAL)]:
-        for key in (None, "mrl_wrong", right + "x", other):
+        for kind, key in (("no key", None), ("wrong key", "mrl_wrong"), ("wrong key", right + "x"),
+                          ("the other key", other)):
             assert _post(url, endpoint, query, key) == 401, f"{endpoint} accepted key {key and key[:6]}"
+            refused[kind] += 1
         code = _post(url, endpoint, query, right)  # authorized, then refused as malformed
         assert code in (400, 422), f"{endpoint}: HTTP {code}"
     for get in ("/model_info", "/server_info", "/v1/loads"):
         assert httpx.get(url + get, timeout=30).status_code == 401, get
+        refused["no key"] += 1
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # always open (liveness probes)
     after = httpx.get(url + "/model_info", headers={"Authorization": f"Bearer {keys.api_key}"}, timeout=30).json()
     assert after["weight_version"] == before["weight_version"]
@@ -65,6 +70,13 @@ def test_every_endpoint_refuses_a_missing_or_wrong_key(engines, keys, name):
         return out
 
     assert len(asyncio.run(go()).output_ids) == 2  # not paused, still serving
+    reliability.record(
+        category="access", name=f"real SGLang engine, {name}", survived=True,
+        injected=f"{len(ADMIN)} admin and {len(NORMAL)} generation endpoints x (no key, wrong key, key + 'x', "
+                 "the other key), 3 info GETs without a key",
+        expected="every request 401, engine unchanged; the right key passes authentication",
+        message="HTTP 401 ({'error': 'Unauthorized'})", details={"refused": refused, "accepted_wrongly": 0,
+                                                               "requests": sum(refused.values())})
 
 
 def test_keys_appear_in_no_log_or_command_line(engines, keys, caplog, capfd):

@@ -16,6 +16,8 @@ from mrl.routing.codec import RoutesCodec
 from tests.fakes.fake_sglang import FakeSGLang, Faults, next_token
 
 CODEC = RoutesCodec(num_layers=3, top_k=2, num_experts=8, moe_layers=(0, 1, 2))
+FAULT_NAMES = {"crash_after": "crashes mid-request", "hang": "hangs", "http_503": "answers 503",
+               "http_400": "answers 400", "malformed": "answers malformed JSON"}
 PROMPT = [1, 17, 42, 99, 7]
 
 
@@ -144,22 +146,31 @@ def test_partial_rollout_survives_a_weight_update_with_versions():
     (Faults(malformed="not_json"), EngineProtocolError),
     (Faults(http_400=True), EngineHTTPError),
 ])
-def test_client_turns_each_fault_into_a_clear_error(faults, kind):
+@pytest.mark.reliability
+def test_client_turns_each_fault_into_a_clear_error(faults, kind, reliability):
     async def go(url):
         c = EngineClient(url, timeouts=ClientTimeouts(generate=1.0))
         with pytest.raises(kind) as e:
             await c.generate(PROMPT, {"max_new_tokens": 6}, rid="f1")
         assert url in str(e.value) and "/generate" in str(e.value)
         await c.close()
+        return str(e.value)
 
     with FakeSGLang(faults=faults) as srv:
-        run(go(srv.url))
+        msg = run(go(srv.url))
+    fault = next(f"{FAULT_NAMES[k]} ({v})" if k == "malformed" else FAULT_NAMES[k]
+                 for k, v in vars(faults).items() if v and k in FAULT_NAMES)
+    reliability.record(category="fault", name=f"engine /generate {fault}: the error", survived=True,
+                       injected=f"fake SGLang server: /generate {fault}",
+                       expected=f"{kind.__name__} naming the engine and the endpoint",
+                       message=msg.replace(srv.url, "http://<engine>"))
 
 
 @pytest.mark.parametrize("faults", [Faults(crash_after=2, crash_after_tokens=3), Faults(hang=True),
                                     Faults(http_503=True), Faults(malformed="null_logprob")],
                          ids=["crash", "hang", "503", "malformed"])
-def test_faulty_engine_is_bypassed_and_no_sample_is_lost(faults):
+@pytest.mark.reliability
+def test_faulty_engine_is_bypassed_and_no_sample_is_lost(faults, reliability):
     async def go(bad, good):
         clients = [EngineClient(bad, timeouts=ClientTimeouts(generate=1.0)), EngineClient(good)]
         mgr = RolloutManager(clients, sampling=SamplingSpec(max_new_tokens=10), codec=CODEC)
@@ -175,6 +186,14 @@ def test_faulty_engine_is_bypassed_and_no_sample_is_lost(faults):
     for s in samples:
         assert s.response_ids == greedy_reference(s.prompt_ids, 10)
         s.check()
+    fault = next(FAULT_NAMES[k] for k, v in vars(faults).items() if v and k in FAULT_NAMES)
+    reliability.record(category="fault", name=f"1 of 2 engines {fault} during rollouts", survived=True,
+                       injected=f"fake SGLang servers: one {fault} on /generate, 16 samples in 4 groups",
+                       expected="engine taken out of rotation, its samples retried on the other, none lost",
+                       message=f"{mgr.stats.engine_failures} engine failure(s), {mgr.stats.retries} retries",
+                       samples={"generated": mgr.stats.submitted, "trained": None, "dropped": 0,
+                                "failed": mgr.stats.failed, "retried": mgr.stats.retries,
+                                "lost": mgr.stats.submitted - mgr.stats.completed - mgr.stats.failed})
 
 
 def test_all_engines_dead_fails_samples_loudly_but_returns_them():

@@ -1,0 +1,242 @@
+"""Faults injected into ``mrl train`` itself (real SGLang engines, Megatron trainer ranks), and what survives.
+
+- engines SIGKILLed mid-rollout and mid-sync, in one run: their requests move to the survivor, each
+  sync drops the dead, rebuilds the groups and pushes again, every step is done, no sample is lost, and
+  the survivor serves the trainer's weights;
+- the same kill between two buckets of a multi-bucket push: not survived yet (xfail, see its docstring);
+- a trainer rank SIGKILLed after the first checkpoint: the job exits non-zero within seconds, one line names
+  the rank, the signal and the checkpoint, no engine process is left, and the same command resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
+FAULT_ENV = "MRL_FAULT_KILL_ENGINE_DURING_SYNC"
+QUICK = ["train.sft_warmup_steps=0", "train.eval_every=0", "train.prompts_per_step=4"]
+N = 4  # rollout.n_samples_per_prompt of conf/rollout/cpu.yaml
+
+pytestmark = pytest.mark.reliability
+
+
+def _start(run, *overrides, env=None) -> subprocess.Popen:
+    os.makedirs(run, exist_ok=True)
+    return subprocess.Popen([MRL, "train", f"run_dir={run}", *overrides], cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                            stdout=open(os.path.join(run, "stdout.txt"), "w"),
+                            stderr=open(os.path.join(run, "stderr.txt"), "w"), text=True)
+
+
+def _finish(proc: subprocess.Popen, run, timeout: float = 900) -> tuple[int, str, str]:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # Ctrl-C: the launcher kills its whole tree (mrl.jobs.torchrun)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return proc.returncode, open(os.path.join(run, "stdout.txt")).read(), open(os.path.join(run, "stderr.txt")).read()
+
+
+def _steps(run) -> list[dict]:
+    path = os.path.join(run, "metrics.jsonl")
+    rows = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+    return [r for r in rows if "step_seconds" in r]
+
+
+def _wait_for(proc, cond, what: str, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"mrl train exited ({proc.returncode}) before {what}"
+        assert time.time() < deadline, f"no {what} after {timeout}s"
+        time.sleep(0.2)
+
+
+def _engine_pgid(run, name: str) -> int:
+    """Process group of the SGLang server behind ``<run_dir>/engines/<name>.log`` (found by its port)."""
+    log = open(os.path.join(run, "engines", f"{name}.log")).read()
+    port = re.search(r"--port (\d+)", log).group(1)
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "sglang.launch_server" in " ".join(cmd) and port in cmd:
+            return os.getpgid(p.info["pid"])
+    raise AssertionError(f"no server process for {name} (port {port})")
+
+
+def _samples(last: dict, steps: int) -> dict:
+    """Sample accounting at the last step: every group that reached the buffer was trained, dropped as
+    stale (counted) or is still buffered; ``lost`` is what is none of these, plus samples that failed."""
+    trained = steps * 4 * N
+    dropped = last["dropped_stale"] * N
+    lost = last["rollout/groups_buffered"] * N - trained - dropped - last["buffered"] * N + last["rollout/samples_failed"]
+    return {"generated": last["rollout/samples_completed"], "trained": trained, "dropped": dropped,
+            "failed": last["rollout/samples_failed"], "retried": last["rollout/retries"], "lost": lost}
+
+
+def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliability):
+    """Three engines, two faults in one run (one start-up for both):
+
+    - mid-rollout: engine2's process group is SIGKILLed from outside once step 2 is logged; its requests
+      go to the others, the next sync finds it dead (refused connection) and drops it;
+    - mid-sync: ``$MRL_FAULT_KILL_ENGINE_DURING_SYNC=5:1`` SIGKILLs engine1 inside the sync to v5, right
+      before the trainer's broadcast (engines paused and flushed, groups live, update requests posted):
+      the push fails, the sync drops it, rebuilds the groups and pushes again; its in-flight rollouts
+      (overlap mode) move to engine0.
+
+    ``max_staleness=0``: every trained token comes from an engine stamped with the trainer's current
+    version, and rewards by length move the weights every step -- so engine logprobs equal to the
+    trainer's at every step mean the survivor really holds the trainer's weights."""
+    run = tmp_path / "kills"
+    proc = _start(run, "rollout.num_engines=3", "train.steps=7", "train.max_staleness=0",
+                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, env={FAULT_ENV: "5:1"})
+    _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
+    t_kill = time.time()
+    os.killpg(_engine_pgid(run, "engine2"), signal.SIGKILL)
+    killed_at = max(r["step"] for r in _steps(run))
+    rc, out, err = _finish(proc, run)
+    assert rc == 0, err[-5000:]
+    line = next(x for x in out.splitlines() if FAULT_ENV in x)
+    assert "before broadcast 0 of weight sync v5" in line
+    steps = _steps(run)
+    assert [r["step"] for r in steps] == list(range(1, 8))
+    alive = [int(r["engines_alive"]) for r in steps]
+    assert alive[:2] == [3, 3] and alive[4:] == [1, 1, 1] and steps[-1]["engines_dropped"] == 2, alive
+    for r in steps:
+        assert set(r["staleness_hist"]) == {"0"}  # every token stamped with the trainer's current version
+        assert r["grad_norm"] > 0.1 and r["logprob_diff_replay_on"] < 1e-5, r  # weights move; engine == trainer
+    last = steps[-1]
+    assert last["rollout/samples_failed"] == 0 and last.get("rollout/groups_failed", 0) == 0
+    samples = _samples(last, 7)
+    assert samples["lost"] == 0, samples
+    first_drop = alive.index(2) if 2 in alive else 4
+    reliability.record(
+        category="fault", name="engine SIGKILLed mid-rollout", survived=True, samples=samples,
+        injected="SIGKILL to the process group of 1 of 3 SGLang engines once step 2 is logged (outside the job)",
+        expected="its requests retried on the others; dropped at the next weight sync; run completes",
+        message=f"dropped at the sync of step {first_drop + 1} (engines_alive {alive[first_drop - 1]} -> "
+                f"{alive[first_drop]}); no error surfaced",
+        details={"killed_during_step": killed_at + 1})
+    reliability.record(
+        category="fault", name="engine SIGKILLed mid-sync", survived=True, samples=samples,
+        injected=f"{FAULT_ENV}=5:1: SIGKILL 1 of the 2 engines left inside the sync to v5, before the broadcast",
+        expected="push fails, engine dropped, groups rebuilt, survivor re-pushed and stamped, run completes",
+        message=line.strip().split("): ")[-1],
+        details={"sync_seconds_with_fault": round(steps[4]["sync_seconds"], 3),
+                 "sync_seconds_median": round(sorted(r["sync_seconds"] for r in steps)[3], 3),
+                 "max_abs_logprob_diff_engine_vs_trainer": max(r["logprob_diff_replay_on"] for r in steps),
+                 "requests_moved_to_survivors": last["rollout/engine_failures"],
+                 "run_seconds_after_first_kill": round(time.time() - t_kill, 1)})
+
+
+def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
+    """As mid-sync, but the push has five buckets and engine 1 dies after bucket 0 reached it.
+
+    Known to fail (the expected failure is checked, then xfail): ``DistributedWeightSync.push`` stops
+    broadcasting after the first failed bucket, so the surviving engine of the group blocks in its receive
+    of the next bucket and the push ends in a bare TimeoutError after ``weight_sync.timeout_s`` x buckets.
+    The fix belongs in mrl/weight_sync/executor.py: keep broadcasting every remaining bucket after a failure
+    (the failed broadcast still reached the survivor) and return the failure instead of raising."""
+    run = tmp_path / "buckets"
+    rec = reliability.record(
+        category="fault", name="engine SIGKILLed between two buckets of a sync", survived=False,
+        injected=f"{FAULT_ENV}=1:1:1: SIGKILL engine 1 of 2 before broadcast 1 of 5 (weight_sync.bucket_mb=0.25)",
+        expected="as mid-sync: engine dropped, survivor re-pushed, run completes")
+    proc = _start(run, "rollout.num_engines=2", "train.steps=2", "weight_sync.bucket_mb=0.25",
+                  "weight_sync.timeout_s=3", *QUICK, env={FAULT_ENV: "1:1:1"})
+    t0 = time.time()
+    rc, out, err = _finish(proc, run)
+    if rc != 0:
+        assert "before broadcast 1 of weight sync v1" in out, out[-2000:]
+        assert "in push" in err and "did not answer every bucket request within weight_sync.timeout_s" in err, \
+            err[-4000:]
+        rec.message = next(x for x in err.splitlines() if "CollectiveError: weight sync" in x).split(
+            "CollectiveError: ")[1].strip()
+        rec.details = {"job_seconds": round(time.time() - t0, 1)}
+        pytest.xfail("known: the survivor of a failed multi-bucket broadcast blocks (executor.push)")
+    rec.survived = True
+
+
+def _descendants(proc) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # gone, or a zombie
+        return ""
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _rank_pid(proc, rank: int) -> int:
+    for p in _descendants(proc):
+        try:
+            if "mrl.train" in _cmdline(p) and p.environ().get("RANK") == str(rank):
+                return p.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no trainer rank {rank} among the job's processes")
+
+
+def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability):
+    """EP2 trainer (2 ranks), checkpoint every 2 steps; rank 1 is SIGKILLed once step_2 exists."""
+    run = tmp_path / "rank"
+    args = ["parallel=ep2", "train.steps=4", "train.save_every=2", *QUICK]
+    proc = _start(run, *args)
+    ckpt = run / "checkpoints" / "step_2"
+    _wait_for(proc, lambda: (ckpt / "loop_state.pkl").exists(), "checkpoint step_2")
+    engines = [p for p in _descendants(proc) if "sglang" in _cmdline(p)]
+    assert engines, "no engine process found under the job"
+    victim = _rank_pid(proc, 1)
+    t_kill = time.time()
+    os.kill(victim, signal.SIGKILL)
+    rc, _, err = _finish(proc, run, timeout=120)
+    exit_s = time.time() - t_kill
+    assert rc != 0 and exit_s < 60, (rc, exit_s)
+    line = next(x for x in err.splitlines() if x.startswith("[mrl] mrl.train failed"))
+    assert f"rank 1 (pid {victim}) was killed by SIGKILL" in line, line
+    newest = max((d for d in os.listdir(run / "checkpoints") if (run / "checkpoints" / d / "loop_state.pkl").exists()),
+                 key=lambda d: int(d.split("_")[1]))
+    assert f"Last checkpoint: {run / 'checkpoints' / newest} -- rerun the same command to resume" in err
+    time.sleep(2)  # engines die with their launcher (parent-death signal): give the kernel a moment
+    alive = [p.pid for p in engines if _alive(p)]
+    assert not alive, f"engine processes survived the trainer: {alive}"
+    rows_before = len(_steps(run))
+    done_before = max(r["step"] for r in _steps(run))
+
+    t_resume = time.time()
+    rc2, _, err2 = _finish(_start(run, *args), run)  # the same command again
+    assert rc2 == 0, err2[-5000:]
+    n0 = int(newest.split("_")[1])
+    steps = [r["step"] for r in _steps(run)]
+    assert len(steps) == rows_before + 4 - n0 and steps[rows_before:] == list(range(n0 + 1, 5)), steps
+    assert (run / "checkpoints" / "step_4" / "loop_state.pkl").exists()
+    reliability.record(
+        category="fault", name="trainer rank SIGKILLed", survived=True,
+        message=(line + " " + err.split("[mrl] mrl.train failed")[1].split("\n")[1].strip()).replace(str(run), "<run_dir>"),
+        injected="SIGKILL to trainer rank 1 of 2 (parallel=ep2) after checkpoint step_2",
+        expected="job exits non-zero naming rank and signal, no engine left, the same command resumes",
+        details={"exit_seconds_after_kill": round(exit_s, 1), "steps_done_before_kill": done_before,
+                 "resumed_from": newest, "resume_run_seconds": round(time.time() - t_resume, 1)})
