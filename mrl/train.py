@@ -29,9 +29,11 @@ from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
 from mrl.buffer import Group, RolloutBuffer
 from mrl.config.load import load_resolved
 from mrl.config.schema import BadRoutes, Config, LoopMode, StalePolicy
+from mrl.megatron.collectives import named
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
+from mrl.models.checkpoint import check_tokenizer
 from mrl.routing.replay import check_routes
 from mrl.weight_sync.executor import EngineEndpoint
 from mrl.weight_sync.transport import EngineSync, make_transport
@@ -60,13 +62,16 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
     adv = compute_advantages(rewards, n, cfg.algo)
     batch = RLBatch(tokens=[s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
                     behav_logp=[list(s.response_logprobs) for s in samples], advantages=adv.tolist(),
-                    routes=[s.routes for s in samples] if with_routes else None)
+                    routes=[s.routes for s in samples] if with_routes else None,
+                    support=[s.support for s in samples] if cfg.train.sampling_mask else None,
+                    support_log_mass=[s.support_log_mass for s in samples] if cfg.train.sampling_mask else None)
     masks = torch.zeros(len(samples), max(len(t) for t in batch.tokens))
     for i, s in enumerate(samples):
         masks[i, :len(s.response_ids)] = 1
     raw = [r for g in groups for r in g.rewards]
     info = {"reward": sum(raw) / len(raw), "success": sum(r >= 1.0 for r in raw) / len(raw),
-            "response_len": sum(len(s.response_ids) for s in samples) / len(samples)}
+            "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+            "groups_without_signal": float(sum(max(g.rewards) == min(g.rewards) for g in groups))}
     return batch, float(loss_normalizer(masks, cfg.algo.aggregation)), info
 
 
@@ -82,6 +87,7 @@ class Controller:
         from mrl.rollout.manager import RolloutManager
         from mrl.rollout.producer import Producer
         from mrl.rollout.sample import SamplingSpec
+        from mrl.routing.sampling_mask import top_logprobs_to_request
 
         self.cfg = cfg
         r = cfg.rollout
@@ -100,11 +106,14 @@ class Controller:
         self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
         eos = policy.bridge.hf_config.eos_token_id
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, ignore_eos=r.ignore_eos,
+                                top_k=r.top_k, min_p=r.min_p, ignore_eos=r.ignore_eos,
                                 stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
         clients = [EngineClient(u, routes_always=True) for u in urls]  # eval shares the engines with rollouts
         self.codec = policy.codec
-        self.manager = RolloutManager(clients, sampling=sampling, codec=policy.codec if cfg.train.replay else None)
+        top = top_logprobs_to_request(temperature=r.temperature, top_k=r.top_k, top_logprobs_num=r.top_logprobs_num) \
+            if cfg.train.sampling_mask else 0
+        self.manager = RolloutManager(clients, sampling=sampling, codec=policy.codec if cfg.train.replay else None,
+                                      max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top)
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
         self.scorer = RewardScorer(cfg.reward)
@@ -139,7 +148,15 @@ class Controller:
         t, codec = self.cfg.train, self.codec
         out: list[Group] = []
         while len(out) < t.prompts_per_step:
-            for g in self.buffer.take(t.prompts_per_step - len(out), version, check=self.producer.check):
+            try:
+                got = self.buffer.take(t.prompts_per_step - len(out), version, check=self.producer.check)
+            except TimeoutError as e:
+                c = self.producer.counts
+                hint = (f"; algo.dynamic_sampling discarded {c['groups_no_signal']} groups whose samples all got "
+                        "the same reward (the policy solves none or all of its prompts: warm-start it, or use a "
+                        "reward with partial credit)") if c["groups_no_signal"] else ""
+                raise TimeoutError(f"{e}; producer counts {dict(c)}{hint}") from None
+            for g in got:
                 why = next((w for s in g.samples if (w := check_routes(
                     len(s.tokens), s.routes, num_moe_layers=len(codec.moe_layers), top_k=codec.top_k,
                     num_experts=codec.num_experts))), None) if t.replay else None
@@ -179,9 +196,10 @@ class Controller:
             e.stop()
 
 
-def _broadcast(obj, src: int = 0):
+def _broadcast(obj, src: int = 0, what: str = "a loop object"):
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with named(f"broadcast of {what}", src=src):  # a hang or a dead rank names the op and the peer
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -220,12 +238,25 @@ def _latest_checkpoint(cfg: Config) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
+def _keep_off_engine_cores(cfg: Config) -> None:
+    """CPU mode with ``rollout.cpus``: trainer ranks run on the other cores (if any are left)."""
+    r = cfg.rollout
+    if r.cpu_mode and r.cpus and not (r.engine_urls or r.engine_url_dir):
+        rest = sorted(os.sched_getaffinity(0) - set(r.cpus))
+        if rest:
+            os.sched_setaffinity(0, rest)
+
+
 def main(cfg: Config) -> int:
     hf_path = cfg.model.hf_path
+    _keep_off_engine_cores(cfg)
     layout = init_parallel(cfg.parallel, seed=cfg.seed)
     rank0 = layout.world_rank == 0
     t = cfg.train
     policy = Policy(cfg, layout, hf_path)
+    hc = policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
+    check_tokenizer(hf_path, vocab_size=policy.bridge.vocab_size, special_ids={
+        k: getattr(hc, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     state = LoopState()
     ckpt = _latest_checkpoint(cfg) if t.resume else None
     if ckpt:
@@ -238,6 +269,8 @@ def main(cfg: Config) -> int:
     log = MetricsLog(cfg.run_dir, total=t.steps, history=state.history) if rank0 else None
     if state.step == 0 and t.sft_warmup_steps:
         _sft_warmup(cfg, policy, hf_path, log)
+    if state.step == 0:
+        policy.capture_reference()  # KL reference (algo.kl_coef > 0): the policy RL starts from
     ctl = Controller(cfg, hf_path, policy, state) if rank0 else None
     endpoints = _broadcast(ctl.endpoints if rank0 else None)
     def channels(engines):  # also rebuilt without an engine that died (per-run group names: never reused)
@@ -268,7 +301,7 @@ def main(cfg: Config) -> int:
                 groups = ctl.take_batch(version)
                 batch, normalizer, info = build_batch(groups, cfg, t.replay)
                 payload = (batch, normalizer, info)
-            batch, normalizer, info = _broadcast(payload)
+            batch, normalizer, info = _broadcast(payload, what=f"the step-{step + 1} batch")
             t_gen = time.perf_counter() - t0
             m = {}
             if t.replay and t.routing_metrics_every and step % t.routing_metrics_every == 0:
@@ -278,7 +311,13 @@ def main(cfg: Config) -> int:
             m |= info
             if step % cfg.weight_sync.every_n_steps == 0:
                 version += 1
-                rep = syncer.sync(str(version))
+                drained = ctl.producer.drain(cfg.weight_sync.timeout_s) if rank0 else 0
+                try:
+                    rep = syncer.sync(str(version))
+                finally:
+                    if rank0:
+                        ctl.producer.undrain()
+                m["sync_aborted_requests"] = float(drained)
                 m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
                       "engines_alive": float(len(syncer.engines)), "engines_dropped": float(len(syncer.dropped))}
             m |= {"wait_seconds": t_gen, "step_seconds": time.perf_counter() - t0, "version": version}
@@ -287,6 +326,8 @@ def main(cfg: Config) -> int:
                 m |= {"dropped_stale": bs.dropped_stale, "buffered": len(ctl.buffer),
                       **{f"rollout/{k}": v for k, v in ctl.producer.counts.items()},
                       "rollout/samples_failed": ctl.manager.stats.failed,
+                      "rollout/samples_submitted": ctl.manager.stats.submitted,
+                      "rollout/samples_completed": ctl.manager.stats.completed,
                       "rollout/engine_failures": ctl.manager.stats.engine_failures,
                       "rollout/retries": ctl.manager.stats.retries}
                 log.step(step, m, staleness=bs.staleness)

@@ -182,8 +182,20 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    top_logprobs_num: Optional[int] = None
+    """Top logprobs per response token asked of the engine for Keep Sampling Mask (``train.sampling_mask``);
+    null = top_k. Must reach the support's edge: with top_k = -1 set it (the support is rebuilt only where
+    its top_p / min_p cut falls inside the returned candidates)."""
     ignore_eos: bool = False
     """Generate every sample to its full budget (benchmarks with controlled lengths)."""
+    max_running_requests: int = 8
+    """Requests one engine decodes at once (SGLang ``--max-running-requests``); the rollout manager keeps
+    at most this many on each engine, the rest queue on the trainer side (abortable, re-routable)."""
+    cpus: Optional[list[int]] = None
+    """CPU mode: cores the engines are pinned to (null = all). The trainer ranks then keep to the other
+    cores, so generation and training overlap without fighting over the same cores (``train.mode=overlap``
+    on a small box)."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` flags, passed through (``+rollout.server_args.x=1``)."""
     engine_urls: list[str] = field(default_factory=list)
@@ -195,8 +207,16 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.top_p <= 1.0:
             _fail("rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("rollout.min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.top_logprobs_num is not None and self.top_logprobs_num < 1:
+            _fail("rollout.top_logprobs_num", f"must be >= 1 or null, got {self.top_logprobs_num}")
         if self.num_engines < 1:
             _fail("rollout.num_engines", f"must be >= 1, got {self.num_engines}")
+        if self.max_running_requests < 1:
+            _fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
+            _fail("rollout.cpus", f"={list(self.cpus)}: give a non-empty list of core ids, or null")
 
 
 class AdvEstimator(str, enum.Enum):
@@ -559,6 +579,11 @@ class BadRoutes(str, enum.Enum):
     drop = "drop"  # drop the sample's group (counted) and take another
 
 
+class BadSupport(str, enum.Enum):
+    error = "error"  # stop the run, naming the sample
+    mask = "mask"  # take the token out of the loss (counted)
+
+
 class StalePolicy(str, enum.Enum):
     drop = "drop"  # samples older than max_staleness are dropped (counted)
     keep = "keep"  # kept; the off-policy correction (algo.correction) weighs them
@@ -602,6 +627,19 @@ class TrainConfig:
     """Keep Routing: replay the engine's experts in training."""
     bad_routes: BadRoutes = BadRoutes.error
     """A sample whose routes are missing or mis-sized: never trained with wrong routing."""
+    packing: bool = True
+    """Sequence packing: several samples per row (first-fit decreasing) so long-tailed batches waste no
+    padding; ``micro_batch_size`` then counts packed rows. Megatron's local attention gets a
+    block-diagonal causal mask (verified equal to unpacked), the Transformer Engine spec THD
+    ``cu_seqlens`` (written, never run: no TE on our machines)."""
+    pack_max_len: Optional[int] = None
+    """Packed row length in tokens; null = the step's longest sample (rounded up to a multiple of tp)."""
+    sampling_mask: bool = False
+    """Keep Sampling Mask: train on the support the engine sampled from (rollout top_k / top_p / min_p):
+    logprobs renormalized over it, rebuilt from the engine's top logprobs (``rollout.top_logprobs_num``)."""
+    bad_support: BadSupport = BadSupport.error
+    """Sampling mask: a token whose support cannot be rebuilt, or that lies outside it (an engine bug):
+    stop the run, or take it out of the loss (counted)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "max_inflight_groups", "sft_batch"):
@@ -609,6 +647,8 @@ class TrainConfig:
                 _fail(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             _fail("train.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if self.pack_max_len is not None and self.pack_max_len < 2:
+            _fail("train.pack_max_len", f"must be >= 2 or null, got {self.pack_max_len}")
 
 
 @dataclass(kw_only=True)

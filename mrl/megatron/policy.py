@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,17 +18,21 @@ import torch
 import torch.distributed as dist
 
 from mrl.algo import compute_policy_loss
-from mrl.config.schema import Config
+from mrl._compat.te import HAVE_TE
+from mrl.config.schema import BadSupport, Config
 from mrl.megatron import compat
 from mrl.megatron.model import build_gpt_model, transformer_config
 from mrl.megatron.optim import build_optimizer, wrap_ddp
+from mrl.megatron.packing import Packing, check_context_parallel, pack_micro_batches, round_up
 from mrl.megatron.parallel import Layout
+from mrl.megatron.reference import ReferenceWeights
 from mrl.megatron.train_step import MicroBatch, forward_backward
 from mrl.megatron.weights import load_hf_into
 from mrl.models import get_bridge
-from mrl.models.checkpoint import HFCheckpoint
+from mrl.models.checkpoint import HFCheckpoint, check_trainer_checkpoint
 from mrl.routing.codec import RoutesCodec
 from mrl.routing.replay import RankSlice, ReplayDriver, ReplayMode, align_routes, routing_disagreement, stage_moe_columns
+from mrl.routing.sampling_mask import SupportSpec, support_tensor, top_logprobs_to_request
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -43,6 +48,12 @@ class RLBatch:
     advantages: list[float]
     routes: list[np.ndarray] | None
     """``[n - 1, moe_layers, K]`` engine routes per sample (None: replay off)."""
+    support: list[list[list[int]]] | None = None
+    """Keep Sampling Mask: per sample, per response token, the token ids of the engine's sampling
+    support (``sampling_mask.engine_support``; [] = could not be rebuilt). None: no mask."""
+    support_log_mass: list[list[float]] | None = None
+    """Log of the engine's probability mass on each of those supports (behav_logp is over the whole
+    vocabulary; behav_logp - mass is the logprob under the distribution that was sampled)."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -56,6 +67,7 @@ class Policy:
     def __init__(self, cfg: Config, layout: Layout, hf_path: str):
         self.cfg, self.layout = cfg, layout
         self.bridge = get_bridge(hf_path)
+        check_context_parallel(cfg.parallel.cp)
         self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype)
         self.padded_vocab = self.bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
         model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab)
@@ -77,6 +89,29 @@ class Policy:
                                                      layout.pp.rank))
         self.replay = ReplayDriver(self.tcfg, rs, ReplayMode.replay if t.replay else ReplayMode.off)
         self.record = ReplayDriver(self.tcfg, rs, ReplayMode.record)
+        self.support_spec = self._support_spec()
+        if t.packing and HAVE_TE:
+            warnings.warn("train.packing with Transformer Engine uses the THD path (PackedSeqParams), which has "
+                          "never run on this project's machines; train.packing=false uses padded rows")
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 else None
+        """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
+
+    def capture_reference(self) -> None:
+        """The current weights become the KL reference (the loop calls it when RL starts)."""
+        if self.reference is not None:
+            self.reference.capture(self.module)
+
+    def _support_spec(self) -> SupportSpec | None:
+        r, t = self.cfg.rollout, self.cfg.train
+        if not t.sampling_mask:
+            return None
+        if r.temperature > 0 and r.top_k == -1 and r.top_p >= 1.0 and r.min_p <= 0.0:
+            warnings.warn("train.sampling_mask=true has no effect: rollout samples from the whole vocabulary "
+                          "(top_k=-1, top_p=1, min_p=0)")
+        top_logprobs_to_request(temperature=r.temperature, top_k=r.top_k, top_logprobs_num=r.top_logprobs_num)
+        return SupportSpec(temperature=r.temperature,
+                           on_outside="raise" if t.bad_support == BadSupport.error else "drop")
 
     @property
     def module(self) -> torch.nn.Module:
@@ -87,62 +122,109 @@ class Policy:
         """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices."""
         dp, r = self.layout.dp.size, self.layout.dp.rank
         n = len(batch)
-        mbs_size = self.cfg.train.micro_batch_size
         if n % dp:
             raise ValueError(f"batch of {n} samples does not split over dp={dp}")
         mine = list(range(r * n // dp, (r + 1) * n // dp))
-        seq = max(len(t) for t in batch.tokens)
-        seq += (-seq) % self.layout.tp.size  # sequence parallelism splits S over TP
-        size = min(mbs_size, len(mine))
-        while len(mine) % size:
-            size -= 1
-        out = []
-        for j in range(0, len(mine), size):
-            idx = mine[j:j + size]
-            ids = torch.zeros(size, seq, dtype=torch.long)
-            mask = torch.zeros(size, seq - 1)
-            behav = torch.zeros(size, seq - 1)
-            adv = torch.zeros(size)
-            valid = torch.zeros(size, seq)  # rows the engine routed: every token but the last
-            routes = []
-            for b, i in enumerate(idx):
-                toks, p = batch.tokens[i], batch.prompt_lens[i]
-                ids[b, :len(toks)] = torch.tensor(toks)
-                resp = len(toks) - p
-                mask[b, p - 1:p - 1 + resp] = 1.0  # position t predicts token t + 1
-                behav[b, p - 1:p - 1 + resp] = torch.tensor(batch.behav_logp[i][:resp], dtype=torch.float32)
-                adv[b] = batch.advantages[i]
-                valid[b, :len(toks) - 1] = 1.0
-                if with_routes:
-                    routes.append(align_routes(batch.routes[i], seq, self.codec.num_experts))
-            dev = compat.DEVICE
-            out.append(MicroBatch(ids.to(dev), torch.from_numpy(np.stack(routes)).to(dev) if with_routes else None,
-                                  {"mask": mask.to(dev), "behav": behav.to(dev), "adv": adv.to(dev),
-                                   "valid": valid.to(dev)}))
-        return out, mine
+        if self.cfg.train.packing:
+            lengths = [len(t) for t in batch.tokens]
+            row_len = round_up(max(self.cfg.train.pack_max_len or 0, max(lengths)), self.layout.tp.size)
+            plan = pack_micro_batches(lengths, dp_size=dp, dp_rank=r, row_len=row_len, device=compat.DEVICE,
+                                      rows_per_micro_batch=self.cfg.train.micro_batch_size)
+        else:
+            size = min(self.cfg.train.micro_batch_size, len(mine))
+            while len(mine) % size:
+                size -= 1
+            plan = [(mine[j:j + size], None) for j in range(0, len(mine), size)]
+        seq = round_up(max(len(t) for t in batch.tokens), self.layout.tp.size)  # SP splits S over TP
+        return [self._micro_batch(batch, idx, pk, pk.width if pk else seq, with_routes) for idx, pk in plan], mine
+
+    def _micro_batch(self, batch: RLBatch, idx: list[int], pk: Packing | None, width: int,
+                     with_routes: bool) -> MicroBatch:
+        """Samples ``idx`` one per row of ``width`` tokens (the loss layout), packed into rows if ``pk``.
+        ``valid`` (positions the engine routed) stays in the input's row layout, for routing metrics."""
+        size = len(idx)
+        ids = torch.zeros(size, width, dtype=torch.long)
+        mask = torch.zeros(size, width - 1)
+        behav = torch.zeros(size, width - 1)
+        adv = torch.zeros(size)
+        valid = torch.zeros(size, width)  # rows the engine routed: every token but the last
+        sup = batch.support if self.support_spec is not None else None
+        support = [[[] for _ in range(width - 1)] for _ in idx] if sup is not None else None
+        routes = []
+        for b, i in enumerate(idx):
+            toks, p = batch.tokens[i], batch.prompt_lens[i]
+            ids[b, :len(toks)] = torch.tensor(toks)
+            resp = len(toks) - p
+            mask[b, p - 1:p - 1 + resp] = 1.0  # position t predicts token t + 1
+            behav[b, p - 1:p - 1 + resp] = torch.tensor(batch.behav_logp[i][:resp], dtype=torch.float32)
+            adv[b] = batch.advantages[i]
+            valid[b, :len(toks) - 1] = 1.0
+            if with_routes:
+                routes.append(align_routes(batch.routes[i], width, self.codec.num_experts))
+            if sup is not None:
+                for j, kept in enumerate(sup[i][:resp]):
+                    if not kept and self.cfg.train.bad_support == BadSupport.error:
+                        raise ValueError(f"sample {i}, response token {j}: the engine's sampling support could not "
+                                         "be rebuilt (too few top logprobs: raise rollout.top_logprobs_num); "
+                                         "train.bad_support=mask takes such tokens out of the loss")
+                    support[b][p - 1 + j] = kept
+                    mask[b, p - 1 + j] *= float(bool(kept))
+                if batch.support_log_mass is not None:
+                    behav[b, p - 1:p - 1 + resp] -= torch.tensor(batch.support_log_mass[i][:resp], dtype=torch.float32)
+        dev = compat.DEVICE
+        routes_t = torch.from_numpy(np.stack(routes)) if with_routes else None
+        support_t = (torch.stack([support_tensor(s, width=self._support_width(sup)) for s in support])
+                     if sup is not None else None)
+        if pk is not None:
+            ids, valid = pk.pack_tokens(ids, 0), pk.pack_tokens(valid, 0.0)
+            if routes_t is not None:
+                routes_t = pk.pack_tokens(routes_t, torch.arange(self.codec.top_k) % self.codec.num_experts)
+            if support_t is not None:
+                support_t = pk.pack_predictions(support_t, -1)
+        return MicroBatch(ids.to(dev), routes_t.to(dev) if routes_t is not None else None,
+                          {"mask": mask.to(dev), "behav": behav.to(dev), "adv": adv.to(dev), "valid": valid.to(dev)},
+                          packing=pk, support=support_t.to(dev) if support_t is not None else None)
+
+    @staticmethod
+    def _support_width(sup: list[list[list[int]]]) -> int:
+        return max([len(kept) for s in sup for kept in s] + [1])
 
     # -- steps -----------------------------------------------------------------------------------
     def rl_step(self, batch: RLBatch, normalizer: float) -> dict[str, float]:
         replay = self.cfg.train.replay and batch.routes is not None
+        if self.support_spec is not None and batch.support is None:
+            raise ValueError("train.sampling_mask=true but the batch carries no sampling supports (the rollout "
+                             "must ask for top logprobs and rebuild them: sampling_mask.engine_support)")
         mbs, _ = self._micro_batches(batch, replay)
         algo = self.cfg.algo
+
+        driver = self.replay if replay else None
+        if self.reference is not None:  # same micro-batches and routes, the reference's weights
+            with self.reference.swapped_in(self.module):
+                ref = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
+                                       forward_only=True, driver=driver, support=self.support_spec,
+                                       temperature=self.temperature)
+            for mb, o in zip(mbs, ref):
+                mb.data["ref"] = o["logprobs"]
 
         def loss_fn(lp, mb):
             d = mb.data
             # one optimizer step per batch: pi_old is this forward's own (detached) logprobs, so the PPO
             # ratio starts at 1 and the correction weight pi_old / pi_engine carries all off-policyness
             return compute_policy_loss(lp, lp.detach(), d["behav"], d["adv"], d["mask"], algo,
-                                       normalizer=normalizer)
+                                       ref_logp=d.get("ref"), normalizer=normalizer)
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
-                                loss_fn=loss_fn, driver=self.replay if replay else None,
-                                loss_scale=float(self.layout.dp.size))
+                                loss_fn=loss_fn, driver=driver, loss_scale=float(self.layout.dp.size),
+                                support=self.support_spec, temperature=self.temperature)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
                                    "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.support_spec is not None:
+            metrics["support_unknown_tokens"] = float(sum(not kept for s in batch.support for kept in s))
         if outs:
             for key in outs[0]:
                 if key != "logprobs":
@@ -158,7 +240,8 @@ class Policy:
         mbs, _ = self._micro_batches(batch, True)
         self.record.recorded.clear()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
-                                forward_only=True, driver=self.record)
+                                forward_only=True, driver=self.record, support=self.support_spec,
+                                temperature=self.temperature)
         rates = []
         for mb, rec in zip(mbs, self.record.recorded):
             want = self.record.slice.tokens(mb.routes)  # [T_local, L_local, K] in router order
@@ -229,9 +312,30 @@ class Policy:
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                "scheduler": self.scheduler.state_dict()}
         torch.save(rng, os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"))
+        if self.reference is not None:
+            self.reference.save(path, self.layout.world_rank)
         dist.barrier()
 
+    def _check_checkpoint(self, path: str) -> None:
+        """Fail with the mismatched tensors, not megatron's first shape error, when ``path`` was written for
+        another model (collective: every rank's keys are compared with the checkpoint's)."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        mine = {t.key: tuple(t.global_shape) if isinstance(t, ShardedTensor) else None  # factories: key only
+                for t in nested_values(self.module.sharded_state_dict(metadata=self._CKPT_META))
+                if isinstance(t, (ShardedTensor, ShardedTensorFactory))}
+        everyone = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, mine)
+        expected: dict = {}
+        for d in everyone:
+            for k, shape in d.items():
+                expected[k] = expected.get(k) or shape
+        saved = {k: tuple(t.global_shape) for k, t in dist_checkpointing.load_tensors_metadata(path).items()}
+        check_trainer_checkpoint(path, saved, expected, model=self.cfg.model.hf_path)
+
     def load(self, path: str) -> None:
+        self._check_checkpoint(path)
         state = dist_checkpointing.load(self._sharded(True), path)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -240,4 +344,7 @@ class Policy:
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         self.scheduler.load_state_dict(rng["scheduler"])
+        if self.reference is not None and not self.reference.load(path, self.layout.world_rank):
+            raise FileNotFoundError(f"algo.kl_coef={self.cfg.algo.kl_coef} but checkpoint {path} holds no reference "
+                                    f"weights (reference_rank{self.layout.world_rank}.pt): it was saved without KL")
         dist.barrier()

@@ -290,7 +290,9 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
     """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started)."""
     names = names or [f"engine{i}" for i in range(r.num_engines)]
     return [Engine(model_path=model_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
-                   memory_saver=r.memory_saver, name=n, host=host, log_dir=log_dir, server_args=dict(r.server_args))
+                   memory_saver=r.memory_saver, name=n, host=host, log_dir=log_dir, server_args=dict(r.server_args),
+                   max_running_requests=r.max_running_requests,
+                   cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for n in names]
 
 

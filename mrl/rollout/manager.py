@@ -23,6 +23,7 @@ from mrl.rollout.client import EngineClient
 from mrl.rollout.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.routing.codec import RoutesCodec, RoutesError
+from mrl.routing.sampling_mask import engine_support
 
 
 class NoEngineAvailable(RuntimeError):
@@ -52,16 +53,22 @@ class RolloutStats:
 
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
-                 max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None):
+                 max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None,
+                 top_logprobs_num: int = 0):
+        """``top_logprobs_num`` > 0: ask for that many top logprobs per token and rebuild each token's
+        sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``)."""
         if not clients:
             raise ValueError("RolloutManager needs at least one engine client")
         self.slots = [_Slot(c, asyncio.Semaphore(max_inflight_per_engine)) for c in clients]
         self.sampling = sampling
         self.codec = codec
         self.max_retries = max_retries
+        self.top_logprobs_num = top_logprobs_num
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.stats = RolloutStats()
         self._seq = itertools.count()
+        self._gate = asyncio.Event()  # cleared while drained for a weight sync: no request may start
+        self._gate.set()
 
     # -- dispatch -------------------------------------------------------------------------------
     def _pick(self) -> _Slot:
@@ -102,6 +109,9 @@ class RolloutManager:
         rid = f"{self.run_id}-g{sample.group_id}-s{sample.index}-{next(self._seq)}"
         inputs = sample.tokens
         async with slot.sem:
+            await self._gate.wait()  # after the semaphore: a call queued on it must not slip past a drain
+            if not slot.healthy:
+                return
             slot.inflight += 1
             try:
                 params = self.sampling.to_request(sample.remaining)
@@ -109,7 +119,8 @@ class RolloutManager:
                     params["sampling_seed"] = (self.sampling.seed * 1_000_003 + sample.group_id * 10_007
                                                + sample.index * 101 + sample.num_segments) % (1 << 31)
                 out = await slot.client.generate(inputs, params, rid=rid,
-                                                 return_logprob=True, return_routed_experts=self.codec is not None)
+                                                 return_logprob=True, return_routed_experts=self.codec is not None,
+                                                 top_logprobs_num=self.top_logprobs_num)
             except (EngineUnavailable, EngineProtocolError) as e:
                 # crash, hang or garbage: take the engine out, retry the sample elsewhere
                 slot.healthy = False
@@ -148,6 +159,12 @@ class RolloutManager:
                                   "--enable-return-routed-experts?)")
             # the last call covers the whole sequence: its routes replace the earlier ones
             routes = self.codec.decode(out.routed_experts, prompt_len=len(inputs), response_len=len(new))
+        if self.top_logprobs_num and new:
+            sp = self.sampling
+            ids, mass = engine_support(out.output_top_logprobs or [[]] * len(new), temperature=sp.temperature,
+                                       top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p)
+            sample.support += ids
+            sample.support_log_mass += mass
         sample.response_ids += new
         sample.response_logprobs += out.output_logprobs or []
         sample.versions += [version] * len(new)
@@ -162,6 +179,29 @@ class RolloutManager:
             sample.finish_reason = out.finish.type
 
     # -- engine-wide control (weight updates) ---------------------------------------------------
+    async def drain(self, timeout: float = 60.0) -> int:
+        """Before a weight sync: hold new requests, abort the in-flight ones and wait until they have
+        returned (partial outputs kept; the samples resume after ``undrain``). Returns how many were
+        in flight.
+
+        Why not just SGLang's ``pause_generation(mode=abort)``: in 0.5.10 it re-checks for running
+        requests only once a second (``asyncio.sleep(1.0)``), so every sync with requests in flight
+        cost >= 1 s. Aborts land within one decode step; they are re-sent until every call is back
+        (a request that reached the engine after an abort would otherwise run to completion)."""
+        self._gate.clear()
+        n = sum(s.inflight for s in self.slots)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while busy := [s for s in self.slots if s.inflight and s.healthy]:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"drain: {sum(s.inflight for s in busy)} requests still in flight on "
+                                   f"{[s.client.url for s in busy]} {timeout:.0f} s after abort_all")
+            await asyncio.gather(*(s.client.abort(abort_all=True) for s in busy), return_exceptions=True)
+            await asyncio.sleep(0.02)
+        return n
+
+    def undrain(self) -> None:
+        self._gate.set()
+
     async def pause_all(self, mode: str = "abort") -> None:
         await asyncio.gather(*(s.client.pause(mode) for s in self.slots if s.healthy))
 

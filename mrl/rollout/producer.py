@@ -47,6 +47,14 @@ class Producer:
         """Run a coroutine on the producer's loop (e.g. eval generations) and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def drain(self, timeout: float = 60.0) -> int:
+        """Before a weight sync: no request on any engine (in-flight ones aborted, kept, resumed by
+        ``undrain``), so the engines pause at once. Returns the number of requests aborted."""
+        return self.run(self.manager.drain(timeout))
+
+    def undrain(self) -> None:
+        self._loop.call_soon_threadsafe(self.manager.undrain)
+
     def stop(self) -> None:
         self._stop = True
         self._loop.call_soon_threadsafe(self._add_credits, 0)

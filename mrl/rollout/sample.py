@@ -45,6 +45,10 @@ class Sample:
     """Weight version that produced each response token (segments of a partial rollout can differ)."""
     routes: np.ndarray | None = None
     """Compact expert ids ``[prompt + response - 1, moe_layers, top_k]`` of the last engine call."""
+    support: list[list[int]] = field(default_factory=list)
+    """Keep Sampling Mask: per response token, the ids of the engine's sampling support ([] = not rebuilt)."""
+    support_log_mass: list[float] = field(default_factory=list)
+    """Per response token: log of the engine's probability mass on that support."""
     finish_reason: str | None = None  # "stop" | "length" when done
     error: str | None = None  # set when the sample could not be completed (counted, never dropped)
     num_segments: int = 0
@@ -69,5 +73,6 @@ class Sample:
         """Invariants every finished sample satisfies (cheap; called by the manager)."""
         n = len(self.response_ids)
         assert len(self.response_logprobs) == n and len(self.versions) == n, "per-token arrays out of sync"
+        assert not self.support or len(self.support) == len(self.support_log_mass) == n, "supports out of sync"
         if self.routes is not None and n:
             assert self.routes.shape[0] == len(self.prompt_ids) + n - 1, "routes rows != prompt + response - 1"

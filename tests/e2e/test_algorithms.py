@@ -1,0 +1,43 @@
+"""DAPO and GSPO through the whole loop (real SGLang engine, Megatron trainer), with KL to a reference.
+
+Their losses are unit-tested against hand-computed values (tests/unit/test_algo.py); here the loop
+must feed them what they need: DAPO's dynamic sampling keeps groups without signal out of every batch
+(and counts them), overlong shaping and clip-higher run, the KL to the reference is exactly 0 while
+the policy still is the reference and grows after; GSPO's sequence-level ratio trains in sync mode
+with Keep Sampling Mask on (top-k sampling).
+"""
+
+from __future__ import annotations
+
+from tests.e2e.test_train_loop import mrl_train
+
+
+def test_dapo_overlap_with_kl_to_reference(tmp_path):
+    _, rows = mrl_train(tmp_path / "dapo", "algo=dapo", "algo.kl_coef=0.05", "algo.overlong_buffer_len=2",
+                        "rollout.max_new_tokens=6", "train.steps=5", "train.sft_warmup_steps=10",
+                        "reward=format_and_correct",
+                        "train.prompts_per_step=4", "train.eval_every=0", "train.bad_routes=drop")
+    steps = [r for r in rows if "step_seconds" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    # dynamic sampling: no trained group is without signal, the ones skipped are counted
+    assert all(r["groups_without_signal"] == 0 for r in steps)
+    assert steps[-1]["rollout/groups_no_signal"] > 0
+    # the first step trains the reference itself (v1 = after the warm start): KL exactly 0, then > 0
+    assert steps[0]["kl_ref"] == 0.0
+    assert all(r["kl_ref"] > 0.0 for r in steps[2:])
+    assert all(k in steps[-1] for k in ("clip_frac_high", "clip_frac_low", "is_weight_mean"))
+
+
+def test_gspo_sync_with_sampling_mask(tmp_path):
+    """GSPO in sync mode, top-k sampling with Keep Sampling Mask: the trainer's logprobs over the engine's
+    support equal the engine's own (renormalized on that support) -- same weights, same routes."""
+    _, rows = mrl_train(tmp_path / "gspo", "algo=gspo", "train.mode=sync", "train.steps=3",
+                        "train.sft_warmup_steps=2", "train.prompts_per_step=4", "train.eval_every=0",
+                        "rollout.top_k=4", "train.sampling_mask=true")
+    steps = [r for r in rows if "step_seconds" in r]
+    assert [r["version"] for r in steps] == [2, 3, 4]
+    assert all(set(r["staleness_hist"]) == {"0"} for r in steps)
+    # sync mode, one optimizer step per batch: the sequence ratio starts at 1, nothing is clipped
+    assert all(r["clip_frac_high"] == 0.0 and r["clip_frac_low"] == 0.0 for r in steps)
+    assert all(r["support_unknown_tokens"] == 0 and r["outside_support_tokens"] == 0 for r in steps)
+    assert all(r["logprob_diff_replay_on"] < 1e-4 for r in steps)
