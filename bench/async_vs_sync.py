@@ -36,11 +36,12 @@ def write_prompts(path: str, n: int, seed: int = 0) -> list[int]:
     return budgets
 
 
-def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None) -> dict:
+def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
+        inflight: int) -> dict:
     args = [MRL, "train", f"train.mode={mode}", f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
             "train.eval_every=0", "train.sft_warmup_steps=0", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
             "rollout.ignore_eos=true", "train.max_staleness=4", "train.stale_policy=keep",
-            f"train.max_inflight_groups={2 * engine_batch // 4}", "train.routing_metrics_every=0",
+            f"train.max_inflight_groups={inflight}", "train.routing_metrics_every=0",
             f"rollout.max_running_requests={engine_batch}", "+rollout.server_args.max_total_tokens=16384",
             f"run_dir={run_dir}"]
     if engine_cpus:
@@ -66,6 +67,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--engine-batch", type=int, default=32, help="rollout.max_running_requests")
+    ap.add_argument("--inflight", type=int, default=None,
+                    help="train.max_inflight_groups of the overlap run (default: 2 engine batches of groups)")
     ap.add_argument("--split-cores", default="0",
                     help="rollout.cpus of the overlap run (the trainer takes the other cores); '' = shared")
     ap.add_argument("--out", default=None)
@@ -76,13 +79,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         prompts = os.path.join(tmp, "prompts.jsonl")
         budgets = write_prompts(prompts, 400)
-        runs = [run(m, prompts, os.path.join(tmp, f"{m}{i}"), a.steps, a.engine_batch, c)
+        inflight = a.inflight or 2 * a.engine_batch // 4
+        runs = [run(m, prompts, os.path.join(tmp, f"{m}{i}"), a.steps, a.engine_batch, c, inflight)
                 for i, (m, c) in enumerate(dict.fromkeys(variants))]
     sync = max((r for r in runs if r["mode"] == "sync"), key=lambda r: r["tokens_per_s"])
     over = next(r for r in runs if r["mode"] == "overlap")
     ratio = over["tokens_per_s"] / sync["tokens_per_s"]
     out = {"hardware": "2-core x86 CPU box, 1 SGLang CPU engine + 1 trainer rank (tiny model, fp32)",
-           "engine_batch": a.engine_batch, "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))},
+           "engine_batch": a.engine_batch, "max_inflight_groups": inflight, "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))},
            "runs": runs, "baseline": sync, "overlap": over, "overlap_over_sync": ratio}
     print(f"{'mode':8s} {'engine cores':>12s} {'tokens/s':>9s} {'mean len':>9s} {'wait/step':>9s} {'sync/step':>9s}")
     for r in runs:
