@@ -29,7 +29,12 @@ def _hydra_app(fn):
 
     @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
     def app(cfg: DictConfig) -> None:
-        code = fn(to_config(cfg))
+        try:
+            typed = to_config(cfg)
+        except ValueError as e:  # a bad value: the field and what is wrong, without a traceback
+            print(f"[mrl] invalid config: {e}", file=sys.stderr)
+            sys.exit(2)
+        code = fn(typed)
         if code:
             sys.exit(code)
 

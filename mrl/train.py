@@ -149,7 +149,8 @@ class Controller:
         out: list[Group] = []
         while len(out) < t.prompts_per_step:
             try:
-                got = self.buffer.take(t.prompts_per_step - len(out), version, check=self.producer.check)
+                got = self.buffer.take(t.prompts_per_step - len(out), version, timeout=t.batch_timeout_s,
+                                       check=self.producer.check)
             except TimeoutError as e:
                 c = self.producer.counts
                 hint = (f"; algo.dynamic_sampling discarded {c['groups_no_signal']} groups whose samples all got "

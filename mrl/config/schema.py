@@ -87,6 +87,9 @@ class ParallelConfig:
     ``num_layers_in_first_pipeline_stage``); the stages in between split the rest evenly."""
     pp_last_layers: Optional[int] = None
     """Uneven pipeline: transformer layers on the last stage."""
+    collective_timeout_s: float = 1800.0
+    """Limit of every trainer collective (the world group's timeout). Must exceed
+    ``train.batch_timeout_s``: the other ranks wait in the batch broadcast while rank 0 waits for rollouts."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp"):
@@ -605,6 +608,8 @@ class TrainConfig:
     stale_policy: StalePolicy = StalePolicy.drop
     max_inflight_groups: int = 32
     """Groups generating at once (async mode); also bounds the buffer."""
+    batch_timeout_s: float = 600.0
+    """How long the controller waits for a step's groups before failing with the producer's counts."""
     sft_warmup_steps: int = 0
     """Supervised warm start on the task's reference answers, through the same Megatron trainer."""
     sft_lr: float = 1e-3
@@ -667,3 +672,9 @@ class Config:
     run_dir: str = "runs/default"
     """Where logs, the resolved config and outputs go."""
     seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
+            _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
+                  f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "
+                  "batch broadcast while rank 0 waits for rollouts")

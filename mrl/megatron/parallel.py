@@ -66,7 +66,7 @@ def init_distributed(timeout_s: float = 300.0) -> None:
 
 def init_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Layout:
     """Validate the layout against the world size and build megatron's groups."""
-    init_distributed()
+    init_distributed(cfg.collective_timeout_s)
     cfg.check_world_size(dist.get_world_size())
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -70,6 +70,15 @@ def test_top_p_range_is_checked():
         compose(["rollout.top_p=0"])
 
 
+def test_collective_timeout_must_outlast_the_batch_wait():
+    """Ranks other than 0 wait in the batch broadcast while rank 0 waits for rollouts: a collective limit
+    below the batch wait would kill them with a gloo/NCCL timeout instead of rank 0's clear message."""
+    with pytest.raises(ValueError, match=r"parallel\.collective_timeout_s.*train\.batch_timeout_s"):
+        compose(["train.batch_timeout_s=900", "parallel.collective_timeout_s=600"])
+    cfg = compose(["train.batch_timeout_s=900", "parallel.collective_timeout_s=1200"])
+    assert (cfg.train.batch_timeout_s, cfg.parallel.collective_timeout_s) == (900, 1200)
+
+
 def test_world_size_mismatch_names_fields():
     p = ParallelConfig(tp=2, ep=2, etp=1)
     with pytest.raises(ValueError, match=r"parallel\.tp/pp/cp.*world size 3"):
