@@ -33,7 +33,7 @@ def _hydra_app(fn):
             typed = to_config(cfg)
         except ValueError as e:  # a bad value: the field and what is wrong, without a traceback
             print(f"[mrl] invalid config: {e}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(1)  # as Hydra's own composition errors
         code = fn(typed)
         if code:
             sys.exit(code)
