@@ -88,10 +88,15 @@ class EngineClient:
         if self._http is not None:
             await self._http.aclose()
 
+    def auth_headers(self, *, admin: bool = False) -> dict[str, str] | None:
+        """The ``Authorization`` header for generation (api key) or admin endpoints (weight updates,
+        flow control); None when the engine runs without keys. Also used by the pipelined bucket posts."""
+        key = self._keys[1] if admin else self._keys[0]
+        return {"Authorization": f"Bearer {key}"} if key else None
+
     async def _call(self, method: str, endpoint: str, *, json: Any = None, timeout: float | None,
                     admin: bool = False, ok: tuple[int, ...] = (200,)) -> tuple[int, Any, str]:
-        key = self._keys[1] if admin else self._keys[0]
-        headers = {"Authorization": f"Bearer {key}"} if key else None
+        headers = self.auth_headers(admin=admin)
         t = httpx.Timeout(timeout, connect=self.timeouts.connect)
         try:
             r = await self._client().request(method, endpoint, json=json, headers=headers, timeout=t)

@@ -309,10 +309,9 @@ class DistributedWeightSync:
             missing = sorted({b.group for b in self._global} - client.groups)
             if missing:  # an unknown group kills the 0.5.10 scheduler: send nothing
                 return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client"))
-            admin = client._keys[1]  # weight updates take the admin key (mrl.rollout.secrets)
             answers = await post_pipelined(client.url, ep, bodies, timeout=client.timeouts.weight_update,
                                            connect_timeout=client.timeouts.connect,
-                                           headers={"Authorization": f"Bearer {admin}"} if admin else None)
+                                           headers=client.auth_headers(admin=True))  # weight updates: admin key
             first = None
             for a in answers:
                 try:
