@@ -44,7 +44,7 @@ from mrl.rollout.engine import free_port
 from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable,
                                   error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps
-from mrl.weight_sync.group import create_sender_group, destroy_sender_group
+from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
 from mrl.weight_sync.http_pipeline import post_pipelined
 from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
 
@@ -79,6 +79,8 @@ class PushStats:
     buckets_sent: int
     failed_engines: dict[str, str] = field(default_factory=dict)
     """url -> first error, for every engine whose weights may now be partial (union over senders)."""
+    groups_broken: bool = False
+    """A broadcast failed and its group was torn down (on every rank's word): reconnect before the next push."""
 
     @property
     def ok(self) -> bool:
@@ -179,8 +181,9 @@ class DistributedWeightSync:
             # both sides tear down at once: an NCCL communicator's destroy can wait for its peers
             fut = self._post_in_order(lambda: [lambda c, g=g: c.destroy_weights_update_group(g)
                                                for g in self.plan.groups.values()])
-        if self._pg is not None:
+        if self._pg is not None:  # None after an abort (a failed push): already torn down
             destroy_sender_group(self._pg)
+            self._pg = None
         self.release_buffers()
         if fut is not None:
             fut.result(self.timeout_s)
@@ -236,6 +239,9 @@ class DistributedWeightSync:
         """Stream every bucket to every engine; all trainer ranks call it. Engines must be paused (and
         flushed) by the controller. Never raises for engine-side failures: they are collected (all
         ranks get the union) so the controller can repair those engines -- never a silent partial update."""
+        if self.broken:
+            raise RuntimeError("weight sync: push without a weight-update group (not connected, or torn down by "
+                               "a failed push: EngineSync reconnects)")
         t0 = time.perf_counter()
         posted = self._post_updates() if self.is_controller else None
         steps = self.steps()
@@ -245,26 +251,47 @@ class DistributedWeightSync:
         for step in steps:
             if step.flat is not None and step.slot in in_flight:  # the buffer is free once its broadcast is done
                 self._settle(*in_flight.pop(step.slot), failed, block=not compat.HAS_CUDA)
+            if failed and self._pg is not None:
+                self._abort(in_flight)
             step.fill()  # joins the gathers even after a failure, so the other ranks never wait on us
             if step.flat is None or failed:
                 continue
             if not compat.HAS_CUDA:  # gloo: one broadcast at a time (receivers buffer early data: copies)
                 for slot in list(in_flight):
                     self._settle(*in_flight.pop(slot), failed, block=True)
+                if failed:
+                    self._abort(in_flight)
+                    continue
             flat = step.flat
             if self.fault is not None and step.bucket.index == self.fault.bucket:  # test hook: one row short
                 flat = _cut_bytes(flat, step.bucket.tensors, self._bucket_meta(step.bucket), _TORCH_DTYPES[self.dtype])
             in_flight[step.slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), step.bucket)
             sent += 1
             nbytes += flat.numel()
-        for work, bucket in in_flight.values():
+        for work, bucket in list(in_flight.values()):
             self._settle(work, bucket, failed, block=True)
+        if failed and self._pg is not None:
+            self._abort(in_flight)
         if posted is not None:  # EngineHTTPError "...partially updated..." when an engine rejected a bucket
             for url, err in posted.result(self.timeout_s * max(1, len(self._global))).items():
                 failed.setdefault(url, err)
         failed = union_failures(self.layout, failed)
+        broken = bool(failed) and any_rank(self.layout, self.broken)  # only then a collective: ranks agree on failed
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
-                         failed_engines=failed)
+                         failed_engines=failed, groups_broken=broken)
+
+    @property
+    def broken(self) -> bool:
+        """A failed broadcast tore this sender's group down: the groups must be rebuilt (``EngineSync``)."""
+        return self.is_sender and self._pg is None
+
+    def _abort(self, in_flight: dict) -> None:
+        """Stop this sender's push at its first failed broadcast and tear its group down, so every engine
+        still waiting in the group fails its remaining bucket requests at once (``abort_sender_group``);
+        the gathers go on, so the other trainer ranks never wait on this one."""
+        in_flight.clear()  # the works keep the group's connections alive
+        pg, self._pg = self._pg, None
+        abort_sender_group(pg)
 
     def _settle(self, work, bucket: Bucket, failed: dict[str, str], *, block: bool) -> None:
         """Wait for a broadcast: on the host (``block``, with the timeout), or on CUDA only by ordering
@@ -351,9 +378,7 @@ def union_failures(layout: Layout, failed: dict[str, str]) -> dict[str, str]:
     (the usual case) one one-element all-reduce, not an object all-gather (pickles, several syncs)."""
     if layout.world_size == 1:
         return dict(failed)
-    any_failed = torch.tensor([float(bool(failed))], device=compat.DEVICE)
-    dist.all_reduce(any_failed)
-    if not any_failed.item():
+    if not any_rank(layout, bool(failed)):
         return {}
     everyone = [None] * layout.world_size
     dist.all_gather_object(everyone, failed)
@@ -362,6 +387,15 @@ def union_failures(layout: Layout, failed: dict[str, str]) -> dict[str, str]:
         for url, err in f.items():
             union.setdefault(url, err)
     return union
+
+
+def any_rank(layout: Layout, flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any (collective)."""
+    if layout.world_size == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=compat.DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _numel(t) -> int:

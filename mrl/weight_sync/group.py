@@ -31,3 +31,16 @@ def create_sender_group(*, master_address: str, master_port: int, world_size: in
 
 def destroy_sender_group(pg: dist.ProcessGroup) -> None:
     dist.destroy_process_group(pg)
+
+
+def abort_sender_group(pg: dist.ProcessGroup) -> None:
+    """Tear the group down after a failed broadcast. Closing the sender's connections is what frees the
+    engines: one still waiting in the group (for this bucket, or the next one it was told to expect)
+    gets a connection error at once and answers its update request with a failure, instead of blocking
+    in its receive until SGLang's default 30-minute group timeout (0.5.10 takes no timeout for it)."""
+    if pg.name() and dist.get_backend(pg) == "nccl":  # a hung NCCL communicator's destroy could wait on its peers
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(pg)
+        return
+    destroy_sender_group(pg)

@@ -265,8 +265,9 @@ class EngineSync:
             raise CollectiveError(f"weight sync v{version}: engines {[x.url for x in self.engines]} did not answer "
                                   "every bucket request within weight_sync.timeout_s per bucket (one stopped "
                                   "mid-push?)") from e
-        if not stats.ok and (more := self._dead(stats.failed_engines)):
-            # died mid-sync: its groups are broken for every member; rebuild them without it, push again
+        if not stats.ok and ((more := self._dead(stats.failed_engines)) or stats.groups_broken):
+            # died mid-sync, or a broadcast failed: its groups are broken for every member (the sender tore
+            # them down so no engine waits in them); rebuild them without the dead, push again
             self._drop(more, version, stats.failed_engines)
             dead += more
             stats = self.transport.push(version)
@@ -291,8 +292,10 @@ class EngineSync:
                           failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
 
     def _drop(self, dead: list[str], version: str, why: dict[str, str]) -> None:
+        """New channels for the engines still alive (all of them when ``dead`` is empty: broken groups)."""
         if self.rebuild is None or len(dead) == len(self.engines):
-            raise RuntimeError(f"weight sync v{version}: engines died: {dead} ({why})")
+            raise RuntimeError(f"weight sync v{version}: " + (f"engines died: {dead}" if dead else
+                               "a broadcast failed and its groups cannot be rebuilt") + f" ({why})")
         self.transport.close()
         self.engines = [e for e in self.engines if e.url not in dead]
         self.dropped += dead
