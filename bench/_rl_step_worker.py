@@ -3,7 +3,8 @@
 vs a bare megatron forward/backward of the same model, layout and padded micro-batches (megatron's own
 vocab-parallel cross-entropy via ``labels``, no replay), interleaved.
 
-Timed, per repetition (order rotated):
+Timed, per repetition (order rotated, every kind on the same batch; garbage collected before each
+step, CUDA synchronized around it, wall time of the slowest rank), after ``--warmup`` repetitions:
   rl_step    Policy.rl_step(batch, normalizer): batch -> padded micro-batches, replay, loss, optimizer step, metrics
   rl_fb      the same minus optimizer step and metrics: _micro_batches + forward_backward(loss_fn, replay driver)
   bare_fb    zero grads + megatron forward_backward_func, cross-entropy, no replay
@@ -13,6 +14,7 @@ Timed, per repetition (order rotated):
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -41,6 +43,10 @@ ap.add_argument("--micro-batch-size", type=int, default=2)
 ap.add_argument("--reps", type=int, default=6)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step (loop default: on)")
+ap.add_argument("--phases", type=int, default=0,
+                help="after the timing: this many more rl_steps with each phase timed (CUDA synchronized around it)")
+ap.add_argument("--fns", default="rl_step,rl_fb,bare_fb,bare_step,ce_fb",
+                help="comma-separated step kinds to time (rl_step, bare_fb and bare_step give the headline ratios)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -127,9 +133,11 @@ def rl_fb() -> None:
     mbs, _ = policy._micro_batches(batch, True)
     algo = cfg.algo
 
+    norm = torch.tensor(float(normalizer), dtype=torch.float32, device=compat.DEVICE)  # as Policy.rl_step
+
     def loss_fn(lp, mb):
         d = mb.data
-        return compute_policy_loss(lp, lp.detach(), d["behav"], d["adv"], d["mask"], algo, normalizer=normalizer)
+        return compute_policy_loss(lp, lp.detach(), d["behav"], d["adv"], d["mask"], algo, normalizer=norm)
 
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
@@ -159,28 +167,113 @@ def rl_step() -> None:
 
 
 fns = {"rl_step": rl_step, "rl_fb": rl_fb, "bare_fb": bare_fb, "bare_step": bare_step, "ce_fb": ce_fb}
-names = list(fns)
+names = a.fns.split(",")
+assert {"rl_step", "bare_fb", "bare_step"} <= set(names) <= set(fns), names
+
+
+def run(n: str) -> float:
+    gc.collect()  # no garbage of the previous kind's step is collected inside this one's timing
+    return timed(fns[n])
+
+
 for w in range(a.warmup):
     case = cases[w]
     for n in names:
-        timed(fns[n])
+        run(n)
 times = {n: [] for n in names}
 real_tokens = 0
-for r in range(a.reps):
+for r in range(a.reps):  # every kind once per repetition, on the same batch, in a rotated order
     case = cases[a.warmup + r]
     real_tokens += case.real_tokens
     for n in names[r % len(names):] + names[:r % len(names)]:
-        times[n].append(timed(fns[n]))
+        times[n].append(run(n))
 padded = sum(c.padded_tokens for c in cases[a.warmup:])
+
+
+def phase_times(n: int) -> dict:
+    """Where rl_step's time goes: its phases timed one by one (synchronized; slower than the plain step)."""
+    import time
+
+    import mrl.megatron.policy as pol
+
+    acc: dict[str, list[float]] = {}
+
+    def wrap(owner, attr, key):
+        fn = getattr(owner, attr)
+
+        def timed_fn(*args, **kw):
+            if compat.HAS_CUDA:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if compat.HAS_CUDA:
+                    torch.cuda.synchronize()
+                acc.setdefault(key, []).append(time.perf_counter() - t0)
+
+        setattr(owner, attr, timed_fn)
+        return fn
+
+    saved = [(pol, "forward_backward", wrap(pol, "forward_backward", "forward_backward")),
+             (policy, "_micro_batches", wrap(policy, "_micro_batches", "micro_batches")),
+             (policy.optimizer, "step", wrap(policy.optimizer, "step", "optimizer_step")),
+             (policy.scheduler, "step", wrap(policy.scheduler, "step", "scheduler_step")),
+             (policy, "_engine_gap", wrap(policy, "_engine_gap", "engine_gap")),
+             (pol, "_mean_metrics", wrap(pol, "_mean_metrics", "mean_metrics")),
+             (policy, "_reduce", wrap(policy, "_reduce", "reduce"))]
+    total = []
+    global case
+    try:
+        for i in range(n):
+            case = cases[(a.warmup + i) % len(cases)]
+            gc.collect()
+            total.append(timed(rl_step))
+    finally:
+        for owner, attr, fn in saved:
+            if owner is pol:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr) if attr in vars(owner) else setattr(owner, attr, fn)
+    out = {k: statistics.median(v) for k, v in acc.items()}
+    out["rl_step_total"] = statistics.median(total)
+    out["rest"] = out["rl_step_total"] - sum(v for k, v in out.items() if k != "rl_step_total")
+    return out
+
+
+phases = phase_times(a.phases) if a.phases else None
+mb_s = []  # host time of Policy's batch -> micro-batches path alone (part of rl_step and rl_fb)
+for c in cases[a.warmup:a.warmup + 4]:
+    mb_s.append(timed(lambda c=c: policy._micro_batches(c.batch, True)))
+
+
+def spread(v: list[float]) -> dict:
+    q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
+    return {"min": min(v), "p25": q[0], "median": statistics.median(v), "p75": q[2], "max": max(v)}
+
+
+def paired(num: str, den: str) -> dict:
+    """Throughput of ``den`` relative to ``num`` (time(num) / time(den)) per repetition: same batch."""
+    return spread([x / y for x, y in zip(times[num], times[den])])
+
+
 if layout.world_rank == 0:
     med = {n: statistics.median(v) for n, v in times.items()}
+    mins = {n: min(v) for n, v in times.items()}
     real_tokens /= a.reps  # mean real tokens per step
-    json.dump({"times_s": times, "median_s": med, "min_s": {n: min(v) for n, v in times.items()},
-               "tokens_per_s": {n: real_tokens / med[n] for n in names},
-               "rl_step_vs_bare_fb": med["bare_fb"] / med["rl_step"],
-               "rl_step_vs_bare_step": med["bare_step"] / med["rl_step"],
-               "rl_fb_vs_bare_fb": med["bare_fb"] / med["rl_fb"], "rl_fb_vs_ce_fb": med["ce_fb"] / med["rl_fb"],
-               "real_tokens": real_tokens, "padded_tokens": padded / a.reps,
-               "micro_batches_per_rank": len(case.bare_mbs), "dp": layout.dp.size,
-               "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
+    ratios = {"rl_step_vs_bare_fb": ("bare_fb", "rl_step"), "rl_step_vs_bare_step": ("bare_step", "rl_step")}
+    if "rl_fb" in names:
+        ratios["rl_fb_vs_bare_fb"] = ("bare_fb", "rl_fb")
+    if "rl_fb" in names and "ce_fb" in names:
+        ratios["rl_fb_vs_ce_fb"] = ("ce_fb", "rl_fb")
+    out = {"times_s": times, "median_s": med, "min_s": mins, "spread_s": {n: spread(v) for n, v in times.items()},
+           "tokens_per_s": {n: real_tokens / med[n] for n in names}}
+    for key, (fast, slow) in ratios.items():  # throughput ratio slow/fast = time(fast) / time(slow)
+        out[key] = med[fast] / med[slow]  # ratio of medians (the headline, as before)
+        out[key + "_min"] = mins[fast] / mins[slow]  # ratio of the fastest steps
+        out[key + "_paired"] = paired(fast, slow)  # per repetition, same batch: its spread
+    out |= {"real_tokens": real_tokens, "padded_tokens": padded / a.reps,
+            "micro_batches_per_rank": len(case.bare_mbs), "micro_batch_build_s": statistics.median(mb_s), "dp": layout.dp.size, "reps": a.reps,
+            "warmup": a.warmup, "rl_step_phases_s": phases, "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}
+    json.dump(out, open(a.out, "w"))
 destroy()

@@ -13,7 +13,11 @@ tokens/s (real tokens, median step) of rl_step, rl_fb (rl_step without the optim
 metrics), bare_fb and bare_step (bare_fb + the same optimizer step), and the throughput ratios
 rl_step/bare_fb (the brief's goal >= 0.9), rl_step/bare_step (like for like: both step the optimizer)
 and rl_fb/bare_fb (forward/backward only); ce_fb (mrl's forward_backward with a plain NLL, no
-replay) splits the last one into mrl's logprob path and the RL loss + replay.
+replay) splits the last one into mrl's logprob path and the RL loss + replay. Each ratio three ways:
+of the median steps (the headline), of the fastest steps, and per repetition (every kind runs on the
+same batch in each repetition) as median [p25, p75]: host-bound steps vary by +-20% between
+repetitions, the paired spread shows how far a ratio can be trusted. ``--fns`` times a subset (at
+least rl_step, bare_fb, bare_step).
 """
 
 import argparse
@@ -39,6 +43,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--micro-batch-size", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--fns", default=None, help="step kinds to time (worker's --fns; default all five)")
     ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -47,27 +53,33 @@ def main() -> None:
     layouts = a.layouts or (["tp2", "ep2"] if gpu else ["tp1"])
     samples, seq = a.samples or (16 if gpu else 8), a.seq or (1024 if gpu else 64)
     mbs = a.micro_batch_size or (4 if gpu else 2)
-    reps = a.reps or (8 if gpu else 5)
+    reps = a.reps or (16 if gpu else 5)
+    warmup = a.warmup if a.warmup is not None else (3 if gpu else 2)
     dtype = "bf16" if gpu else "fp32"
     tmp = tempfile.mkdtemp(prefix="mrl_rl_bench_")
     hf = a.hf or make_model(os.path.join(tmp, preset), preset)
     rows = run_layouts("_rl_step_worker.py", layouts, LAYOUTS, tmp,
                        ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
-                        "--micro-batch-size", str(mbs), "--reps", str(reps), "--packing", a.packing])
+                        "--micro-batch-size", str(mbs), "--reps", str(reps), "--warmup", str(warmup),
+                        "--packing", a.packing, *(["--fns", a.fns] if a.fns else [])])
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
-                    f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps")
-    for c in ("layout", "rl_step tok/s", "rl_fb tok/s", "ce_fb tok/s", "bare_fb tok/s", "bare_step tok/s",
-              "rl_step/bare_fb", "rl_step/bare_step", "rl_fb/bare_fb", "rl_fb/ce_fb"):
+                    f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps after {warmup} warm-up")
+    kinds = ("rl_step", "rl_fb", "ce_fb", "bare_fb", "bare_step")
+    for c in ("layout", *(f"{k} tok/s" for k in kinds), "ratio", "of medians", "of mins", "paired median [p25, p75]"):
         t.add_column(c)
     for name, d in rows.items():
         tps = d["tokens_per_s"]
-        t.add_row(name, *(f"{tps[k]:.0f}" for k in ("rl_step", "rl_fb", "ce_fb", "bare_fb", "bare_step")),
-                  f"{d['rl_step_vs_bare_fb']:.3f}", f"{d['rl_step_vs_bare_step']:.3f}", f"{d['rl_fb_vs_bare_fb']:.3f}",
-                  f"{d['rl_fb_vs_ce_fb']:.3f}")
+        cells = [f"{tps[k]:.0f}" if k in tps else "-" for k in kinds]
+        for i, key in enumerate(k for k in ("rl_step_vs_bare_fb", "rl_step_vs_bare_step", "rl_fb_vs_bare_fb",
+                                            "rl_fb_vs_ce_fb") if k in d):
+            p = d.get(key + "_paired")
+            t.add_row(name if i == 0 else "", *(cells if i == 0 else [""] * len(kinds)), key.replace("_vs_", "/"),
+                      f"{d[key]:.3f}", f"{d[key + '_min']:.3f}" if key + "_min" in d else "-",
+                      f"{p['median']:.3f} [{p['p25']:.3f}, {p['p75']:.3f}]" if p else "-")
     Console(width=170).print(t)
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
-          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "layouts": rows}, a.json)
+          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "warmup": warmup, "layouts": rows}, a.json)
 
 
 if __name__ == "__main__":

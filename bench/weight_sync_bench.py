@@ -36,6 +36,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
            "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"]), "pp2": (2, ["--pp", "2"])}
 SENDERS = {"tp1": {0}, "tp2": {0}, "ep2": {0, 1}, "tp2ep2": {0, 1}, "pp2": {0, 1}}  # trainer ranks that broadcast
+
+
+def split_variant(name: str) -> tuple[str, dict[str, str]]:
+    """``tp2+MRL_WEIGHT_SYNC_GATHER=allgather+MRL_WEIGHT_SYNC_CHUNK_MB=64`` -> ("tp2", {env of its workers})."""
+    base, *env = name.split("+")
+    return base, dict(e.split("=", 1) for e in env)
 # >= 1 GiB in bf16 (~0.84 B params): 8 layers, 64 experts of 1024x512, vocab 32768
 GPU_MODEL = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
@@ -114,6 +120,7 @@ def _tail(path: str, n: int = 60) -> str:
 def receiver_devices(name: str, n: int) -> list[str]:
     """GPUs of the receivers: free GPUs first, then GPUs of trainer ranks that never broadcast (a
     weight-update group cannot hold two ranks on one GPU). Raises when the layout does not fit."""
+    name = split_variant(name)[0]
     nproc = LAYOUTS[name][0]
     free = list(range(nproc, torch.cuda.device_count())) + [r for r in range(nproc) if r not in SENDERS[name]]
     if len(free) < n:
@@ -124,12 +131,13 @@ def receiver_devices(name: str, n: int) -> list[str]:
 
 def run_layout(name: str, a, hf: str, dtype: str, buckets: list[float], root: str) -> list[dict] | None:
     """One layout: fresh receivers, one torchrun; on a timeout every process dumps its stacks."""
-    nproc, args = LAYOUTS[name]
+    base, variant_env = split_variant(name)
+    nproc, args = LAYOUTS[base]
     devices = receiver_devices(name, a.receivers) if a.scale == "gpu" else ["cpu"] * a.receivers
     procs, urls, logs = start_receivers(a.receivers, devices, root, name)
     out = os.path.join(root, f"{name}.json")
     wlog_path = os.path.join(root, f"workers_{name}.log")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **variant_env)
     if a.timeout:  # the workers dump their stacks a little before we give up on them
         env.setdefault("MRL_DUMP_AFTER", str(max(10, a.timeout - 15)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -166,7 +174,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", choices=list(SCALES), default="cpu")
     ap.add_argument("--receivers", type=int, default=1)
-    ap.add_argument("--layouts", nargs="+", default=["tp1", "tp2", "ep2", "tp2ep2", "pp2"])
+    ap.add_argument("--layouts", nargs="+", default=["tp1", "tp2", "ep2", "tp2ep2", "pp2"],
+                    help="layout names, each optionally with +ENV=VALUE settings of its workers (a variant), e.g. "
+                         "tp2+MRL_WEIGHT_SYNC_GATHER=gather+MRL_WEIGHT_SYNC_CHUNK_MB=0 (mrl.weight_sync.copy_plan)")
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=None,
                     help="bucket sizes (MiB), each timed on the same loaded model (default: per scale, SCALES)")
     ap.add_argument("--reps", type=int, default=3)
@@ -189,8 +199,9 @@ def main():
         if runs is None:
             failed.append(name)
         else:
-            shared = sorted(set(devices) & {f"cuda:{r}" for r in range(LAYOUTS[name][0])})
-            rows += [(name, LAYOUTS[name][0], dict(d, receiver_devices=devices, receiver_shares_trainer_gpu=shared))
+            nproc = LAYOUTS[split_variant(name)[0]][0]
+            shared = sorted(set(devices) & {f"cuda:{r}" for r in range(nproc)})
+            rows += [(name, nproc, dict(d, receiver_devices=devices, receiver_shares_trainer_gpu=shared))
                      for d in runs]
     dev = (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if a.scale == "gpu"
            else "CPU (gloo)")

@@ -39,7 +39,9 @@ class MetricsLog:
     def progress(self, text: str) -> None:
         self._bar.update(self.task, description=text)
 
-    def step(self, step: int, metrics: dict[str, float], staleness: Counter | None = None) -> None:
+    def step(self, step: int, metrics: dict[str, float], staleness: Counter | None = None,
+             extra: dict | None = None) -> None:
+        """``extra``: non-scalar fields for ``metrics.jsonl`` only (e.g. requests served per engine)."""
         for k, v in metrics.items():
             self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
         if staleness:
@@ -48,7 +50,7 @@ class MetricsLog:
 
             self.tb.add_histogram("rollout/staleness", np.asarray(samples), step)
             metrics = metrics | {"staleness_hist": dict(sorted(staleness.items()))}
-        self._record({"step": step, **metrics})
+        self._record({"step": step, **metrics, **(extra or {})})
         desc = (f"reward {metrics.get('reward', 0):.2f}  "
                 f"dis {metrics.get('routing_disagreement', float('nan')):.3f}  "
                 f"sync {metrics.get('sync_seconds', 0):.2f}s  v{int(metrics.get('version', 0))}")

@@ -3,7 +3,7 @@
     rank 0 (controller)                              every rank
     ───────────────────                              ──────────
     engines (started here, or attached by URL)
-    producer thread: prompts -> groups -> rewards -> buffer
+    rollout process: prompts -> groups -> rewards -> buffer
     take a batch (staleness bound) -> advantages ──▶ RL step: replayed routes, policy loss, optimizer
                                                      every N steps: weight sync -> version + 1
 
@@ -20,20 +20,22 @@ import pickle
 import signal
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
-from mrl.buffer import Group, RolloutBuffer
+from mrl.buffer import Group
 from mrl.config.load import load_resolved
-from mrl.config.schema import BadRoutes, Config, LoopMode, StalePolicy
+from mrl.config.schema import BadRoutes, Config, LoopMode
 from mrl.megatron.collectives import named
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
+from mrl.rollout.restart import EngineRestarter
 from mrl.routing.replay import check_routes
 from mrl.weight_sync.executor import EngineEndpoint
 from mrl.weight_sync.transport import EngineSync, make_transport
@@ -76,18 +78,11 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
 
 
 class Controller:
-    """Rank 0 only: engines, rollout manager, producer, buffer, evaluation."""
+    """Rank 0 only: the engines (started here, or attached by URL) and the rollout process that feeds
+    the buffer from them (``mrl.rollout.service``: producer, rewards, buffer, evaluation)."""
 
     def __init__(self, cfg: Config, hf_path: str, policy: Policy, state: LoopState):
-        from tokenizers import Tokenizer
-
-        from mrl.data import build_prompt_source
-        from mrl.reward.scorer import RewardScorer
-        from mrl.rollout.client import EngineClient
-        from mrl.rollout.manager import RolloutManager
-        from mrl.rollout.producer import Producer
-        from mrl.rollout.sample import SamplingSpec
-        from mrl.routing.sampling_mask import top_logprobs_to_request
+        from mrl.rollout.service import start_rollout
 
         self.cfg = cfg
         r = cfg.rollout
@@ -103,30 +98,11 @@ class Controller:
                 e.wait_healthy()
             urls = [e.url for e in self.engines]
         self.endpoints = [EngineEndpoint(u, r.engine_tp) for u in urls]
-        self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
-        eos = policy.bridge.hf_config.eos_token_id
-        sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, min_p=r.min_p, ignore_eos=r.ignore_eos,
-                                stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
-        clients = [EngineClient(u, routes_always=True) for u in urls]  # eval shares the engines with rollouts
+        self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(cfg) else None
         self.codec = policy.codec
-        top = top_logprobs_to_request(temperature=r.temperature, top_k=r.top_k, top_logprobs_num=r.top_logprobs_num) \
-            if cfg.train.sampling_mask else 0
-        self.manager = RolloutManager(clients, sampling=sampling, codec=policy.codec if cfg.train.replay else None,
-                                      max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top)
-        self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
-            max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
-        self.scorer = RewardScorer(cfg.reward)
-        self.eval_source = build_prompt_source(cfg.data, split="eval") if cfg.train.eval_every else None
-        t = cfg.train
-        self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
-        if state.buffered:
-            self.buffer.restore(state.buffered)
-        self.producer = Producer(manager=self.manager, scorer=self.scorer, source=build_prompt_source(cfg.data),
-                                 tokenizer=self.tok, buffer=self.buffer, group_size=r.n_samples_per_prompt,
-                                 dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state.prompt_index)
-        if t.mode == LoopMode.overlap:
-            self.buffer.on_release = self.producer.allow
+        self.rollout = start_rollout(cfg, hf_path, urls, policy.codec, {
+            "eos": policy.bridge.hf_config.eos_token_id, "buffered": state.buffered,
+            "prompt_index": state.prompt_index})
 
     @staticmethod
     def _discover(r) -> list[str]:
@@ -149,14 +125,13 @@ class Controller:
         out: list[Group] = []
         while len(out) < t.prompts_per_step:
             try:
-                got = self.buffer.take(t.prompts_per_step - len(out), version, timeout=t.batch_timeout_s,
-                                       check=self.producer.check)
+                got = self.rollout.take(t.prompts_per_step - len(out), version, timeout=t.batch_timeout_s)
             except TimeoutError as e:
-                c = self.producer.counts
+                c = self.rollout.stats()["counts"]
                 hint = (f"; algo.dynamic_sampling discarded {c['groups_no_signal']} groups whose samples all got "
                         "the same reward (the policy solves none or all of its prompts: warm-start it, or use a "
-                        "reward with partial credit)") if c["groups_no_signal"] else ""
-                raise TimeoutError(f"{e}; producer counts {dict(c)}{hint}") from None
+                        "reward with partial credit)") if c.get("groups_no_signal") else ""
+                raise TimeoutError(f"{e}; producer counts {c}{hint}") from None
             for g in got:
                 why = next((w for s in g.samples if (w := check_routes(
                     len(s.tokens), s.routes, num_moe_layers=len(codec.moe_layers), top_k=codec.top_k,
@@ -166,35 +141,37 @@ class Controller:
                 elif t.bad_routes == BadRoutes.error:
                     raise ValueError(f"prompt {g.prompt.id}: {why} (train.bad_routes=error; 'drop' skips and counts)")
                 else:
-                    self.producer.counts["groups_bad_routes"] += 1
+                    self.rollout.count("groups_bad_routes")
                     if t.mode == LoopMode.sync:  # overlap mode: the buffer already returned its credit
-                        self.producer.allow(1)
+                        self.rollout.allow(1)
         return out
 
     def start(self, first_credits: int) -> None:
-        self.producer.start()
-        self.producer.allow(first_credits)
+        self.rollout.start_producing(first_credits)
 
     def evaluate(self, n: int) -> float:
         """Greedy accuracy on held-out prompts."""
-        import asyncio
+        return self.rollout.evaluate(n)
 
-        prompts = [self.eval_source.sample(i) for i in range(min(n, len(self.eval_source)))]
-
-        async def go():
-            groups = await asyncio.gather(*(self.eval_manager.generate_group(self.tok.encode(p.text).ids, 1, -1 - i)
-                                            for i, p in enumerate(prompts)))
-            texts = [self.tok.decode(g[0].response_ids, skip_special_tokens=True) for g in groups]
-            res = await self.scorer.score_many(list(zip(prompts, texts)))
-            return sum((x.value or 0.0) >= 1.0 for x in res) / len(res)
-
-        return self.producer.run(go())
+    def metrics(self) -> tuple[dict, dict, dict]:
+        """(per-step scalars, staleness histogram, per-engine requests served) from the rollout side."""
+        st = self.rollout.stats()
+        return ({"dropped_stale": st["dropped_stale"], "buffered": st["buffered"],
+                 **{f"rollout/{k}": v for k, v in st["counts"].items()},
+                 **{f"rollout/{k}": st[k] for k in ("samples_failed", "samples_submitted", "samples_completed",
+                                                    "engine_failures", "retries")}}, st["staleness"],
+                st["served_by_engine"])
 
     def close(self) -> None:
-        self.producer.stop()
-        self.scorer.close()
-        for e in self.engines:
+        self.rollout.stop()
+        for e in (self.restarter.engines if self.restarter else self.engines):
             e.stop()
+
+
+def restarts_engines(cfg: Config) -> bool:
+    """Dead engines are replaced: the job started them (not attached by URL) and may restart some."""
+    r = cfg.rollout
+    return r.restart_engines > 0 and not (r.engine_urls or r.engine_url_dir)
 
 
 def _broadcast(obj, src: int = 0, what: str = "a loop object"):
@@ -293,12 +270,12 @@ def main(cfg: Config) -> int:
             log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), state.step)
 
     step = state.step
+    t_loop = time.monotonic()
     try:
         while step < t.steps:
             t0 = time.perf_counter()
             payload = None
             if rank0:
-                ctl.producer.check()
                 groups = ctl.take_batch(version)
                 batch, normalizer, info = build_batch(groups, cfg, t.replay)
                 payload = (batch, normalizer, info)
@@ -307,31 +284,43 @@ def main(cfg: Config) -> int:
             m = {}
             if t.replay and t.routing_metrics_every and step % t.routing_metrics_every == 0:
                 m |= policy.routing_metrics(batch)  # before the update: the weights the samples are judged by
+            t_train = time.perf_counter()
             m |= policy.rl_step(batch, normalizer)
+            m["train_seconds"] = time.perf_counter() - t_train
             step += 1
             m |= info
             if step % cfg.weight_sync.every_n_steps == 0:
                 version += 1
-                drained = ctl.producer.drain(cfg.weight_sync.timeout_s) if rank0 else 0
+                joining = _broadcast([EngineEndpoint(e.url, cfg.rollout.engine_tp) for e in ctl.restarter.take_ready()]
+                                     if rank0 else None, what="the engines joining at this sync") \
+                    if restarts_engines(cfg) else []
+                t_drain = time.perf_counter()
+                drained = ctl.rollout.drain(cfg.weight_sync.timeout_s) if rank0 else 0
+                m["drain_seconds"] = time.perf_counter() - t_drain
                 try:
+                    if joining:  # restarted engines: new groups with them; this sync gives them the weights
+                        syncer.add(joining)
                     rep = syncer.sync(str(version))
                 finally:
                     if rank0:
-                        ctl.producer.undrain()
+                        ctl.rollout.undrain()
+                if rank0 and ctl.restarter is not None:
+                    alive = {e.url for e in syncer.engines}
+                    for ep in joining:
+                        if ep.url in alive:  # holds the weights of this version: rollouts may use it now
+                            ctl.rollout.add_engine(ep.url)
+                    ctl.restarter.replace(rep.dropped_engines)
+                    m |= {"engines_restarted": float(ctl.restarter.restarted),
+                          "engines_restart_failed": float(len(ctl.restarter.failed))}
                 m["sync_aborted_requests"] = float(drained)
                 m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
                       "engines_alive": float(len(syncer.engines)), "engines_dropped": float(len(syncer.dropped))}
             m |= {"wait_seconds": t_gen, "step_seconds": time.perf_counter() - t0, "version": version}
             if rank0:
-                bs = ctl.buffer.stats
-                m |= {"dropped_stale": bs.dropped_stale, "buffered": len(ctl.buffer),
-                      **{f"rollout/{k}": v for k, v in ctl.producer.counts.items()},
-                      "rollout/samples_failed": ctl.manager.stats.failed,
-                      "rollout/samples_submitted": ctl.manager.stats.submitted,
-                      "rollout/samples_completed": ctl.manager.stats.completed,
-                      "rollout/engine_failures": ctl.manager.stats.engine_failures,
-                      "rollout/retries": ctl.manager.stats.retries}
-                log.step(step, m, staleness=bs.staleness)
+                rm, staleness, served = ctl.metrics()
+                m |= rm
+                log.step(step, m, staleness=Counter({int(k): v for k, v in staleness.items()}),
+                         extra={"rollout/served_by_engine": served, "wall_seconds": time.monotonic() - t_loop})
                 if t.eval_every and step % t.eval_every == 0:
                     log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), step)
             stop = _broadcast(preempted["flag"] or (t.stop_after is not None and step >= t.stop_after))
@@ -340,7 +329,7 @@ def main(cfg: Config) -> int:
             if stop:
                 break
             if rank0 and t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
-                ctl.producer.allow(t.prompts_per_step)
+                ctl.rollout.allow(t.prompts_per_step)
     finally:
         syncer.close()
         if rank0:
@@ -354,8 +343,7 @@ def _save(cfg: Config, policy: Policy, ctl: Controller | None, state: LoopState,
     path = os.path.join(_checkpoint_dir(cfg), f"step_{state.step}")
     policy.save(path)
     if ctl is not None:
-        state.prompt_index = ctl.producer.next_index
-        state.buffered = ctl.buffer.state()
+        state.prompt_index, state.buffered = ctl.rollout.state()
         state.history = log.history
         with open(os.path.join(path, "loop_state.pkl.tmp"), "wb") as f:
             pickle.dump(state, f)

@@ -199,6 +199,13 @@ class RolloutConfig:
     """CPU mode: cores the engines are pinned to (null = all). The trainer ranks then keep to the other
     cores, so generation and training overlap without fighting over the same cores (``train.mode=overlap``
     on a small box)."""
+    restart_engines: int = 3
+    """Replacements the job may start, in all, for engines it started that die (0 = none); a replacement
+    joins at the first weight sync after it is healthy. Engines attached by URL are never restarted."""
+    client_process: bool = True
+    """Run the rollout client (producer, HTTP to the engines, routes decoding, rewards, buffer) in a process
+    of its own beside trainer rank 0 (``mrl.rollout.service``), not in a thread of rank 0, where it shares
+    the training step's GIL."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` flags, passed through (``+rollout.server_args.x=1``)."""
     engine_urls: list[str] = field(default_factory=list)
@@ -216,6 +223,8 @@ class RolloutConfig:
             _fail("rollout.top_logprobs_num", f"must be >= 1 or null, got {self.top_logprobs_num}")
         if self.num_engines < 1:
             _fail("rollout.num_engines", f"must be >= 1, got {self.num_engines}")
+        if self.restart_engines < 0:
+            _fail("rollout.restart_engines", f"must be >= 0, got {self.restart_engines}")
         if self.max_running_requests < 1:
             _fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):

@@ -1,10 +1,12 @@
-"""Forward passes of a (possibly pipelined) megatron model that return full-vocab logits."""
+"""Forward passes of a (possibly pipelined) megatron model that return full-vocab logits, and token
+logprobs from full or vocab-parallel logits."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from mrl.megatron.parallel import Layout
+from mrl.megatron.parallel import GroupInfo, Layout
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
@@ -42,3 +44,55 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: in
     """log p(input_ids[:, t+1] | <= t), [B, S-1], over the real vocabulary only (padding rows dropped)."""
     lp = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
     return lp[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log softmax(logits)[target] over the real vocabulary, with the vocabulary split over a TP group
+    (megatron's vocab-parallel layout: rank r holds columns ``[r * V_local, (r + 1) * V_local)``):
+    two all-reduces of ``[...]`` fp32 (max; sum of exps and the target's logit) instead of gathering
+    ``[..., V]`` logits. Padding columns (ids >= ``vocab_size``) are not part of the distribution and
+    get zero gradient. Computed in fp32, like ``token_logprobs``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, group):
+        x = logits.float()
+        if x is logits:  # fp32 already: the in-place steps below must not touch the caller's tensor
+            x = x.clone()
+        real = max(0, min(x.shape[-1], vocab_size - vocab_start))
+        if real < x.shape[-1]:
+            x[..., real:] = float("-inf")
+        m = x.amax(-1)
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(m.unsqueeze(-1))
+        t = target - vocab_start
+        inside = (t >= 0) & (t < real)
+        t = t.clamp(0, x.shape[-1] - 1)
+        picked = x.gather(-1, t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        x.exp_()
+        total = x.sum(-1)
+        if group is not None:
+            both = torch.stack([total, picked])
+            dist.all_reduce(both, group=group)
+            total, picked = both[0], both[1]
+        ctx.save_for_backward(x, total, t, inside)
+        ctx.in_dtype = logits.dtype
+        return picked - total.log()
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, total, t, inside = ctx.saved_tensors
+        # d logp / d logits = onehot(target) - softmax, on this rank's columns (in place: exp is used once)
+        g = exp.div_(total.unsqueeze(-1)).mul_(-grad.unsqueeze(-1))
+        g.scatter_add_(-1, t.unsqueeze(-1), (grad * inside).unsqueeze(-1))
+        return g.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int,
+                                  tp: GroupInfo) -> torch.Tensor:
+    """``token_logprobs`` from this TP rank's vocab-parallel logits ``[B, S, V_padded / tp]`` (the model's
+    output without ``runtime_gather_output``): log p(input_ids[:, t+1] | <= t), [B, S-1], over the real
+    vocabulary only; equal to ``token_logprobs`` of the gathered logits up to fp32 rounding."""
+    group = tp.group if tp.size > 1 else None
+    return _VocabParallelLogprob.apply(logits[:, :-1], input_ids[:, 1:], tp.rank * logits.shape[-1], vocab_size,
+                                       group)

@@ -63,6 +63,17 @@ def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
 
+def _mean_metrics(outs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each loss metric (0-dim tensors, every key but ``logprobs``) averaged over the micro-batches,
+    with one host sync for all of them (not one per value)."""
+    keys = [k for k in outs[0] if k != "logprobs"]
+    if not keys:
+        return {}
+    vals = torch.stack([torch.stack([torch.as_tensor(o[k], dtype=torch.float64, device=outs[0]["logprobs"].device)
+                                     .reshape(()) for k in keys]) for o in outs]).T.tolist()
+    return {k: _mean(v) for k, v in zip(keys, vals)}
+
+
 class Policy:
     def __init__(self, cfg: Config, layout: Layout, hf_path: str):
         self.cfg, self.layout = cfg, layout
@@ -207,12 +218,16 @@ class Policy:
             for mb, o in zip(mbs, ref):
                 mb.data["ref"] = o["logprobs"]
 
+        # on the device once: a python number would be copied to it (a blocking copy, a host sync) in
+        # every micro-batch's loss, between its forward and its backward
+        norm = torch.tensor(float(normalizer), dtype=torch.float32, device=compat.DEVICE)
+
         def loss_fn(lp, mb):
             d = mb.data
             # one optimizer step per batch: pi_old is this forward's own (detached) logprobs, so the PPO
             # ratio starts at 1 and the correction weight pi_old / pi_engine carries all off-policyness
             return compute_policy_loss(lp, lp.detach(), d["behav"], d["adv"], d["mask"], algo,
-                                       ref_logp=d.get("ref"), normalizer=normalizer)
+                                       ref_logp=d.get("ref"), normalizer=norm)
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -226,9 +241,7 @@ class Policy:
         if self.support_spec is not None:
             metrics["support_unknown_tokens"] = float(sum(not kept for s in batch.support for kept in s))
         if outs:
-            for key in outs[0]:
-                if key != "logprobs":
-                    metrics[key] = _mean([float(o[key]) for o in outs])
+            metrics |= _mean_metrics(outs)
             metrics |= self._engine_gap(outs, mbs, "replay_on" if replay else "replay_off")
         return self._reduce(metrics)
 
@@ -254,12 +267,15 @@ class Policy:
         return self._reduce(metrics)
 
     def _engine_gap(self, outs, mbs, tag: str) -> dict[str, float]:
-        diffs, kls = [], []
+        """Mean over micro-batches of the mean |log pi_train - log pi_engine| and k3 KL over response
+        tokens (0 for a micro-batch without any); one host sync for all of them."""
+        rows = []
         for o, mb in zip(outs, mbs):
             m = mb.data["mask"] > 0
-            d = (o["logprobs"] - mb.data["behav"])[m]  # log pi_train - log pi_engine
-            diffs.append(float(d.abs().mean()) if d.numel() else 0.0)
-            kls.append(float((d.exp() - 1 - d).mean()) if d.numel() else 0.0)
+            d = torch.where(m, o["logprobs"] - mb.data["behav"], 0)  # log pi_train - log pi_engine
+            n = m.sum().clamp(min=1)
+            rows.append(torch.stack([d.abs().sum() / n, (d.exp() - 1 - d).sum() / n]))
+        diffs, kls = torch.stack(rows).double().T.tolist()
         return {f"logprob_diff_{tag}": _mean(diffs), f"kl_engine_{tag}": _mean(kls)}
 
     def sft_step(self, tokens: list[list[int]], prompt_lens: list[int], lr: float) -> float:

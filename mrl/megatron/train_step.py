@@ -6,9 +6,10 @@
 Each micro-batch is ``[b, S]`` token ids (S a multiple of tp for sequence parallelism) with its routes
 ``[b, S, L, K]``: one right-padded sample per row, or several samples per row (``packing``: see
 ``mrl.megatron.packing``). ``loss_fn(logprobs [n, T-1], mb) -> (loss, metrics)`` runs on the last PP
-stage with one row per sample either way (packed logprobs are unpacked first). Logits are gathered
-over TP and the log-softmax is taken over the real vocabulary only (padding rows are not part of the
-engine's distribution); with a sampling support (Keep Sampling Mask) over that support only.
+stage with one row per sample either way (packed logprobs are unpacked first). The log-softmax is
+taken over the real vocabulary only (padding rows are not part of the engine's distribution), on the
+vocab-parallel logits (two small all-reduces over TP, no gather of ``[b, S, V]``); with a sampling
+support (Keep Sampling Mask) over that support only, on logits gathered over TP.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any, Callable
 import torch
 
 from mrl._compat.te import HAVE_TE
-from mrl.megatron.forward import token_logprobs
+from mrl.megatron.forward import vocab_parallel_token_logprobs
 from mrl.megatron.packing import Packing
-from mrl.megatron.parallel import Layout
+from mrl.megatron.parallel import GroupInfo, Layout
 from mrl.routing.replay import ReplayDriver
 from mrl.routing.sampling_mask import SupportSpec, support_logprobs
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -63,13 +64,15 @@ def _model_inputs(mb: MicroBatch) -> dict[str, Any]:
 
 
 def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: SupportSpec | None,
-              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+              temperature: float = 1.0, tp: GroupInfo | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-sample logprobs [n, T-1] and, under a sampling support, where the token lies outside it.
+    ``logits``: vocab-parallel over ``tp`` (None: full), gathered when the micro-batch has a support.
     ``temperature``: the engine samples (and reports logprobs) from softmax(logits / T)."""
     ids = mb.input_ids
     outside = None
     if mb.support is None:
-        lp = token_logprobs(logits if temperature == 1.0 else logits / temperature, ids, vocab_size)
+        lp = vocab_parallel_token_logprobs(logits if temperature == 1.0 else logits / temperature, ids, vocab_size,
+                                           tp or GroupInfo(None, 0, 1))
     else:
         if support is None:
             raise ValueError("micro-batch carries a sampling support but forward_backward got no SupportSpec")
@@ -110,12 +113,13 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
         pk = mb.packing
         if driver is not None:
             driver.before_forward(mb.routes, pk.cu_seqlens_padded if pk is not None and pk.fmt == "thd" else None)
-        out = m(**_model_inputs(mb), runtime_gather_output=True)
+        # full-vocab logits only where a sampling support needs them; else the vocab-parallel log-softmax
+        out = m(**_model_inputs(mb), runtime_gather_output=mb.support is not None)
         if driver is not None:
             out = driver.after_forward(out)
 
         def loss_func(logits):
-            lp, outside = _logprobs(logits, mb, vocab_size, support, temperature)
+            lp, outside = _logprobs(logits, mb, vocab_size, support, temperature, layout.tp)
             extra: dict[str, Any] = {}
             batch = mb
             if outside is not None:

@@ -37,6 +37,8 @@ class _Slot:
     inflight: int = 0
     healthy: bool = True
     failures: int = 0
+    served: int = 0
+    """Calls answered (segments), for per-engine accounting."""
 
 
 @dataclass
@@ -59,6 +61,7 @@ class RolloutManager:
         sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``)."""
         if not clients:
             raise ValueError("RolloutManager needs at least one engine client")
+        self._per_engine = max_inflight_per_engine
         self.slots = [_Slot(c, asyncio.Semaphore(max_inflight_per_engine)) for c in clients]
         self.sampling = sampling
         self.codec = codec
@@ -70,6 +73,11 @@ class RolloutManager:
         self._gate = asyncio.Event()  # cleared while drained for a weight sync: no request may start
         self._gate.set()
 
+    def add_engine(self, client: EngineClient) -> None:
+        """A new engine (a restarted one, its weights already current) takes requests from now on. Call it
+        on the loop that runs the manager."""
+        self.slots.append(_Slot(client, asyncio.Semaphore(self._per_engine)))
+
     # -- dispatch -------------------------------------------------------------------------------
     def _pick(self) -> _Slot:
         healthy = [s for s in self.slots if s.healthy]
@@ -78,11 +86,14 @@ class RolloutManager:
         return min(healthy, key=lambda s: s.inflight)
 
     async def generate_group(self, prompt_ids: list[int], n: int, group_id: int,
-                             max_new_tokens: int | None = None) -> list[Sample]:
-        """``max_new_tokens``: this prompt's budget (a dataset field), else the sampling default."""
-        budget = max_new_tokens or self.sampling.max_new_tokens
+                             max_new_tokens: int | list[int] | None = None) -> list[Sample]:
+        """``max_new_tokens``: this prompt's budget (a dataset field), or one per sample of the group;
+        else the sampling default."""
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+        if len(budgets) != n:
+            raise ValueError(f"group {group_id}: {len(budgets)} per-sample max_new_tokens for {n} samples")
         samples = [Sample(prompt_ids=list(prompt_ids), group_id=group_id, index=i,
-                          max_new_tokens=budget) for i in range(n)]
+                          max_new_tokens=b or self.sampling.max_new_tokens) for i, b in enumerate(budgets)]
         return list(await asyncio.gather(*(self.run_sample(s) for s in samples)))
 
     async def run_sample(self, sample: Sample) -> Sample:
@@ -133,6 +144,7 @@ class RolloutManager:
                 return
             finally:
                 slot.inflight -= 1
+        slot.served += 1
         try:
             self._apply(sample, inputs, out)
         except (RoutesError, ValueError) as e:

@@ -19,6 +19,23 @@ from mrl.reward.scorer import RewardScorer
 from mrl.rollout.manager import RolloutManager
 
 
+def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
+    """A JSONL row's ``max_new_tokens``: one budget for the group, or a list of one per sample (length
+    benchmarks with within-group spread, as real responses have), repeated to cover the group."""
+    b = prompt.meta.get("max_new_tokens")
+    if b is None:
+        return None
+    if isinstance(b, list):
+        if not b or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b):
+            raise ValueError(f"prompt {prompt.id}: max_new_tokens must be a positive integer or a non-empty list "
+                             f"of them, got {b!r}")
+        return [b[i % len(b)] for i in range(group_size)]
+    if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+        raise ValueError(f"prompt {prompt.id}: max_new_tokens must be a positive integer or a non-empty list "
+                         f"of them, got {b!r}")
+    return b
+
+
 class Producer:
     def __init__(self, *, manager: RolloutManager, scorer: RewardScorer, source: PromptSource, tokenizer,
                  buffer: RolloutBuffer, group_size: int, dynamic_sampling: bool, start_index: int = 0):
@@ -38,6 +55,10 @@ class Producer:
     def start(self) -> None:
         self._thread.start()
         self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def allow(self, n: int) -> None:
         """Let ``n`` more groups start."""
@@ -102,9 +123,8 @@ class Producer:
     async def _group(self, prompt: Prompt, gid: int) -> None:
         try:
             ids = self.tok.encode(prompt.text).ids
-            budget = prompt.meta.get("max_new_tokens")  # per-row budget of a JSONL dataset, if any
             samples = await self.manager.generate_group(ids, self.group_size, gid,
-                                                        max_new_tokens=int(budget) if budget else None)
+                                                        max_new_tokens=row_budget(prompt, self.group_size))
             if any(s.error for s in samples):
                 self.counts["groups_failed"] += 1
                 if all(not slot.healthy for slot in self.manager.slots):  # nothing left to retry on

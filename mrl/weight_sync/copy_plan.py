@@ -5,25 +5,46 @@ replayed every sync.
     steps, params = build_steps(order, local, maps, rank=r, dp_rank=d, edp_rank=e, dtype=torch.bfloat16,
                                 device=dev)
     for step in steps:        # every sync, in the global bucket order
-        step.fill()           # batched copies + one gather per (group, dtype); no Python per tensor
+        step.fill()           # batched copies + shard transfers to the sender; no Python per tensor
         if step.flat is not None:
             broadcast(step.flat)
 
-Per bucket a rank replays at most: one ``_foreach_copy_`` of its shards into the gather input, one
-gather to the group's rank 0 (the sender) per (shard group, dtype), and on the sender two
-``_foreach_copy_`` into the flat buffer (contiguous same-dtype copies, which CUDA fuses into a few
-kernels; then strided or casting ones). A gather, not an all-gather: only the sender needs the full
-tensor, so the other ranks send their shards once and receive nothing. Buffers are allocated once:
-one gather input, one gather output (sender), and two flat buffers per sender (bucket k+1 is filled
-while bucket k is on the wire). Views of the params are cached, so the plan is valid while the
+Shards go to the group's rank 0 (the sender) only: the other ranks send theirs once and receive
+nothing. By default one transfer per (group, dtype) and bucket; ``MRL_WEIGHT_SYNC_CHUNK_MB`` > 0
+splits it into chunks of whole params, so the sender's copies of chunk j into the flat buffer run
+while chunk j+1 is on the wire (4x H200, TP2, 512 MiB buckets: 16-32 MiB chunks were slower than
+one transfer -- each NCCL op costs host time -- and 64 MiB no faster). How (``MRL_WEIGHT_SYNC_GATHER``):
+
+- ``p2p`` (default): each other rank packs its shards of a chunk (one ``_foreach_copy_``) and sends
+  them; the sender posts every receive of the bucket first, then copies its own shards straight from
+  its params into the flat buffer while they arrive (column-parallel rows are contiguous there;
+  row-parallel ones are staged in its own slot of the gather buffer), then, per chunk, waits for it
+  and copies it out. The sender never copies its own shards through the transfer.
+- ``gather`` / ``allgather``: every rank packs its shards, one ``gather`` (``all_gather_into_tensor``)
+  per chunk, pipelined with the copies of the previous chunk. ``gather`` with one chunk is the
+  previous executor's path; ``allgather`` also sends the sender's shards out, on the links its
+  broadcast uses (4x H200: sync/raw 1.58, against 1.16 for p2p and 1.29 for gather).
+
+Per bucket a rank replays at most: one batched copy of the sender's local bytes, per chunk one pack
+(senders of shards) and one or two batched copies out (contiguous same-dtype copies, which CUDA fuses
+into a few kernels; then strided or casting ones: one per run of equally spaced, equally shaped
+row-parallel shards, i.e. one tensor of every expert of the chunk at once). Buffers are allocated
+once: one gather input, one gather output (sender), and two flat buffers per sender (bucket k+1 is
+filled while bucket k is on the wire). Views of the params are cached, so the plan is valid while the
 params keep their storage (``build_steps`` returns them, so the owner can check).
 
-Byte layout (what SGLang's ``flattened_bucket`` expects): the bucket's HF tensors in bucket order,
-each row-major in the sync dtype, no padding. It equals ``cat(split_full(pm, full))`` of the old path.
+Gather-buffer layout of a (group, dtype) batch: chunk j (params ``[s_j, e_j)`` of the packed shard
+order) at ``ws * s_j``, rank k's part of it at ``ws * s_j + k * (e_j - s_j)`` (exactly what
+``gather`` / ``all_gather_into_tensor`` of the chunk write).
+
+Byte layout of a flat buffer (what SGLang's ``flattened_bucket`` expects): the bucket's HF tensors in
+bucket order, each row-major in the sync dtype, no padding. It equals ``cat(split_full(pm, full))``
+of the per-tensor path.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +55,9 @@ from mrl.models.bridge import ParamMap
 from mrl.weight_sync.planner import Bucket, PlannedParam
 
 _ALIGN = 64  # bytes: start of each gather region (any dtype view stays aligned)
+CHUNK_ENV, MODE_ENV = "MRL_WEIGHT_SYNC_CHUNK_MB", "MRL_WEIGHT_SYNC_GATHER"
+DEFAULT_CHUNK_BYTES = 0  # one transfer per (group, dtype) and bucket
+MODES = ("p2p", "gather", "allgather")
 
 
 @dataclass(frozen=True)
@@ -134,50 +158,86 @@ class _Strided:
 
 @dataclass
 class GatherOp:
-    """Shards of one (group, dtype) to the group's rank 0: NCCL's gather, or on gloo (whose gather is
-    ~3x slower than its send/recv) a send per rank, received in place on rank 0."""
+    """One chunk of one (group, dtype) batch: this rank's pack and transfer and, on the sender, the
+    chunk's copies into the flat buffer once it has arrived."""
 
+    mode: str
     group: dist.ProcessGroup
     ranks: list[int]
-    """Global ranks of the group's ranks."""
-    inp: torch.Tensor
-    outs: list[torch.Tensor] | None
-    """On the group's rank 0: one view per group rank into the gather output (gloo: ``inp`` is outs[0])."""
-    p2p: bool
+    """Global ranks of the group's ranks (rank 0 receives)."""
+    pack: Copies
+    """This rank's shards of the chunk into ``inp`` (the p2p receiver packs nothing here)."""
+    inp: torch.Tensor | None
+    out: torch.Tensor | None
+    """The chunk's region of the gather output, ``[ws * chunk]`` (receiver; every rank for allgather)."""
+    copy_out: Copies
+    """Receiver: the chunk's bytes into the flat buffer."""
+    tag: int
+    receiver: bool
+    """Group rank 0: the bucket's sender."""
 
-    def run(self) -> None:
-        if not self.p2p:
-            dist.gather(self.inp, self.outs, dst=self.ranks[0], group=self.group)
-        elif self.outs is None:
-            dist.send(self.inp, dst=self.ranks[0], group=self.group)
-        else:
-            for w in [dist.irecv(o, src=r, group=self.group) for o, r in zip(self.outs[1:], self.ranks[1:])]:
-                w.wait()
+    def start(self) -> list:
+        """Pack and launch the transfer (async); the works to wait on."""
+        self.pack.run()
+        ws = len(self.ranks)
+        if self.mode == "p2p":
+            if not self.receiver:
+                return [dist.isend(self.inp, dst=self.ranks[0], group=self.group, tag=self.tag)]
+            n = self.out.numel() // ws
+            return [dist.irecv(self.out[k * n:(k + 1) * n], src=self.ranks[k], group=self.group, tag=self.tag)
+                    for k in range(1, ws)]
+        if self.mode == "gather":
+            outs = list(self.out.split(self.out.numel() // ws)) if self.receiver else None
+            return [dist.gather(self.inp, outs, dst=self.ranks[0], group=self.group, async_op=True)]
+        return [dist.all_gather_into_tensor(self.out, self.inp, group=self.group, async_op=True)]
+
+    def finish(self, works: list) -> None:
+        for w in works:
+            w.wait()  # NCCL: the current stream waits (no host sync); gloo: the host waits
+        self.copy_out.run()
 
 
 @dataclass
 class BucketStep:
-    """One bucket as this rank replays it: gathers it joins and, on the sender, the flat buffer."""
+    """One bucket as this rank replays it: the transfers it joins and, on the sender, the flat buffer."""
 
     bucket: Bucket
     shard_in: Copies
+    """Sender (p2p): its own row-parallel shards into its slot of the gather buffer."""
     gathers: list[GatherOp]
     copy_out: Copies
+    """Sender: the bytes it holds itself (replicated params; p2p: its own column-parallel shards) into
+    the flat buffer. The gathered bytes are copied out per chunk (``GatherOp.copy_out``)."""
     flat: torch.Tensor | None
     """uint8 view of the bucket's bytes (sender only), in one of the reused send buffers."""
     slot: int | None
     """Which send buffer ``flat`` lives in (sender only)."""
 
     def fill(self) -> None:
+        # the receives first: the shards are on the wire while the sender copies its own bytes
+        posted = {id(op): op.start() for op in self.gathers if op.mode == "p2p" and op.receiver}
         self.shard_in.run()
-        for g in self.gathers:
-            g.run()
         self.copy_out.run()
+        last, sent = None, []
+        for op in self.gathers:
+            works = posted.pop(id(op), None)
+            if works is None:
+                works = op.start()
+            if op.receiver:  # copy out the previous chunk while this one travels
+                if last is not None:
+                    last[0].finish(last[1])
+                last = (op, works)
+            else:
+                sent += works
+        if last is not None:
+            last[0].finish(last[1])
+        for w in sent:  # NCCL: the stream waits (the next pack reuses the buffer); gloo: the host waits
+            w.wait()
 
 
 @dataclass
 class _Batch:
-    """TP-split params of one bucket sharing a (group, dtype): one gather."""
+    """TP-split params of one bucket sharing a (group, dtype): one transfer per chunk."""
 
     group: object  # GroupInfo
     dtype: torch.dtype
@@ -185,8 +245,27 @@ class _Batch:
     numel: int = 0
     in_byte: int = 0
     out_byte: int = 0
+    chunks: list = field(default_factory=list)
+    """Element ranges ``(start, end)`` of the packed shard order, whole params each."""
     out: torch.Tensor | None = None
-    """The gather output (group rank 0): rank k's shards at ``[k * numel, (k + 1) * numel)``."""
+    """The gather output (receiver; every rank for allgather), chunk-major (module docstring)."""
+
+    def split(self, chunk_elems: int) -> None:
+        self.chunks = []
+        for _, _, _, o in self.items:
+            if not self.chunks or (chunk_elems > 0 and o - self.chunks[-1][0] >= chunk_elems):
+                self.chunks.append([o, o])
+        for c, nxt in zip(self.chunks, [c[0] for c in self.chunks[1:]] + [self.numel]):
+            c[1] = nxt
+        self.chunks = [tuple(c) for c in self.chunks]
+
+    def chunk_of(self, o: int) -> int:
+        return max(j for j, (s, _) in enumerate(self.chunks) if s <= o)
+
+    def slot(self, j: int, k: int) -> int:
+        """Element offset, in ``out``, of rank k's part of chunk j."""
+        s, e = self.chunks[j]
+        return self.group.size * s + k * (e - s)
 
 
 def _align(n: int) -> int:
@@ -234,14 +313,28 @@ def _hf_offsets(bucket: Bucket) -> dict[str, list[int]]:
     return out
 
 
-def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Tensor) -> Copies:
-    """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order."""
+@dataclass
+class _SenderCopies:
+    own_in: Copies
+    """p2p: the sender's own row-parallel shards into its slot of the gather buffer."""
+    local: Copies
+    """Into the flat buffer, from the sender's own params."""
+    per_chunk: dict
+    """(batch index, chunk) -> Copies into the flat buffer, from the gather buffer."""
+
+
+def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Tensor, *, own_direct: bool
+              ) -> _SenderCopies:
+    """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order.
+    ``own_direct``: the sender's own shards come from its params (p2p), not through the gather buffer."""
     offsets = _hf_offsets(bucket)
-    ranges, strided = _Flat1D(), _Strided()
+    local_ranges, own_in = _Flat1D(), Copies()
+    ranges = {(i, j): _Flat1D() for i, b in enumerate(batches) for j in range(len(b.chunks))}
+    strided = {key: _Strided() for key in ranges}
     sources = {p.mcore_name: ("direct", lp, pm) for lp, pm, p in direct}
-    for b in batches:
+    for i, b in enumerate(batches):
         for lp, pm, p, o in b.items:
-            sources[p.mcore_name] = ("gathered", lp, pm, b, o)
+            sources[p.mcore_name] = ("gathered", lp, pm, i, o)
     for p in bucket.params:
         src = sources[p.mcore_name]
         kind, lp, pm = src[:3]
@@ -251,16 +344,25 @@ def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.T
         if kind == "direct":
             base = _flat_view(lp.param)
             for r in runs:
-                ranges.add(base, r.full_row * cols, hf_off[r.hf] + r.hf_row * cols, r.rows * cols)
+                local_ranges.add(base, r.full_row * cols, hf_off[r.hf] + r.hf_row * cols, r.rows * cols)
             continue
-        b, o = src[3], src[4]
+        i, o = src[3], src[4]
+        b = batches[i]
         assert b.out is not None, "the sender is rank 0 of its shard groups"
-        ws, n = b.group.size, b.numel
+        ws = b.group.size
+        j = b.chunk_of(o)
+        within_chunk = o - b.chunks[j][0]
+        chunk_len = b.chunks[j][1] - b.chunks[j][0]
+        mine = _flat_view(lp.param)
         if lp.partition_dim == 1:  # row-parallel: full[:, k*c:(k+1)*c] is rank k's shard
             c = cols // ws
+            at = b.slot(j, 0) + within_chunk
+            if own_direct:
+                own_in.add(b.out[at:at + mine.numel()], mine)
             for r in runs:  # dst [k, row, :] = hf[row, k*c:(k+1)*c]; src [k, row, :] = shard k's row
-                strided.add(flat, flat.storage_offset() + hf_off[r.hf] + r.hf_row * cols, (c, cols, 1),
-                            b.out, b.out.storage_offset() + o + r.full_row * c, (n, c, 1), (ws, r.rows, c))
+                strided[i, j].add(flat, flat.storage_offset() + hf_off[r.hf] + r.hf_row * cols, (c, cols, 1),
+                                  b.out, b.out.storage_offset() + at + r.full_row * c, (chunk_len, c, 1),
+                                  (ws, r.rows, c))
             continue
         # column-parallel: each segment of the full tensor is [rank 0's chunk; rank 1's chunk; ...], and
         # each rank's shard is [its chunk of segment 0; its chunk of segment 1; ...]
@@ -270,24 +372,49 @@ def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.T
         shard_prefix = [sum(chunk[:i]) for i in range(len(chunk))]
         for r in runs:
             s = max(i for i, st in enumerate(seg_start) if st <= r.full_row)
-            local, rows, hf_row = r.full_row - seg_start[s], r.rows, r.hf_row
+            loc, rows, hf_row = r.full_row - seg_start[s], r.rows, r.hf_row
             while rows:
-                k, within = divmod(local, chunk[s])
+                k, within = divmod(loc, chunk[s])
                 take = min(rows, chunk[s] - within)
-                ranges.add(b.out, k * n + o + (shard_prefix[s] + within) * cols, hf_off[r.hf] + hf_row * cols,
-                           take * cols)
-                local, rows, hf_row = local + take, rows - take, hf_row + take
-    copies = Copies()
-    ranges.into(copies, flat)
-    strided.into(copies)
-    return copies
+                src_el, dst_el = (shard_prefix[s] + within) * cols, hf_off[r.hf] + hf_row * cols
+                if own_direct and k == 0:
+                    local_ranges.add(mine, src_el, dst_el, take * cols)
+                else:
+                    ranges[i, j].add(b.out, b.slot(j, k) + within_chunk + src_el, dst_el, take * cols)
+                loc, rows, hf_row = loc + take, rows - take, hf_row + take
+    local = Copies()
+    local_ranges.into(local, flat)
+    per_chunk = {}
+    for key in ranges:
+        per_chunk[key] = Copies()
+        ranges[key].into(per_chunk[key], flat)
+        strided[key].into(per_chunk[key])
+    return _SenderCopies(own_in, local, per_chunk)
+
+
+def gather_mode(mode: str | None = None) -> str:
+    """How shards reach the sender: ``mode``, else ``MRL_WEIGHT_SYNC_GATHER``, else p2p (also on gloo,
+    whose gather is ~3x slower than its send/recv)."""
+    mode = mode or os.environ.get(MODE_ENV) or "p2p"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r}: one of {MODES}")
+    return mode
+
+
+def chunk_bytes_default() -> int:
+    v = os.environ.get(CHUNK_ENV)
+    return DEFAULT_CHUNK_BYTES if v is None else int(float(v) * (1 << 20))
 
 
 def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[str, ParamMap], *, rank: int,
                 dp_rank: int, edp_rank: int, dtype: torch.dtype, device: torch.device,
-                num_send_buffers: int = 2) -> tuple[list[BucketStep], list[torch.Tensor]]:
+                num_send_buffers: int = 2, chunk_bytes: int | None = None, mode: str | None = None
+                ) -> tuple[list[BucketStep], list[torch.Tensor]]:
     """This rank's steps for ``order`` (every bucket touching its stage, in the global order), and the
-    local params the steps read (their storage must not move while the steps are used)."""
+    local params the steps read (their storage must not move while the steps are used).
+    ``chunk_bytes`` (default ``MRL_WEIGHT_SYNC_CHUNK_MB``, else 0: one chunk per batch) and
+    ``mode`` (``gather_mode``): how the shards travel."""
+    chunk_bytes = chunk_bytes_default() if chunk_bytes is None else chunk_bytes
     elem = torch.empty((), dtype=dtype).element_size()
     plans, gin_bytes, gout_bytes, flat_bytes = [], 0, 0, 0
     for bucket in order:
@@ -296,12 +423,13 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             continue
         gin = gout = 0
         for b in batches:
-            b.in_byte, b.out_byte = gin, gout
             item = torch.empty((), dtype=b.dtype).element_size()
-            gin, gout = _align(gin + b.numel * item), _align(gout + b.numel * item * b.group.size)
-        gin_bytes = max(gin_bytes, gin)
-        if any(b.group.rank == 0 for b in batches):
-            gout_bytes = max(gout_bytes, gout)
+            b.split(chunk_bytes // item)
+            b.in_byte, b.out_byte = gin, gout
+            gin = _align(gin + b.numel * item)
+            if b.group.rank == 0 or gather_mode(mode) == "allgather":
+                gout = _align(gout + b.numel * item * b.group.size)
+        gin_bytes, gout_bytes = max(gin_bytes, gin), max(gout_bytes, gout)
         if rank == bucket.sender:
             flat_bytes = max(flat_bytes, bucket.nbytes)
         plans.append((bucket, direct, batches))
@@ -312,30 +440,43 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
                  for _ in range(min(num_send_buffers, num_sends))]
     steps, sources, sends = [], [], 0
     for bucket, direct, batches in plans:
-        shard_in, gathers = Copies(), []
-        for b in batches:
+        bmode = [gather_mode(mode) for b in batches]
+        for b, m in zip(batches, bmode):
             item = torch.empty((), dtype=b.dtype).element_size()
-            inp = gin_buf[b.in_byte:b.in_byte + b.numel * item].view(b.dtype)
-            outs = None
-            p2p = dist.get_backend(b.group.group) == "gloo"
-            if b.group.rank == 0:
+            if b.group.rank == 0 or m == "allgather":
                 b.out = gout_buf[b.out_byte:b.out_byte + b.numel * item * b.group.size].view(b.dtype)
-                outs = list(b.out.split(b.numel))
-                if p2p:
-                    inp = outs[0]
-            for lp, _, _, o in b.items:
-                src = _flat_view(lp.param)
-                shard_in.add(inp[o:o + src.numel()], src)
-                sources.append(lp.param)
-            ranks = [dist.get_global_rank(b.group.group, k) for k in range(b.group.size)]
-            gathers.append(GatherOp(b.group.group, ranks, inp, outs, p2p))
-        flat, slot, copy_out = None, None, Copies()
+            sources += [lp.param for lp, _, _, _ in b.items]
+        flat, slot, sc = None, None, None
         if rank == bucket.sender:
             slot = sends % len(send_bufs)
             sends += 1
             flat = send_bufs[slot][:bucket.nbytes]
             assert bucket.nbytes % elem == 0
-            copy_out = _copy_out(bucket, direct, batches, flat.view(dtype))
+            own_direct = all(m == "p2p" for m in bmode)
+            sc = _copy_out(bucket, direct, batches, flat.view(dtype), own_direct=own_direct)
             sources += [lp.param for lp, _, _ in direct]
-        steps.append(BucketStep(bucket, shard_in, gathers, copy_out, flat, slot))
+        gathers, same_group = [], {}
+        for i, (b, m) in enumerate(zip(batches, bmode)):
+            # p2p tag: the chunk and the batch's place among this group's batches (same on every rank of
+            # the group, whatever other groups this rank joins); gloo matches on it, NCCL keeps order
+            nth = same_group.setdefault(id(b.group.group), [0])
+            nth[0] += 1
+            item = torch.empty((), dtype=b.dtype).element_size()
+            receiver = b.group.rank == 0
+            ranks = [dist.get_global_rank(b.group.group, k) for k in range(b.group.size)]
+            gin = gin_buf[b.in_byte:b.in_byte + b.numel * item].view(b.dtype)
+            for j, (s, e) in enumerate(b.chunks):
+                pack = Copies()
+                packs = not (receiver and m == "p2p")
+                if packs:
+                    for lp, _, _, o in b.items:
+                        if s <= o < e:
+                            src = _flat_view(lp.param)
+                            pack.add(gin[o:o + src.numel()], src)
+                out = None if b.out is None else b.out[b.slot(j, 0):b.slot(j, 0) + (e - s) * b.group.size]
+                gathers.append(GatherOp(m, b.group.group, ranks, pack, gin[s:e] if packs else None, out,
+                                        sc.per_chunk[i, j] if sc is not None and receiver else Copies(),
+                                        tag=j * 16 + nth[0] - 1, receiver=receiver))
+        steps.append(BucketStep(bucket, sc.own_in if sc else Copies(), gathers, sc.local if sc else Copies(),
+                                flat, slot))
     return steps, sources

@@ -39,7 +39,7 @@ from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import EngineClient
+from mrl.rollout.client import EngineClient, close_clients
 from mrl.rollout.engine import free_port
 from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable,
                                   error_message, parse_success)
@@ -187,6 +187,7 @@ class DistributedWeightSync:
         self.release_buffers()
         if fut is not None:
             fut.result(self.timeout_s)
+            self._io.submit(close_clients(self._clients)).result(30)
             self._io.close()
         dist.barrier()
 

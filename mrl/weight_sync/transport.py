@@ -291,6 +291,16 @@ class EngineSync:
                           push_seconds=stats.seconds, bytes_sent=stats.bytes_sent,
                           failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
 
+    def add(self, new: list[EngineEndpoint]) -> None:
+        """Engines joining (restarted ones): new channels with every engine; the next ``sync`` pushes to all
+        of them. Collective."""
+        if self.rebuild is None:
+            raise RuntimeError("EngineSync.add needs a rebuild function")
+        self.transport.close()
+        self.engines = self.engines + list(new)
+        self.transport, self.disk = self.rebuild(self.engines)
+        self.connect()
+
     def _drop(self, dead: list[str], version: str, why: dict[str, str]) -> None:
         """New channels for the engines still alive (all of them when ``dead`` is empty: broken groups)."""
         if self.rebuild is None or len(dead) == len(self.engines):

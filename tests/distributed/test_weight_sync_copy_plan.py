@@ -1,14 +1,17 @@
 """The executor's static copy plan writes, bit for bit, the bytes of the per-tensor path (gather the
 full tensor, ``split_full``, cast, concatenate) for every bucket, in TP1 / TP2 (expert-TP2) / EP2 /
 TP2xEP2 / PP2 layouts over gloo -- on first use, when replayed after the weights changed in place,
-and after a param's storage moved (the plan is rebuilt).
+and after a param's storage moved (the plan is rebuilt) -- with the shards sent point to point (one
+transfer per group, and in several chunks per bucket), gathered and all-gathered in chunks.
 
 The worker is this file run under torchrun (``python -m tests.distributed.test_weight_sync_copy_plan``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 
 import pytest
@@ -31,10 +34,21 @@ def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]][:3]
-    checked = {(row["dtype"], row["phase"]) for row in rows}
-    assert checked == {(d, p) for d in ("float32", "bfloat16") for p in ("first", "changed", "moved")}
+    checked = {(row["config"], row["dtype"], row["phase"]) for row in rows}
+    assert checked == {(f"{m}/{c}", d, p) for m, c in CONFIGS for d in ("float32", "bfloat16")
+                       for p in ("first", "changed", "moved")}
+    if name in ("tp2", "tp2ep2"):  # TP shards travel (EP2, PP2 gather nothing): in chunks where asked
+        most = {}
+        for row in rows:
+            most[row["config"]] = max(most.get(row["config"], 0), row["max_transfers"])
+        assert most["p2p/8"] > most["p2p/0"] >= 1, most
     buckets = {row["bucket"] for row in rows}
     assert len(buckets) >= 4  # several buckets per sender: both send buffers are used
+
+
+# how the shards travel (copy_plan.MODE_ENV) and their chunk size in KiB (CHUNK_ENV; 0 = one chunk per group):
+# 8 KiB chunks split each 48 KiB bucket into several transfers
+CONFIGS = [("p2p", 8), ("p2p", 0), ("gather", 8), ("allgather", 8)]
 
 
 def _reference(ex, bucket, dtype):
@@ -67,28 +81,36 @@ def main() -> None:
 
     from mrl.jobs.common import add_layout_args, load_model
     from mrl.megatron.parallel import destroy
+    from mrl.weight_sync.copy_plan import CHUNK_ENV, MODE_ENV
     from mrl.weight_sync.executor import DistributedWeightSync
 
     ap = argparse.ArgumentParser()
     add_layout_args(ap)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if os.environ.get("MRL_DUMP_AFTER"):  # diagnosing hangs: every thread's stack, then exit
+        faulthandler.dump_traceback_later(int(os.environ["MRL_DUMP_AFTER"]), exit=True)
     m = load_model(a)
     rows: list[dict] = []
-    for dtype in ("float32", "bfloat16"):
-        ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                   engines=[], bucket_bytes=48 << 10, dtype=dtype)
-        tdtype = getattr(torch, dtype)
-        _check(ex, tdtype, "first", rows)
-        with torch.no_grad():  # an optimizer step: in place, the cached views see it
-            for lp in ex.local.values():
-                lp.param.mul_(1.5).add_(0.25)
-        _check(ex, tdtype, "changed", rows)
-        with torch.no_grad():  # offload and reload: new storage, the plan must notice
-            for lp in list(ex.local.values())[::3]:
-                lp.param.data = lp.param.data.clone() - 1
-        _check(ex, tdtype, "moved", rows)
-        ex.release_buffers()
+    for mode, chunk_kib in CONFIGS:
+        os.environ[MODE_ENV], os.environ[CHUNK_ENV] = mode, str(chunk_kib / 1024)
+        for dtype in ("float32", "bfloat16"):
+            ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                                       engines=[], bucket_bytes=48 << 10, dtype=dtype)
+            tdtype = getattr(torch, dtype)
+            phase_rows: list[dict] = []
+            _check(ex, tdtype, "first", phase_rows)
+            with torch.no_grad():  # an optimizer step: in place, the cached views see it
+                for lp in ex.local.values():
+                    lp.param.mul_(1.5).add_(0.25)
+            _check(ex, tdtype, "changed", phase_rows)
+            with torch.no_grad():  # offload and reload: new storage, the plan must notice
+                for lp in list(ex.local.values())[::3]:
+                    lp.param.data = lp.param.data.clone() - 1
+            _check(ex, tdtype, "moved", phase_rows)
+            chunks = max((len(st.gathers) for st in ex.steps()), default=0)
+            rows += [dict(r, config=f"{mode}/{chunk_kib}", max_transfers=chunks) for r in phase_rows]
+            ex.release_buffers()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:

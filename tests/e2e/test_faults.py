@@ -101,7 +101,7 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
     version, and rewards by length move the weights every step -- so engine logprobs equal to the
     trainer's at every step mean the survivor really holds the trainer's weights."""
     run = tmp_path / "kills"
-    proc = _start(run, "rollout.num_engines=3", "train.steps=7", "train.max_staleness=0",
+    proc = _start(run, "rollout.num_engines=3", "train.steps=7", "train.max_staleness=0", "rollout.restart_engines=0",
                   "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, env={FAULT_ENV: "5:1"})
     _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
     t_kill = time.time()
@@ -151,7 +151,7 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
     again; the survivor then serves the trainer's weights (``max_staleness=0``: engine logprobs equal the
     trainer's at every step)."""
     run = tmp_path / "buckets"
-    proc = _start(run, "rollout.num_engines=2", "train.steps=3", "train.max_staleness=0",
+    proc = _start(run, "rollout.num_engines=2", "train.steps=3", "train.max_staleness=0", "rollout.restart_engines=0",
                   "weight_sync.bucket_mb=0.25", "weight_sync.timeout_s=60",
                   "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, env={FAULT_ENV: "2:1:1"})
     t0 = time.time()
@@ -181,6 +181,51 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
                  "sync_seconds_other": round(steps[2]["sync_seconds"], 3),
                  "max_abs_logprob_diff_engine_vs_trainer": max(r["logprob_diff_replay_on"] for r in steps),
                  "job_seconds": round(time.time() - t0, 1)})
+
+
+def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
+    """Two engines; engine1's process group is SIGKILLed from outside at step 2. The next sync drops it and
+    starts a replacement (same server, new port); once healthy it joins at a sync -- new groups, the current
+    weights pushed -- and then serves rollouts (``max_staleness=0``: engine logprobs equal the trainer's)."""
+    run = tmp_path / "restart"
+    proc = _start(run, "rollout.num_engines=2", "train.steps=60", "train.max_staleness=0",
+                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK)
+    _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
+    t_kill = time.time()
+    os.killpg(_engine_pgid(run, "engine1"), signal.SIGKILL)
+    killed_at = max(r["step"] for r in _steps(run))
+    rc, out, err = _finish(proc, run)
+    assert rc == 0, err[-5000:]
+    steps = _steps(run)
+    alive = [int(r["engines_alive"]) for r in steps]
+    dropped = alive.index(1)
+    assert alive[:killed_at] == [2] * killed_at and 1 in alive, alive
+    rejoined = next(i for i in range(dropped, len(alive)) if alive[i] == 2)  # step index of the joining sync
+    assert all(a == 2 for a in alive[rejoined:]), alive
+    assert steps[-1]["engines_restarted"] == 1 and steps[-1]["engines_restart_failed"] == 0
+    served = steps[-1]["rollout/served_by_engine"]
+    replacement = next(u for u in served if u not in served_before(steps, rejoined))
+    assert served[replacement] > 0, served  # it took requests after joining
+    for r in steps:
+        assert set(r["staleness_hist"]) == {"0"} and r["logprob_diff_replay_on"] < 1e-5, r
+    last = steps[-1]
+    assert last["rollout/samples_failed"] == 0
+    samples = _samples(last, 60)
+    assert samples["lost"] == 0, samples
+    reliability.record(
+        category="fault", name="engine SIGKILLed and restarted", survived=True, samples=samples,
+        injected="SIGKILL to the process group of 1 of 2 SGLang engines once step 2 is logged (outside the job)",
+        expected="dropped at the next sync; a replacement starts, joins at a sync once healthy (groups rebuilt, "
+                 "weights pushed) and serves rollouts; run completes",
+        message=f"dropped at the sync of step {dropped + 1}, replacement joined at the sync of step {rejoined + 1}",
+        details={"killed_during_step": killed_at + 1,
+                 "seconds_from_drop_to_rejoin": round(steps[rejoined]["wall_seconds"] - steps[dropped]["wall_seconds"], 1),
+                 "requests_served_by_replacement": served[replacement],
+                 "run_seconds_after_kill": round(time.time() - t_kill, 1)})
+
+
+def served_before(steps: list[dict], i: int) -> set[str]:
+    return set(steps[i - 1]["rollout/served_by_engine"])
 
 
 def _descendants(proc) -> list[psutil.Process]:
@@ -214,8 +259,10 @@ def _rank_pid(proc, rank: int) -> int:
     raise AssertionError(f"no trainer rank {rank} among the job's processes")
 
 
-def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability):
-    """EP2 trainer (2 ranks), checkpoint every 2 steps; rank 1 is SIGKILLed once step_2 exists."""
+@pytest.mark.parametrize("victim_rank", [1, 0])
+def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, victim_rank):
+    """EP2 trainer (2 ranks), checkpoint every 2 steps; one rank is SIGKILLed once step_2 exists. Rank 0 is
+    also the controller: it holds the engines and the rollout process, which must not outlive it."""
     run = tmp_path / "rank"
     args = ["parallel=ep2", "train.steps=4", "train.save_every=2", *QUICK]
     proc = _start(run, *args)
@@ -223,20 +270,22 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability):
     _wait_for(proc, lambda: (ckpt / "loop_state.pkl").exists(), "checkpoint step_2")
     engines = [p for p in _descendants(proc) if "sglang" in _cmdline(p)]
     assert engines, "no engine process found under the job"
-    victim = _rank_pid(proc, 1)
+    rollout = [p for p in _descendants(proc) if "mrl.rollout.service" in _cmdline(p)]
+    assert len(rollout) == 1, "no rollout process under the job"
+    victim = _rank_pid(proc, victim_rank)
     t_kill = time.time()
     os.kill(victim, signal.SIGKILL)
     rc, _, err = _finish(proc, run, timeout=120)
     exit_s = time.time() - t_kill
     assert rc != 0 and exit_s < 60, (rc, exit_s)
     line = next(x for x in err.splitlines() if x.startswith("[mrl] mrl.train failed"))
-    assert f"rank 1 (pid {victim}) was killed by SIGKILL" in line, line
+    assert f"rank {victim_rank} (pid {victim}) was killed by SIGKILL" in line, line
     newest = max((d for d in os.listdir(run / "checkpoints") if (run / "checkpoints" / d / "loop_state.pkl").exists()),
                  key=lambda d: int(d.split("_")[1]))
     assert f"Last checkpoint: {run / 'checkpoints' / newest} -- rerun the same command to resume" in err
     time.sleep(2)  # engines die with their launcher (parent-death signal): give the kernel a moment
-    alive = [p.pid for p in engines if _alive(p)]
-    assert not alive, f"engine processes survived the trainer: {alive}"
+    alive = [p.pid for p in engines + rollout if _alive(p)]
+    assert not alive, f"engine or rollout processes survived the trainer: {alive}"
     rows_before = len(_steps(run))
     done_before = max(r["step"] for r in _steps(run))
 
@@ -248,9 +297,10 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability):
     assert len(steps) == rows_before + 4 - n0 and steps[rows_before:] == list(range(n0 + 1, 5)), steps
     assert (run / "checkpoints" / "step_4" / "loop_state.pkl").exists()
     reliability.record(
-        category="fault", name="trainer rank SIGKILLed", survived=True,
+        category="fault", name=f"trainer rank {victim_rank} SIGKILLed", survived=True,
         message=(line + " " + err.split("[mrl] mrl.train failed")[1].split("\n")[1].strip()).replace(str(run), "<run_dir>"),
-        injected="SIGKILL to trainer rank 1 of 2 (parallel=ep2) after checkpoint step_2",
-        expected="job exits non-zero naming rank and signal, no engine left, the same command resumes",
+        injected=f"SIGKILL to trainer rank {victim_rank} of 2 (parallel=ep2) after checkpoint step_2",
+        expected="job exits non-zero naming rank and signal, no engine or rollout process left, the same "
+                 "command resumes",
         details={"exit_seconds_after_kill": round(exit_s, 1), "steps_done_before_kill": done_before,
                  "resumed_from": newest, "resume_run_seconds": round(time.time() - t_resume, 1)})

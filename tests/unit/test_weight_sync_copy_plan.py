@@ -64,3 +64,69 @@ def test_row_identity_params_are_one_copy_each(ckpt_dir):
     assert len(step.copy_out) == want and not step.copy_out.other_dst
     runs = hf_runs(maps[qkv[0].mcore_name], qkv[0])
     assert [r.hf for r in runs] == [0, 1, 2] * groups
+
+
+def _tp_shards(pm, full: torch.Tensor, dim: int, ws: int) -> list[torch.Tensor]:
+    """Megatron's TP shards of a full tensor: column-parallel (dim 0) = rank k's rows of every segment,
+    row-parallel (dim 1) = rank k's block of columns."""
+    if dim == 1:
+        return [s.contiguous() for s in full.chunk(ws, dim=1)]
+    rows = [sum(p.num_rows for p in seg) for seg in pm.segments]
+    segs = full.split(rows, 0)
+    return [torch.cat([s.chunk(ws, 0)[k] for s in segs], 0).contiguous() for k in range(ws)]
+
+
+@pytest.mark.parametrize("own_direct", [True, False])
+@pytest.mark.parametrize("chunk_kib", [0, 4, 16])
+def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, own_direct, chunk_kib):
+    """The sender's side of a TP2 bucket, without a process group: rank k's part of chunk j is put at
+    ``_Batch.slot(j, k)`` of the gather buffer by hand (what gather / all_gather_into_tensor / the p2p
+    receives write); the sender's own shards come from its params (``own_direct``, p2p: column-parallel
+    rows straight into the flat buffer, row-parallel ones through its slot) or from the buffer. The
+    flat buffers hold exactly the per-tensor path's bytes, for one chunk per batch and for several."""
+    from mrl.megatron.parallel import GroupInfo
+    from mrl.weight_sync.copy_plan import _copy_out, _participation
+
+    bridge = get_bridge(ckpt_dir["stress_a"])
+    ws = 2
+    vp = bridge.padded_vocab(128, ws)
+    maps = {pm.mcore_name: pm for pm in bridge.param_maps(vp)}
+    group = GroupInfo(None, 0, ws)
+    g = torch.Generator().manual_seed(1)
+    fulls, shards, local = {}, {}, {}
+    for n, pm in maps.items():
+        fulls[n] = torch.randn(pm.shape, generator=g)
+        dim = (1 if n.endswith(("linear_proj.weight", "linear_fc2.weight")) else
+               0 if n.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+                                "output_layer.weight")) else None)
+        shards[n] = _tp_shards(pm, fulls[n], dim, ws) if dim is not None else None
+        param = shards[n][0] if dim is not None else fulls[n]
+        local[n] = LocalParam(n, torch.nn.Parameter(param, requires_grad=False), n, ".experts." in n,
+                              group if dim is not None else None, dim)
+    plan = _plan(bridge, vp, 64 << 10, "float32")
+    chunked = 0
+    for bucket in plan.buckets:
+        direct, batches = _participation(bucket, local, maps, rank=0, dp_rank=0, edp_rank=0)
+        for b in batches:
+            b.split(chunk_kib * 256)  # fp32 elements
+            chunked += len(b.chunks) > 1
+            b.out = torch.full((b.numel * ws,), float("nan"))
+            for lp, _, _, o in b.items:  # every rank's shard at its slot (rank 0's too unless own_direct)
+                j = b.chunk_of(o)
+                for k in range(1 if own_direct else 0, ws):
+                    at = b.slot(j, k) + o - b.chunks[j][0]
+                    b.out[at:at + lp.param.numel()] = shards[lp.name][k].view(-1)
+        flat = torch.full((bucket.nbytes // 4,), float("nan"))
+        sc = _copy_out(bucket, direct, batches, flat, own_direct=own_direct)
+        sc.own_in.run()
+        sc.local.run()
+        for key in sorted(sc.per_chunk):
+            sc.per_chunk[key].run()
+        want = torch.cat([split_full(maps[p.mcore_name], fulls[p.mcore_name])[t.name].reshape(-1)
+                          for p in bucket.params for t in p.tensors])
+        assert torch.equal(flat, want), bucket.index
+        if own_direct:  # nothing of the sender's own column-parallel shards goes through the buffer
+            assert len(sc.local) >= sum(1 for b in batches for lp, *_ in b.items if lp.partition_dim == 0)
+        else:
+            assert not sc.own_in
+    assert chunked if chunk_kib else not chunked

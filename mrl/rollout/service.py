@@ -1,0 +1,311 @@
+"""The rollout side of the loop in a process of its own: engine clients, producer, rewards, buffer.
+
+    svc = start_rollout(cfg, hf_path, urls, codec, state)   # trainer rank 0: this process or a child
+    svc.allow(16); groups = svc.take(8, version, timeout=600)
+    n = svc.drain(60); ...weight sync...; svc.undrain()
+    svc.stats(); svc.state(); svc.evaluate(32); svc.stop()
+
+Why a process: inside the trainer's rank-0 process the producer's event loop (HTTP, JSON, routes
+decoding, reward calls) and the training step share one GIL. On the 2-core CPU box the same RL step took
+2x (16 groups in flight) to 4-7x (64 groups) longer in overlap mode than in sync mode, where the
+producer is idle while the trainer computes (``bench/async_vs_sync.py``). Here the trainer only
+exchanges a few pickled messages per step with this process.
+
+The child is ``python -m mrl.rollout.service`` (it never imports torch.distributed or megatron); it
+connects back to a loopback listener whose address and key travel in its environment, never on a
+command line. It dies with the trainer (``PR_SET_PDEATHSIG``) and exits when the trainer's connection
+closes, so a trainer that dies leaves no child.
+Calls are served one at a time; errors (a failed producer, a batch timeout) come back as the same
+exception types and messages the in-process objects raise.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+
+ADDR_ENV, KEY_ENV = "MRL_ROLLOUT_SERVICE_ADDR", "MRL_ROLLOUT_SERVICE_KEY"
+_REPLY_MARGIN_S = 60.0  # a call's own limit (take's timeout, drain's) plus this, before the child counts as hung
+
+
+class RolloutServiceError(RuntimeError):
+    pass
+
+
+class RolloutService:
+    """Trainer-side handle of the rollout process (rank 0 only)."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection, call_timeout_s: float):
+        self.proc, self.conn, self.call_timeout_s = proc, conn, call_timeout_s
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, cfg, hf_path: str, urls: list[str], codec, state, *, connect_timeout_s: float = 120.0,
+              call_timeout_s: float = 120.0) -> "RolloutService":
+        key = os.urandom(32)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = listener.address
+        env = dict(os.environ, **{ADDR_ENV: f"{host}:{port}", KEY_ENV: key.hex()})
+        # the trainer runs as ``python -m mrl.train`` from the job's directory: reward fns by dotted path
+        # (e.g. tests.e2e.reward_fns) resolve against it, so the child gets it on its path too
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
+        from mrl.rollout.engine import _child_setup
+
+        # dies with this process (PR_SET_PDEATHSIG), even while it serves a long call (a batch wait)
+        proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.service"], env=env, preexec_fn=_child_setup(None))
+        conn = _accept(listener, proc, connect_timeout_s)
+        svc = cls(proc, conn, call_timeout_s)
+        svc._call("init", cfg, hf_path, urls, codec, state, timeout=connect_timeout_s)
+        return svc
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _call(self, method: str, *args, timeout: float | None = None):
+        limit = (timeout if timeout is not None else self.call_timeout_s) + _REPLY_MARGIN_S
+        with self._lock:
+            try:
+                self.conn.send((method, args))
+                deadline = time.monotonic() + limit
+                while not self.conn.poll(0.5):
+                    if self.proc.poll() is not None:
+                        raise RolloutServiceError(f"the rollout process exited (code {self.proc.returncode}) "
+                                                  f"during {method}; its error is printed above")
+                    if time.monotonic() > deadline:
+                        raise RolloutServiceError(f"the rollout process did not answer {method} within {limit:.0f} s")
+                ok, value = self.conn.recv()
+            except (EOFError, OSError, BrokenPipeError) as e:
+                raise RolloutServiceError(f"lost the rollout process during {method} "
+                                          f"(exit code {self.proc.poll()}): {e!r}") from e
+        if not ok:
+            raise value
+        return value
+
+    def start_producing(self, credits: int) -> None:
+        self._call("start_producing", credits)
+
+    def allow(self, n: int) -> None:
+        self._call("allow", n)
+
+    def take(self, n: int, version: int, timeout: float):
+        """Up to ``n`` groups within the staleness bound (blocks until there are ``n``, or TimeoutError)."""
+        return self._call("take", n, version, timeout, timeout=timeout)
+
+    def drain(self, timeout: float) -> int:
+        return self._call("drain", timeout, timeout=timeout)
+
+    def undrain(self) -> None:
+        self._call("undrain")
+
+    def evaluate(self, n: int) -> float:
+        return self._call("evaluate", n, timeout=self.call_timeout_s * 10)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def state(self) -> tuple[int, list]:
+        """(next prompt index, buffered groups) for a checkpoint."""
+        return self._call("state")
+
+    def count(self, key: str, n: int = 1) -> None:
+        self._call("count", key, n)
+
+    def add_engine(self, url: str) -> None:
+        self._call("add_engine", url)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._call("stop", timeout=60)
+            except Exception:  # stopping anyway
+                pass
+        try:
+            self.conn.close()
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_rollout(cfg, hf_path: str, urls: list[str], codec, state: dict):
+    """The rollout side for ``mrl train``: in its own process (``rollout.client_process``) or in this one."""
+    if cfg.rollout.client_process:
+        return RolloutService.start(cfg, hf_path, urls, codec, state)
+    return LocalRollout(cfg, hf_path, urls, codec, state)
+
+
+def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float) -> Connection:
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while not box:
+        if proc.poll() is not None:
+            raise RolloutServiceError(f"the rollout process exited (code {proc.returncode}) before connecting")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RolloutServiceError(f"the rollout process did not connect within {timeout_s:.0f} s")
+        t.join(0.1)
+    listener.close()
+    return box[0]
+
+
+# -- the child ---------------------------------------------------------------------------------------
+class LocalRollout:
+    """The rollout side's objects; the child holds one (``rollout.client_process=true``), else the trainer's
+    rank 0 does, with the producer in a thread of its own."""
+
+    def __init__(self, cfg, hf_path: str, urls: list[str], codec, state):
+        from tokenizers import Tokenizer
+
+        from mrl.buffer import RolloutBuffer
+        from mrl.config.schema import LoopMode, StalePolicy
+        from mrl.data import build_prompt_source
+        from mrl.reward.scorer import RewardScorer
+        from mrl.rollout.client import EngineClient
+        from mrl.rollout.manager import RolloutManager
+        from mrl.rollout.producer import Producer
+        from mrl.rollout.sample import SamplingSpec
+        from mrl.routing.sampling_mask import top_logprobs_to_request
+
+        r, t = cfg.rollout, cfg.train
+        self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
+        eos = state["eos"]
+        sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, min_p=r.min_p, ignore_eos=r.ignore_eos,
+                                stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
+        clients = [EngineClient(u, routes_always=True) for u in urls]  # eval shares the engines with rollouts
+        top = top_logprobs_to_request(temperature=r.temperature, top_k=r.top_k, top_logprobs_num=r.top_logprobs_num) \
+            if t.sampling_mask else 0
+        self.manager = RolloutManager(clients, sampling=sampling, codec=codec if t.replay else None,
+                                      max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top)
+        self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
+            max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
+        self.scorer = RewardScorer(cfg.reward)
+        self.eval_source = build_prompt_source(cfg.data, split="eval") if t.eval_every else None
+        self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
+        if state["buffered"]:
+            self.buffer.restore(state["buffered"])
+        self.producer = Producer(manager=self.manager, scorer=self.scorer, source=build_prompt_source(cfg.data),
+                                 tokenizer=self.tok, buffer=self.buffer, group_size=r.n_samples_per_prompt,
+                                 dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state["prompt_index"])
+        if t.mode == LoopMode.overlap:
+            self.buffer.on_release = self.producer.allow
+
+    def start_producing(self, credits: int) -> None:
+        self.producer.start()
+        self.producer.allow(credits)
+
+    def allow(self, n: int) -> None:
+        self.producer.allow(n)
+
+    def take(self, n: int, version: int, timeout: float):
+        self.producer.check()
+        return self.buffer.take(n, version, timeout=timeout, check=self.producer.check)
+
+    def drain(self, timeout: float) -> int:
+        return self.producer.drain(timeout)
+
+    def undrain(self) -> None:
+        self.producer.undrain()
+
+    def evaluate(self, n: int) -> float:
+        import asyncio
+
+        prompts = [self.eval_source.sample(i) for i in range(min(n, len(self.eval_source)))]
+
+        async def go():
+            groups = await asyncio.gather(*(self.eval_manager.generate_group(self.tok.encode(p.text).ids, 1, -1 - i)
+                                            for i, p in enumerate(prompts)))
+            texts = [self.tok.decode(g[0].response_ids, skip_special_tokens=True) for g in groups]
+            res = await self.scorer.score_many(list(zip(prompts, texts)))
+            return sum((x.value or 0.0) >= 1.0 for x in res) / len(res)
+
+        return self.producer.run(go())
+
+    def count(self, key: str, n: int) -> None:
+        self.producer.counts[key] += n
+
+    def add_engine(self, url: str) -> None:
+        from mrl.rollout.client import EngineClient
+
+        client = EngineClient(url, routes_always=True)
+
+        async def add():  # on the producer's loop, which owns the slots
+            self.manager.add_engine(client)
+            self.eval_manager.add_engine(client)
+
+        self.producer.run(add())
+
+    def stats(self) -> dict:
+        bs, ms = self.buffer.stats, self.manager.stats
+        return {"dropped_stale": bs.dropped_stale, "buffered": len(self.buffer), "staleness": dict(bs.staleness),
+                "counts": dict(self.producer.counts), "samples_failed": ms.failed, "samples_submitted": ms.submitted,
+                "samples_completed": ms.completed, "engine_failures": ms.engine_failures, "retries": ms.retries,
+                "served_by_engine": {s.client.url: s.served for s in self.manager.slots}}
+
+    def state(self):
+        return self.producer.next_index, self.buffer.state()
+
+    def stop(self) -> None:
+        from mrl.rollout.client import close_clients
+
+        if self.producer.running:  # its loop owns the clients' connections
+            self.producer.run(close_clients([s.client for s in self.manager.slots]))
+        self.producer.stop()
+        self.scorer.close()
+
+
+def _serve(conn: Connection) -> None:
+    rollout: LocalRollout | None = None
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone: so is the run
+            break
+        try:
+            if method == "init":
+                rollout = LocalRollout(*args)
+                value = None
+            else:
+                value = getattr(rollout, method)(*args)
+            reply = (True, value)
+        except BaseException as e:  # sent back, raised again in the trainer
+            reply = (False, _picklable(e))
+        conn.send(reply)
+        if method == "stop":
+            break
+    if rollout is not None and method != "stop":
+        try:
+            rollout.stop()
+        except Exception:
+            pass
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RolloutServiceError(f"{type(e).__name__}: {e}")
+
+
+def main() -> int:
+    import signal
+
+    # Slurm's preemption SIGUSR1 and a terminal's Ctrl-C are the trainer's to handle (it checkpoints, then
+    # stops us); we end when its connection closes
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    host, port = os.environ.pop(ADDR_ENV).rsplit(":", 1)
+    key = bytes.fromhex(os.environ.pop(KEY_ENV))
+    conn = Client((host, int(port)), authkey=key)
+    _serve(conn)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
