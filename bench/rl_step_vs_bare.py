@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--phases", type=int, default=0, help="then time rl_step's phases over this many steps")
     ap.add_argument("--fns", default=None, help="step kinds to time (worker's --fns; default all five)")
     ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step")
     ap.add_argument("--json", default=None)
@@ -61,7 +62,7 @@ def main() -> None:
     rows = run_layouts("_rl_step_worker.py", layouts, LAYOUTS, tmp,
                        ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
                         "--micro-batch-size", str(mbs), "--reps", str(reps), "--warmup", str(warmup),
-                        "--packing", a.packing, *(["--fns", a.fns] if a.fns else [])])
+                        "--packing", a.packing, "--phases", str(a.phases), *(["--fns", a.fns] if a.fns else [])])
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
                     f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps after {warmup} warm-up")
@@ -78,6 +79,10 @@ def main() -> None:
                       f"{d[key]:.3f}", f"{d[key + '_min']:.3f}" if key + "_min" in d else "-",
                       f"{p['median']:.3f} [{p['p25']:.3f}, {p['p75']:.3f}]" if p else "-")
     Console(width=170).print(t)
+    for name, d in rows.items():
+        if d.get("rl_step_phases_s"):
+            print(f"{name} rl_step phases (s, median of {a.phases}, synchronized):",
+                  {k: round(v, 4) for k, v in d["rl_step_phases_s"].items()})
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
           "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "warmup": warmup, "layouts": rows}, a.json)
 

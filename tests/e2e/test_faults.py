@@ -188,7 +188,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     starts a replacement (same server, new port); once healthy it joins at a sync -- new groups, the current
     weights pushed -- and then serves rollouts (``max_staleness=0``: engine logprobs equal the trainer's)."""
     run = tmp_path / "restart"
-    proc = _start(run, "rollout.num_engines=2", "train.steps=60", "train.max_staleness=0",
+    proc = _start(run, "rollout.num_engines=2", "train.steps=45", "train.max_staleness=0",
                   "reward.fn=tests.e2e.reward_fns.response_length", *QUICK)
     _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
     t_kill = time.time()
@@ -210,7 +210,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
         assert set(r["staleness_hist"]) == {"0"} and r["logprob_diff_replay_on"] < 1e-5, r
     last = steps[-1]
     assert last["rollout/samples_failed"] == 0
-    samples = _samples(last, 60)
+    samples = _samples(last, 45)
     assert samples["lost"] == 0, samples
     reliability.record(
         category="fault", name="engine SIGKILLed and restarted", survived=True, samples=samples,
