@@ -9,8 +9,10 @@ step, CUDA synchronized around it, wall time of the slowest rank), after ``--war
   rl_fb      the same minus optimizer step and metrics: _micro_batches + forward_backward(loss_fn, replay driver)
   bare_fb    zero grads + megatron forward_backward_func, cross-entropy, no replay
   bare_step  bare_fb + optimizer.step()
-  ce_fb      mrl's forward_backward (gathered logits, fp32 log-softmax) with a plain NLL loss, no replay:
+  ce_fb      mrl's forward_backward (vocab-parallel fp32 log-softmax) with a plain NLL loss, no replay:
              splits rl_fb - bare_fb into "mrl's logprob path" (ce_fb - bare_fb) and "RL loss + replay" (rl_fb - ce_fb)
+``--fns`` picks the kinds; ``--phases N`` then runs N more rl_steps with each phase (micro-batches,
+forward_backward, optimizer, metrics, reduce) timed on its own, CUDA synchronized around it.
 """
 
 import argparse
