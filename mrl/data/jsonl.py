@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.config.schema import BadRowPolicy
-from mrl.data.prompt import Prompt
+from mrl.data.prompt import Prompt, budget_error
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,8 @@ class JsonlDataset:
         row_id = str(self._field(row, self.id_key, (str, int))) if self.id_key in row else f"{self.name}:{line_no}"
         known = (self.prompt_key, self.answer_key, self.id_key)
         meta: dict[str, Any] = {k: v for k, v in row.items() if k not in known}
+        if "max_new_tokens" in meta and (why := budget_error(meta["max_new_tokens"])) is not None:
+            raise _BadRow("wrong_type", why)
         meta["line"] = line_no
         return Prompt(id=row_id, text=text, answer=answer, meta=meta)
 

@@ -66,3 +66,14 @@ def encode_prompts(prompts: Iterable[Prompt], tokenizer: Any, *, chat_template: 
             enc = tokenizer.encode(p.text)
             out.append(list(enc.ids) if hasattr(enc, "ids") else list(enc))
     return out
+
+
+def budget_error(budget: Any) -> str | None:
+    """Why a row's ``max_new_tokens`` is unusable (None if it is fine): a positive integer, or a non-empty
+    list of them (one per sample of the group, repeated to cover it)."""
+    def ok(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+    if ok(budget) or (isinstance(budget, list) and budget and all(map(ok, budget))):
+        return None
+    return f"max_new_tokens must be a positive integer or a non-empty list of them, got {budget!r}"

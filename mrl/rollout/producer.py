@@ -15,25 +15,21 @@ from concurrent.futures import Future
 
 from mrl.buffer import Group, RolloutBuffer
 from mrl.data import Prompt, PromptSource
+from mrl.data.prompt import budget_error
 from mrl.reward.scorer import RewardScorer
 from mrl.rollout.manager import RolloutManager
 
 
 def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
     """A JSONL row's ``max_new_tokens``: one budget for the group, or a list of one per sample (length
-    benchmarks with within-group spread, as real responses have), repeated to cover the group."""
+    benchmarks with within-group spread, as real responses have), repeated to cover the group. The
+    dataset already skips rows with a bad one (counted); prompts from elsewhere are checked here."""
     b = prompt.meta.get("max_new_tokens")
     if b is None:
         return None
-    if isinstance(b, list):
-        if not b or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b):
-            raise ValueError(f"prompt {prompt.id}: max_new_tokens must be a positive integer or a non-empty list "
-                             f"of them, got {b!r}")
-        return [b[i % len(b)] for i in range(group_size)]
-    if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-        raise ValueError(f"prompt {prompt.id}: max_new_tokens must be a positive integer or a non-empty list "
-                         f"of them, got {b!r}")
-    return b
+    if (why := budget_error(b)) is not None:
+        raise ValueError(f"prompt {prompt.id}: {why}")
+    return [b[i % len(b)] for i in range(group_size)] if isinstance(b, list) else b
 
 
 class Producer:

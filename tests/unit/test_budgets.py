@@ -42,3 +42,19 @@ def test_per_sample_budgets_set_each_sample_length():
     with pytest.raises(ValueError, match="2 per-sample max_new_tokens for 3 samples"):
         asyncio.run(RolloutManager([EngineClient("http://127.0.0.1:1")], sampling=SamplingSpec()).generate_group(
             PROMPT, n=3, group_id=1, max_new_tokens=[1, 2]))
+
+
+def test_jsonl_rows_with_a_bad_budget_are_skipped_and_counted(tmp_path):
+    from mrl.data import JsonlDataset
+
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a", "answer": "x", "max_new_tokens": 8},
+            {"prompt": "b", "answer": "x", "max_new_tokens": [8, 256, 8, 8]},
+            {"prompt": "c", "answer": "x", "max_new_tokens": 0},
+            {"prompt": "d", "answer": "x", "max_new_tokens": [4, "5"]},
+            {"prompt": "e", "answer": "x"}]
+    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    ds = JsonlDataset(str(path), shuffle=False)
+    assert [p.text for p in (ds[i] for i in range(len(ds)))] == ["a", "b", "e"]
+    assert ds.stats.skipped == {"wrong_type": 2} and ds.stats.first_lines["wrong_type"] == [3, 4]
+    assert [row_budget(ds[i], 4) for i in range(3)] == [8, [8, 256, 8, 8], None]
