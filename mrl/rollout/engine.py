@@ -43,7 +43,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _child_setup(cpus: list[int] | None):
+def child_setup(cpus: list[int] | None):
+    """``preexec_fn`` for a child that must die with this process (and optionally keep to ``cpus``)."""
+
     def setup() -> None:  # runs in the child between fork and exec
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
@@ -200,7 +202,7 @@ class Engine:
         try:
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_child_setup(self.cpus if self.cpu_mode else None))
+                                         preexec_fn=child_setup(self.cpus if self.cpu_mode else None))
         except BaseException:
             log.close()
             raise

@@ -54,10 +54,10 @@ class RolloutService:
         # the trainer runs as ``python -m mrl.train`` from the job's directory: reward fns by dotted path
         # (e.g. tests.e2e.reward_fns) resolve against it, so the child gets it on its path too
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
-        from mrl.rollout.engine import _child_setup
+        from mrl.rollout.engine import child_setup
 
         # dies with this process (PR_SET_PDEATHSIG), even while it serves a long call (a batch wait)
-        proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.service"], env=env, preexec_fn=_child_setup(None))
+        proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.service"], env=env, preexec_fn=child_setup(None))
         conn = _accept(listener, proc, connect_timeout_s)
         svc = cls(proc, conn, call_timeout_s)
         svc._call("init", cfg, hf_path, urls, codec, state, timeout=connect_timeout_s)

@@ -296,21 +296,22 @@ class EngineSync:
         of them. Collective."""
         if self.rebuild is None:
             raise RuntimeError("EngineSync.add needs a rebuild function")
-        self.transport.close()
-        self.engines = self.engines + list(new)
-        self.transport, self.disk = self.rebuild(self.engines)
-        self.connect()
+        self._rechannel(self.engines + list(new))
 
     def _drop(self, dead: list[str], version: str, why: dict[str, str]) -> None:
         """New channels for the engines still alive (all of them when ``dead`` is empty: broken groups)."""
         if self.rebuild is None or len(dead) == len(self.engines):
             raise RuntimeError(f"weight sync v{version}: " + (f"engines died: {dead}" if dead else
                                "a broadcast failed and its groups cannot be rebuilt") + f" ({why})")
-        self.transport.close()
-        self.engines = [e for e in self.engines if e.url not in dead]
         self.dropped += dead
-        self.transport, self.disk = self.rebuild(self.engines)
-        self.transport.connect()
+        self._rechannel([e for e in self.engines if e.url not in dead])
+
+    def _rechannel(self, engines: list[EngineEndpoint]) -> None:
+        """Tear the channels down and build them again for ``engines`` (per-run group names: never reused)."""
+        self.transport.close()
+        self.engines = engines
+        self.transport, self.disk = self.rebuild(engines)
+        self.connect()
 
     def _dead(self, failed: dict[str, str]) -> list[str]:
         """Failed engines whose port refuses connections (killed), agreed on by every rank."""

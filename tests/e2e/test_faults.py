@@ -87,6 +87,22 @@ def _samples(last: dict, steps: int) -> dict:
             "failed": last["rollout/samples_failed"], "retried": last["rollout/retries"], "lost": lost}
 
 
+def _kill_engine_at_step_2(proc, run, name: str) -> tuple[float, int]:
+    """SIGKILL engine ``name``'s process group from outside the job once step 2 is logged; (when, last step)."""
+    _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
+    t_kill = time.time()
+    os.killpg(_engine_pgid(run, name), signal.SIGKILL)
+    return t_kill, max(r["step"] for r in _steps(run))
+
+
+def _assert_engines_hold_trainer_weights(steps: list[dict]) -> None:
+    """``train.max_staleness=0``: every trained token was stamped with the trainer's current version, so
+    engine logprobs equal to the trainer's at every step mean the engines really hold its weights."""
+    for r in steps:
+        assert set(r["staleness_hist"]) == {"0"}, r
+        assert r["logprob_diff_replay_on"] < 1e-5, r
+
+
 def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliability):
     """Three engines, two faults in one run (one start-up for both):
 
@@ -103,10 +119,7 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
     run = tmp_path / "kills"
     proc = _start(run, "rollout.num_engines=3", "train.steps=7", "train.max_staleness=0", "rollout.restart_engines=0",
                   "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, env={FAULT_ENV: "5:1"})
-    _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
-    t_kill = time.time()
-    os.killpg(_engine_pgid(run, "engine2"), signal.SIGKILL)
-    killed_at = max(r["step"] for r in _steps(run))
+    t_kill, killed_at = _kill_engine_at_step_2(proc, run, "engine2")
     rc, out, err = _finish(proc, run)
     assert rc == 0, err[-5000:]
     line = next(x for x in out.splitlines() if FAULT_ENV in x)
@@ -115,9 +128,8 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
     assert [r["step"] for r in steps] == list(range(1, 8))
     alive = [int(r["engines_alive"]) for r in steps]
     assert alive[:2] == [3, 3] and alive[4:] == [1, 1, 1] and steps[-1]["engines_dropped"] == 2, alive
-    for r in steps:
-        assert set(r["staleness_hist"]) == {"0"}  # every token stamped with the trainer's current version
-        assert r["grad_norm"] > 0.1 and r["logprob_diff_replay_on"] < 1e-5, r  # weights move; engine == trainer
+    _assert_engines_hold_trainer_weights(steps)
+    assert all(r["grad_norm"] > 0.1 for r in steps), steps  # rewards by length: the weights move every step
     last = steps[-1]
     assert last["rollout/samples_failed"] == 0 and last.get("rollout/groups_failed", 0) == 0
     samples = _samples(last, 7)
@@ -162,9 +174,7 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
     steps = _steps(run)
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [int(r["engines_alive"]) for r in steps] == [2, 1, 1] and steps[-1]["engines_dropped"] == 1, steps
-    for r in steps:
-        assert set(r["staleness_hist"]) == {"0"}
-        assert r["logprob_diff_replay_on"] < 1e-5, r  # the survivor holds the trainer's weights
+    _assert_engines_hold_trainer_weights(steps)  # the survivor holds the trainer's weights
     # the failed push ended in moments: well inside one bucket's limit, nowhere near 30 minutes
     assert steps[1]["sync_seconds"] < 60, steps[1]
     last = steps[-1]
@@ -190,10 +200,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     run = tmp_path / "restart"
     proc = _start(run, "rollout.num_engines=2", "train.steps=45", "train.max_staleness=0",
                   "reward.fn=tests.e2e.reward_fns.response_length", *QUICK)
-    _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
-    t_kill = time.time()
-    os.killpg(_engine_pgid(run, "engine1"), signal.SIGKILL)
-    killed_at = max(r["step"] for r in _steps(run))
+    t_kill, killed_at = _kill_engine_at_step_2(proc, run, "engine1")
     rc, out, err = _finish(proc, run)
     assert rc == 0, err[-5000:]
     steps = _steps(run)
@@ -206,8 +213,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     served = steps[-1]["rollout/served_by_engine"]
     replacement = next(u for u in served if u not in served_before(steps, rejoined))
     assert served[replacement] > 0, served  # it took requests after joining
-    for r in steps:
-        assert set(r["staleness_hist"]) == {"0"} and r["logprob_diff_replay_on"] < 1e-5, r
+    _assert_engines_hold_trainer_weights(steps)  # the replacement included, once it joined
     last = steps[-1]
     assert last["rollout/samples_failed"] == 0
     samples = _samples(last, 45)
