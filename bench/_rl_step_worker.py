@@ -49,6 +49,9 @@ ap.add_argument("--phases", type=int, default=0,
                 help="after the timing: this many more rl_steps with each phase timed (CUDA synchronized around it)")
 ap.add_argument("--fns", default="rl_step,rl_fb,bare_fb,bare_step,ce_fb",
                 help="comma-separated step kinds to time (rl_step, bare_fb and bare_step give the headline ratios)")
+ap.add_argument("--block", type=int, default=1,
+                help="steps of one kind in a row per repetition (K > 1: the first is a warm-up for that kind and "
+                     "the median of the other K-1 is the repetition's time; kinds no longer alternate step by step)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -188,7 +191,10 @@ for r in range(a.reps):  # every kind once per repetition, on the same batch, in
     case = cases[a.warmup + r]
     real_tokens += case.real_tokens
     for n in names[r % len(names):] + names[:r % len(names)]:
-        times[n].append(run(n))
+        if a.block == 1:
+            times[n].append(run(n))
+        else:  # a block of this kind: its first step re-warms what the other kinds evicted (allocator, caches)
+            times[n].append(statistics.median([run(n) for _ in range(a.block)][1:]))
 padded = sum(c.padded_tokens for c in cases[a.warmup:])
 
 
@@ -276,6 +282,6 @@ if layout.world_rank == 0:
         out[key + "_paired"] = paired(fast, slow)  # per repetition, same batch: its spread
     out |= {"real_tokens": real_tokens, "padded_tokens": padded / a.reps,
             "micro_batches_per_rank": len(case.bare_mbs), "micro_batch_build_s": statistics.median(mb_s), "dp": layout.dp.size, "reps": a.reps,
-            "warmup": a.warmup, "rl_step_phases_s": phases, "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}
+            "warmup": a.warmup, "block": a.block, "rl_step_phases_s": phases, "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}
     json.dump(out, open(a.out, "w"))
 destroy()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron import compat
+from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from mrl.weight_sync.copy_plan import BucketStep
 from mrl.weight_sync.executor import DistributedWeightSync
@@ -28,15 +29,16 @@ ap.add_argument("--bucket-mb", type=float, nargs="+", default=[512], help="one s
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
+# MRL_BENCH_NO_DDP=1 (a layout variant, tp1+MRL_BENCH_NO_DDP=1): the params as loaded, not in megatron's DDP
+# parameter buffer as the trainer holds them, so no bucket is contiguous in memory and all are copied
+no_ddp = os.environ.get("MRL_BENCH_NO_DDP") == "1"
 if os.environ.get("MRL_DUMP_AFTER"):  # diagnosing hangs: every thread's stack, then exit
     faulthandler.dump_traceback_later(int(os.environ["MRL_DUMP_AFTER"]), exit=True)
 
 m = load_model(a)
 layout = m.layout
 engines = parse_engines(a.engines)
-
-
-
+model = m.model if no_ddp else wrap_ddp(m.model, m.cfg)  # the trainer's DDP + distributed-optimizer buffer
 
 class _Poster:
     """Rank 0's persistent HTTP client on its own loop (no per-call client or thread set-up in the timing)."""
@@ -63,7 +65,7 @@ poster = _Poster() if layout.world_rank == 0 else None
 
 
 def bench(bucket_mb: float) -> dict:
-    sync = DistributedWeightSync(model=m.model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+    sync = DistributedWeightSync(model=model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
                                  engines=engines, bucket_bytes=int(bucket_mb * (1 << 20)),
                                  dtype="bfloat16" if a.dtype == "bf16" else "float32",
                                  group_prefix=f"mrl-b{bucket_mb:g}".replace(".", "_"))
@@ -124,6 +126,7 @@ def bench(bucket_mb: float) -> dict:
            "raw_receiver_broadcast_s": min(recv_s) if recv_s else None,
            "raw_serial_s": min(serial_s) if serial_s else None,
            "senders": len(sync.plan.groups), "buckets": len(sync.plan.buckets),
+           "inplace_bytes": sum(b.nbytes for b in sync.plan.buckets if b.inplace),
            "all_sync_s": sync_s, "all_raw_s": raw_s}
     del buf
     sync.close()

@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--phases", type=int, default=0, help="then time rl_step's phases over this many steps")
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps of one kind in a row per repetition; the median of all but the first is timed")
     ap.add_argument("--fns", default=None, help="step kinds to time (worker's --fns; default all five)")
     ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step")
     ap.add_argument("--json", default=None)
@@ -62,10 +64,11 @@ def main() -> None:
     rows = run_layouts("_rl_step_worker.py", layouts, LAYOUTS, tmp,
                        ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
                         "--micro-batch-size", str(mbs), "--reps", str(reps), "--warmup", str(warmup),
-                        "--packing", a.packing, "--phases", str(a.phases), *(["--fns", a.fns] if a.fns else [])])
+                        "--packing", a.packing, "--phases", str(a.phases), "--block", str(a.block), *(["--fns", a.fns] if a.fns else [])])
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
-                    f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps after {warmup} warm-up")
+                    f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps"
+                    f"{f' of {a.block}-step blocks' if a.block > 1 else ''} after {warmup} warm-up")
     kinds = ("rl_step", "rl_fb", "ce_fb", "bare_fb", "bare_step")
     for c in ("layout", *(f"{k} tok/s" for k in kinds), "ratio", "of medians", "of mins", "paired median [p25, p75]"):
         t.add_column(c)
@@ -84,7 +87,7 @@ def main() -> None:
             print(f"{name} rl_step phases (s, median of {a.phases}, synchronized):",
                   {k: round(v, 4) for k, v in d["rl_step_phases_s"].items()})
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
-          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "warmup": warmup, "layouts": rows}, a.json)
+          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "block": a.block, "warmup": warmup, "layouts": rows}, a.json)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,8 @@ def main(cfg: Config) -> int:
                     m |= {"engines_restarted": float(ctl.restarter.restarted),
                           "engines_restart_failed": float(len(ctl.restarter.failed))}
                 m["sync_aborted_requests"] = float(drained)
+                if rep.bytes_sent:  # rank 0's buckets: the share sent straight from its params (no copy)
+                    m["sync_in_place_fraction"] = rep.bytes_in_place / rep.bytes_sent
                 m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
                       "engines_alive": float(len(syncer.engines)), "engines_dropped": float(len(syncer.dropped))}
             m |= {"wait_seconds": t_gen, "step_seconds": time.perf_counter() - t0, "version": version}

@@ -37,6 +37,12 @@ Gather-buffer layout of a (group, dtype) batch: chunk j (params ``[s_j, e_j)`` o
 order) at ``ws * s_j``, rank k's part of it at ``ws * s_j + k * (e_j - s_j)`` (exactly what
 ``gather`` / ``all_gather_into_tensor`` of the chunk write).
 
+In-place buckets (``Bucket.inplace``, planned from ``placement``): the sender's params already hold
+the bucket's bytes back to back (megatron's DDP parameter buffer, params in the sync dtype whose HF
+tensors need no regrouping: experts at expert-TP 1, embeddings, norms, o_proj at TP 1), so ``flat``
+is a view of that memory and the bucket costs no copy. If the params have moved since the plan was
+made (an offload and reload), the bucket is filled by copies like any other.
+
 Byte layout of a flat buffer (what SGLang's ``flattened_bucket`` expects): the bucket's HF tensors in
 bucket order, each row-major in the sync dtype, no padding. It equals ``cat(split_full(pm, full))``
 of the per-tensor path.
@@ -52,7 +58,7 @@ import torch.distributed as dist
 
 from mrl.megatron.weights import LocalParam
 from mrl.models.bridge import ParamMap
-from mrl.weight_sync.planner import Bucket, PlannedParam
+from mrl.weight_sync.planner import Bucket, Placement, PlannedParam
 
 _ALIGN = 64  # bytes: start of each gather region (any dtype view stays aligned)
 CHUNK_ENV, MODE_ENV = "MRL_WEIGHT_SYNC_CHUNK_MB", "MRL_WEIGHT_SYNC_GATHER"
@@ -81,6 +87,38 @@ def hf_runs(pm: ParamMap, planned: PlannedParam) -> list[Run]:
                 out.append(Run(off, index[part.hf_name], part.start, part.num_rows))
             off += part.num_rows
     return out
+
+
+def inplace_numel(pm: ParamMap, planned: PlannedParam) -> int | None:
+    """Elements at the start of the full megatron tensor that are ``planned``'s HF tensors back to back
+    (trailing padding rows, e.g. of the vocab, may follow); None when they need regrouping (QKV)."""
+    runs, cols, rows = hf_runs(pm, planned), pm.num_cols or 1, 0
+    if len(runs) != len(planned.tensors):
+        return None
+    for i, (r, t) in enumerate(zip(runs, planned.tensors)):
+        if r.hf != i or r.hf_row != 0 or r.full_row != rows or r.rows != t.shape[0]:
+            return None
+        rows += r.rows
+    return rows * cols
+
+
+def placement(lp: LocalParam, pm: ParamMap, planned: PlannedParam, dtype: torch.dtype) -> Placement | None:
+    """Where the sender holds ``planned``'s bytes as they go on the wire, if it does."""
+    t = lp.param
+    n = inplace_numel(pm, planned) if lp.shard_group is None and t.dtype == dtype and t.is_contiguous() else None
+    return None if n is None else Placement(t.untyped_storage().data_ptr(), t.storage_offset(), n)
+
+
+def _inplace_view(bucket: Bucket, direct: list, dtype: torch.dtype) -> torch.Tensor | None:
+    """uint8 view of the bucket's bytes in the sender's params, if they (still) lie back to back."""
+    if len(direct) != len(bucket.params):
+        return None
+    at = [placement(lp, pm, p, dtype) for lp, pm, p in direct]
+    if None in at or any(b.storage != a.storage or a.offset + a.numel != b.offset for a, b in zip(at, at[1:])):
+        return None
+    first = direct[0][0].param.detach()
+    n = sum(a.numel for a in at)
+    return first.as_strided((n,), (1,), first.storage_offset()).view(torch.uint8)
 
 
 @dataclass
@@ -211,7 +249,11 @@ class BucketStep:
     flat: torch.Tensor | None
     """uint8 view of the bucket's bytes (sender only), in one of the reused send buffers."""
     slot: int | None
-    """Which send buffer ``flat`` lives in (sender only)."""
+    """Which send buffer ``flat`` lives in (sender only); negative: ``flat`` is a view of the params."""
+
+    @property
+    def in_place(self) -> bool:
+        return self.slot is not None and self.slot < 0
 
     def fill(self) -> None:
         # the receives first: the shards are on the wire while the sender copies its own bytes
@@ -430,16 +472,17 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             if b.group.rank == 0 or gather_mode(mode) == "allgather":
                 gout = _align(gout + b.numel * item * b.group.size)
         gin_bytes, gout_bytes = max(gin_bytes, gin), max(gout_bytes, gout)
-        if rank == bucket.sender:
+        view = _inplace_view(bucket, direct, dtype) if bucket.inplace and rank == bucket.sender else None
+        if rank == bucket.sender and view is None:
             flat_bytes = max(flat_bytes, bucket.nbytes)
-        plans.append((bucket, direct, batches))
+        plans.append((bucket, direct, batches, view))
     gin_buf = torch.empty(gin_bytes, dtype=torch.uint8, device=device)
     gout_buf = torch.empty(gout_bytes, dtype=torch.uint8, device=device)
-    num_sends = sum(1 for bucket, _, _ in plans if bucket.sender == rank)
+    num_sends = sum(1 for bucket, _, _, view in plans if bucket.sender == rank and view is None)
     send_bufs = [torch.empty(flat_bytes, dtype=torch.uint8, device=device)
                  for _ in range(min(num_send_buffers, num_sends))]
     steps, sources, sends = [], [], 0
-    for bucket, direct, batches in plans:
+    for bucket, direct, batches, view in plans:
         bmode = [gather_mode(mode) for b in batches]
         for b, m in zip(batches, bmode):
             item = torch.empty((), dtype=b.dtype).element_size()
@@ -447,7 +490,10 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
                 b.out = gout_buf[b.out_byte:b.out_byte + b.numel * item * b.group.size].view(b.dtype)
             sources += [lp.param for lp, _, _, _ in b.items]
         flat, slot, sc = None, None, None
-        if rank == bucket.sender:
+        if view is not None:  # its own slot: no later bucket waits for this one's broadcast
+            flat, slot, sc = view, -1 - len(steps), _SenderCopies(Copies(), Copies(), {})
+            sources += [lp.param for lp, _, _ in direct]
+        elif rank == bucket.sender:
             slot = sends % len(send_bufs)
             sends += 1
             flat = send_bufs[slot][:bucket.nbytes]

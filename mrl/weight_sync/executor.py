@@ -43,10 +43,10 @@ from mrl.rollout.client import EngineClient, close_clients
 from mrl.rollout.engine import free_port
 from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable,
                                   error_message, parse_success)
-from mrl.weight_sync.copy_plan import BucketStep, build_steps
+from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
 from mrl.weight_sync.http_pipeline import post_pipelined
-from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
+from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_params, plan_sync
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +77,8 @@ class PushStats:
     seconds: float
     bytes_sent: int
     buckets_sent: int
+    bytes_in_place: int = 0
+    """Of ``bytes_sent``, broadcast straight from the params (no copy: ``copy_plan`` in-place buckets)."""
     failed_engines: dict[str, str] = field(default_factory=dict)
     """url -> first error, for every engine whose weights may now be partial (union over senders)."""
     groups_broken: bool = False
@@ -111,10 +113,10 @@ class DistributedWeightSync:
         self.master_address = master_address
         self.maps = maps_by_name(bridge, padded_vocab)
         self.local = {lp.global_name: lp for lp in local_params(model, layout)}
-        self.plan: SyncPlan = plan_sync(bridge.param_maps(padded_vocab), trainer_layout(layout, bridge.num_layers),
-                                        num_layers=bridge.num_layers, num_experts=bridge.num_experts,
-                                        bucket_bytes=bucket_bytes, dtype=dtype, tied=bridge.tied_embeddings,
-                                        group_prefix=group_prefix)
+        self._planning = dict(maps=bridge.param_maps(padded_vocab), layout=trainer_layout(layout, bridge.num_layers),
+                              num_layers=bridge.num_layers, num_experts=bridge.num_experts, bucket_bytes=bucket_bytes,
+                              dtype=dtype, tied=bridge.tied_embeddings, group_prefix=group_prefix)
+        self._replan(plan_sync(**self._planning))
         me = layout.world_rank
         self.group_name = self.plan.groups.get(me)
         self.is_sender = self.group_name is not None
@@ -122,13 +124,33 @@ class DistributedWeightSync:
         self._pg = None
         self._io = _LoopThread() if self.is_controller else None
         self._clients = [EngineClient(e.url) for e in engines] if self.is_controller else []
+
+    def _replan(self, plan: SyncPlan) -> None:
+        self.plan = plan
         # every bucket touching my stage, in the global order, so group members run their gathers in step
-        stage = layout.pp.rank
-        self._global = sorted(self.plan.buckets, key=lambda b: (b.index, b.sender))
+        stage = self.layout.pp.rank
+        self._global = sorted(plan.buckets, key=lambda b: (b.index, b.sender))
         self._order = [b for b in self._global if any(p.stage == stage for p in b.params)]
         self._steps: list[BucketStep] | None = None  # the copy plan, built on the first push
         self._sources: tuple[list[torch.Tensor], list[int]] = ([], [])  # params the plan's views read, data_ptrs
         self._bodies: list[bytes] | None = None  # controller: each bucket's request, in the global order
+
+    def place_buckets(self) -> None:
+        """Collective: re-plan with every sender's in-place params (``planner.Placement``: in megatron's
+        DDP parameter buffer these go out without a copy). ``connect`` calls it; the groups stay."""
+        me, dtype = self.layout.world_rank, _TORCH_DTYPES[self.dtype]
+        mine = {}
+        for p in plan_params(self._planning["maps"], self._planning["layout"], num_layers=self._planning["num_layers"],
+                             num_experts=self._planning["num_experts"], dtype=self.dtype, tied=self._planning["tied"]):
+            lp = self.local.get(p.mcore_name)
+            if p.sender == me and lp is not None:
+                at = placement(lp, self.maps[p.mcore_name], p, dtype)
+                if at is not None:
+                    mine[p.mcore_name] = at
+        everyone = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, mine)
+        placements = {k: v for d in everyone for k, v in d.items()}
+        self._replan(plan_sync(**self._planning, placements=placements))
 
     # -- controller: every engine request, one global order -------------------------------------
     def _post_in_order(self, make_calls) -> Future:
@@ -152,6 +174,7 @@ class DistributedWeightSync:
     # -- groups ----------------------------------------------------------------------------------
     def connect(self) -> None:
         """One weight-update group per sender with every engine rank; all trainer ranks call it."""
+        self.place_buckets()
         port = free_port(self.master_address) if self.is_sender else None
         ports = [None] * self.layout.world_size
         dist.all_gather_object(ports, port)
@@ -247,7 +270,7 @@ class DistributedWeightSync:
         posted = self._post_updates() if self.is_controller else None
         steps = self.steps()
         in_flight: dict[int, tuple] = {}  # send buffer slot -> (work, bucket) of its last broadcast
-        sent = nbytes = 0
+        sent = nbytes = in_place = 0
         failed: dict[str, str] = {}
         for step in steps:
             if step.flat is not None and step.slot in in_flight:  # the buffer is free once its broadcast is done
@@ -269,6 +292,7 @@ class DistributedWeightSync:
             in_flight[step.slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), step.bucket)
             sent += 1
             nbytes += flat.numel()
+            in_place += flat.numel() if step.in_place else 0
         for work, bucket in list(in_flight.values()):
             self._settle(work, bucket, failed, block=True)
         if failed and self._pg is not None:
@@ -279,7 +303,7 @@ class DistributedWeightSync:
         failed = union_failures(self.layout, failed)
         broken = bool(failed) and any_rank(self.layout, self.broken)  # only then a collective: ranks agree on failed
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
-                         failed_engines=failed, groups_broken=broken)
+                         bytes_in_place=in_place, failed_engines=failed, groups_broken=broken)
 
     @property
     def broken(self) -> bool:

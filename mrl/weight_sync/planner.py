@@ -9,7 +9,13 @@ No torch.distributed, no model: unit-tested on CPU with layouts up to 64 ranks. 
   by (etp=0, edp=0) of the EP rank that holds them. Each sender owns one weight-update group, so PP
   stages and EP ranks stream in parallel;
 - buckets of one sender keep parameter order and stay <= ``bucket_bytes`` (a single tensor larger
-  than that gets a bucket of its own).
+  than that gets a bucket of its own);
+- in place (``placements``): params a sender holds already as their HF tensors back to back (no
+  gather, no regrouping, the sync dtype) and that follow each other in one storage without a gap
+  (megatron's DDP parameter buffer) form buckets of their own, in memory order, which the sender
+  broadcasts straight from its parameters: no copy. Only runs of at least ``min_inplace_bytes`` do
+  (a layer's norms between two QKV params would cost a request and a broadcast of their own); these
+  buckets come first.
 Global ranks follow megatron-core's default order "tp-cp-ep-dp-pp" (first varies fastest).
 """
 
@@ -85,12 +91,24 @@ class PlannedParam:
         return sum(t.nbytes for t in self.tensors)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a sender holds a param whose first ``numel`` elements are its HF tensors back to back:
+    from element ``offset`` of storage ``storage`` (any id that is equal for params sharing storage)."""
+
+    storage: int
+    offset: int
+    numel: int
+
+
 @dataclass
 class Bucket:
     sender: int
     group: str
     index: int
     params: list[PlannedParam] = field(default_factory=list)
+    inplace: bool = False
+    """The params lie back to back in the sender's memory (``Placement``): sent without a copy."""
 
     @property
     def tensors(self) -> list[HFTensor]:
@@ -163,9 +181,30 @@ def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int,
     return out
 
 
+def _inplace_runs(params: list[PlannedParam], placements: dict[str, Placement], min_bytes: int
+                  ) -> list[list[PlannedParam]]:
+    """Runs of params that follow each other in one storage without a gap, in memory order, of at
+    least ``min_bytes`` each."""
+    placed = sorted((p for p in params if p.mcore_name in placements),
+                    key=lambda p: (placements[p.mcore_name].storage, placements[p.mcore_name].offset))
+    runs: list[list[PlannedParam]] = []
+    for p in placed:
+        at, prev = placements[p.mcore_name], runs[-1][-1] if runs else None
+        before = placements[prev.mcore_name] if prev is not None else None
+        if before is None or before.storage != at.storage or before.offset + before.numel != at.offset:
+            runs.append([])
+        runs[-1].append(p)
+    return [r for r in runs if sum(p.nbytes for p in r) >= min_bytes]
+
+
 def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
-              bucket_bytes: int, dtype: str = "float32", tied: bool = False, group_prefix: str = "mrl") -> SyncPlan:
-    """Ordered buckets per sender; bucket i of every sender can be streamed concurrently."""
+              bucket_bytes: int, dtype: str = "float32", tied: bool = False, group_prefix: str = "mrl",
+              placements: dict[str, Placement] | None = None, min_inplace_bytes: int | None = None) -> SyncPlan:
+    """Ordered buckets per sender; bucket i of every sender can be streamed concurrently.
+    ``placements``: every sender's params that can go out in place (module docstring). Runs shorter
+    than ``min_inplace_bytes`` (default: a quarter bucket) are copied: each bucket costs a request and
+    a broadcast, and a short run (a layer's o_proj and norms between two QKV params) is cheaper to copy
+    into a bucket with others."""
     if bucket_bytes <= 0:
         raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_bytes} bytes")
     params = plan_params(maps, layout, num_layers=num_layers, num_experts=num_experts, dtype=dtype, tied=tied)
@@ -173,12 +212,17 @@ def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, n
     groups = {r: f"{group_prefix}-r{r}" for r in senders}
     buckets: list[Bucket] = []
     for r in senders:
-        cur: Bucket | None = None
+        mine = [p for p in params if p.sender == r]
+        runs = _inplace_runs(mine, placements or {},
+                             bucket_bytes // 4 if min_inplace_bytes is None else min_inplace_bytes)
+        taken = {p.mcore_name for run in runs for p in run}
         n = 0
-        for p in (p for p in params if p.sender == r):
-            if cur is None or (cur.params and cur.nbytes + p.nbytes > bucket_bytes):
-                cur = Bucket(sender=r, group=groups[r], index=n)
-                buckets.append(cur)
-                n += 1
-            cur.params.append(p)
+        for run, inplace in [(run, True) for run in runs] + [([p for p in mine if p.mcore_name not in taken], False)]:
+            cur: Bucket | None = None
+            for p in run:
+                if cur is None or (cur.params and cur.nbytes + p.nbytes > bucket_bytes):
+                    cur = Bucket(sender=r, group=groups[r], index=n, inplace=inplace)
+                    buckets.append(cur)
+                    n += 1
+                cur.params.append(p)
     return SyncPlan(layout=layout, buckets=buckets, groups=groups)

@@ -212,6 +212,8 @@ class SyncReport:
     seconds: float
     push_seconds: float
     bytes_sent: int
+    bytes_in_place: int = 0
+    """This rank's bytes broadcast straight from its params (no copy)."""
     failed_engines: dict[str, str] = field(default_factory=dict)
     repaired_from_disk: list[str] = field(default_factory=list)
     dropped_engines: list[str] = field(default_factory=list)
@@ -288,7 +290,7 @@ class EngineSync:
         with named(f"the barrier closing weight sync v{version}"):
             dist.barrier()
         return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
-                          push_seconds=stats.seconds, bytes_sent=stats.bytes_sent,
+                          push_seconds=stats.seconds, bytes_sent=stats.bytes_sent, bytes_in_place=stats.bytes_in_place,
                           failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
 
     def add(self, new: list[EngineEndpoint]) -> None:

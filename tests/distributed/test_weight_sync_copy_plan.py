@@ -2,7 +2,9 @@
 full tensor, ``split_full``, cast, concatenate) for every bucket, in TP1 / TP2 (expert-TP2) / EP2 /
 TP2xEP2 / PP2 layouts over gloo -- on first use, when replayed after the weights changed in place,
 and after a param's storage moved (the plan is rebuilt) -- with the shards sent point to point (one
-transfer per group, and in several chunks per bucket), gathered and all-gathered in chunks.
+transfer per group, and in several chunks per bucket), gathered and all-gathered in chunks. Then
+with the params in megatron's DDP parameter buffer (as the trainer holds them): the in-place buckets
+are views of that buffer (no copy) with the same bytes, and copies again once the params moved.
 
 The worker is this file run under torchrun (``python -m tests.distributed.test_weight_sync_copy_plan``).
 """
@@ -34,7 +36,7 @@ def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]][:3]
-    checked = {(row["config"], row["dtype"], row["phase"]) for row in rows}
+    checked = {(row["config"], row["dtype"], row["phase"]) for row in rows if row["config"] != "ddp"}
     assert checked == {(f"{m}/{c}", d, p) for m, c in CONFIGS for d in ("float32", "bfloat16")
                        for p in ("first", "changed", "moved")}
     if name in ("tp2", "tp2ep2"):  # TP shards travel (EP2, PP2 gather nothing): in chunks where asked
@@ -44,6 +46,23 @@ def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
         assert most["p2p/8"] > most["p2p/0"] >= 1, most
     buckets = {row["bucket"] for row in rows}
     assert len(buckets) >= 4  # several buckets per sender: both send buffers are used
+    ddp = [row for row in rows if row["config"] == "ddp"]
+    assert {(row["dtype"], row["phase"]) for row in ddp} == {(d, p) for d in ("float32", "bfloat16")
+                                                            for p in ("first", "changed", "moved")}
+    # fp32 params in the DDP buffer: whole buckets of them go out as views of it; bf16 needs a cast.
+    # TP2 (expert-TP2): every big param is TP-split, only small norms are whole on the sender
+    inplace = [row for row in ddp if row["inplace"]]
+    assert all(row["dtype"] == "float32" for row in inplace)
+    if name == "tp2":
+        assert not inplace
+        return
+    assert inplace
+    assert all(row["view"] for row in inplace if row["phase"] != "moved")
+    assert not any(row["view"] for row in ddp if not row["inplace"])
+    # every 3rd param moved to storage of its own: the buckets holding one are copied again
+    assert any(not row["view"] for row in inplace if row["phase"] == "moved")
+    assert sum(row["nbytes"] for row in inplace if row["phase"] == "first") > 0.4 * sum(
+        row["nbytes"] for row in ddp if row["phase"] == "first" and row["dtype"] == "float32"), "the experts at least go in place"
 
 
 # how the shards travel (copy_plan.MODE_ENV) and their chunk size in KiB (CHUNK_ENV; 0 = one chunk per group):
@@ -64,14 +83,28 @@ def _reference(ex, bucket, dtype):
 
 def _check(ex, dtype, phase, rows):
     refs = {b.index * 1000 + b.sender: _reference(ex, b, dtype) for b in ex._order}  # collective, global order
+    storages = {lp.param.untyped_storage().data_ptr() for lp in ex.local.values()}
     for step in ex.steps():  # collective too
         step.fill()
         if step.flat is not None:
             ref = refs[step.bucket.index * 1000 + step.bucket.sender]
             rows.append(dict(dtype=str(dtype).removeprefix("torch."), phase=phase, bucket=step.bucket.index,
-                             sender=step.bucket.sender, nbytes=step.bucket.nbytes,
+                             sender=step.bucket.sender, nbytes=step.bucket.nbytes, inplace=step.bucket.inplace,
+                             view=step.flat.untyped_storage().data_ptr() in storages,  # no copy: the params' memory
                              equal=bool(ref is not None and ref.numel() == step.flat.numel()
                                         and torch.equal(ref.cpu(), step.flat.cpu()))))
+
+
+def _phases(ex, tdtype, rows):
+    _check(ex, tdtype, "first", rows)
+    with torch.no_grad():  # an optimizer step: in place, the cached views see it
+        for lp in ex.local.values():
+            lp.param.mul_(1.5).add_(0.25)
+    _check(ex, tdtype, "changed", rows)
+    with torch.no_grad():  # offload and reload: new storage, the plan must notice
+        for lp in list(ex.local.values())[::3]:
+            lp.param.data = lp.param.data.clone() - 1
+    _check(ex, tdtype, "moved", rows)
 
 
 def main() -> None:
@@ -80,6 +113,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from mrl.jobs.common import add_layout_args, load_model
+    from mrl.megatron.optim import wrap_ddp
     from mrl.megatron.parallel import destroy
     from mrl.weight_sync.copy_plan import CHUNK_ENV, MODE_ENV
     from mrl.weight_sync.executor import DistributedWeightSync
@@ -97,20 +131,22 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
                                        engines=[], bucket_bytes=48 << 10, dtype=dtype)
-            tdtype = getattr(torch, dtype)
             phase_rows: list[dict] = []
-            _check(ex, tdtype, "first", phase_rows)
-            with torch.no_grad():  # an optimizer step: in place, the cached views see it
-                for lp in ex.local.values():
-                    lp.param.mul_(1.5).add_(0.25)
-            _check(ex, tdtype, "changed", phase_rows)
-            with torch.no_grad():  # offload and reload: new storage, the plan must notice
-                for lp in list(ex.local.values())[::3]:
-                    lp.param.data = lp.param.data.clone() - 1
-            _check(ex, tdtype, "moved", phase_rows)
+            _phases(ex, getattr(torch, dtype), phase_rows)
             chunks = max((len(st.gathers) for st in ex.steps()), default=0)
             rows += [dict(r, config=f"{mode}/{chunk_kib}", max_transfers=chunks) for r in phase_rows]
             ex.release_buffers()
+    os.environ.pop(MODE_ENV), os.environ.pop(CHUNK_ENV)
+    model = m.model
+    for dtype in ("float32", "bfloat16"):  # the params in a fresh DDP buffer (the trainer's), planned in place
+        ddp = wrap_ddp(model, m.cfg)
+        ex = DistributedWeightSync(model=ddp, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                                   engines=[], bucket_bytes=48 << 10, dtype=dtype)
+        ex.place_buckets()
+        phase_rows = []
+        _phases(ex, getattr(torch, dtype), phase_rows)
+        rows += [dict(r, config="ddp", max_transfers=0) for r in phase_rows]
+        ex.release_buffers()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:

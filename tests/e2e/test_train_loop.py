@@ -1,6 +1,7 @@
 """`mrl train` end to end: real SGLang engine (CPU mode), Megatron trainer, the RL loop.
 
-One sync-mode run (staleness 0 by construction, versions advance every step, outputs written) and
+One sync-mode run (staleness 0 by construction, versions advance every step, outputs written, the
+engine's logprobs equal the trainer's after every sync, most bytes synced in place) and
 the default overlap run, which must learn: the sampled reward rises clearly over the run.
 """
 
@@ -26,11 +27,14 @@ def mrl_train(run_dir, *overrides, timeout=1500):
 def test_sync_mode_run_writes_everything(tmp_path):
     run = tmp_path / "sync"
     _, rows = mrl_train(run, "train.mode=sync", "train.steps=3", "train.sft_warmup_steps=2",
-                        "train.prompts_per_step=4", "train.eval_every=2", "train.save_every=2")
+                        "train.prompts_per_step=4", "train.eval_every=2", "train.save_every=2",
+                        "weight_sync.bucket_mb=0.25")  # small buckets: most go in place, straight from the DDP buffer
     steps = [r for r in rows if "step_seconds" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["version"] for r in steps] == [2, 3, 4]  # v1 = after the warm start; +1 per step
     assert all(set(r["staleness_hist"]) == {"0"} for r in steps)  # sync mode: never stale
+    # the engine holds the trainer's weights after every sync: its logprobs equal the trainer's (fp32)
+    assert all(r["logprob_diff_replay_on"] < 1e-5 and r["sync_in_place_fraction"] > 0.5 for r in steps), steps
     assert all(r["sync_seconds"] > 0 and r["sync_repaired"] == 0 for r in steps)
     assert all(0.0 <= r["reward"] <= 1.0 and r["routing_disagreement"] < 0.05 for r in steps)
     assert any("eval/accuracy" in r for r in rows) and any("sft/nll" in r for r in rows)

@@ -116,3 +116,97 @@ def test_bad_inputs(kw, msg):
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
         plan_sync(Q30B.param_maps(151936), TrainerLayout(tp=1, pp=1, ep=2, etp=1, world_size=2), **args)
+
+
+def _ddp_like_placements(bridge, layout, dtype="bfloat16", gap_after: str | None = None):
+    """Each sender's params back to back in one storage, in reverse order as megatron's DDP buffer holds
+    them (every param takes its full megatron size there), for those whose HF tensors need no regrouping
+    (``copy_plan.inplace_numel``); ``gap_after``: padding after that param."""
+    from mrl.weight_sync.copy_plan import inplace_numel
+    from mrl.weight_sync.planner import Placement, plan_params
+
+    vp = bridge.padded_vocab(128, layout.tp)
+    maps = {pm.mcore_name: pm for pm in bridge.param_maps(vp)}
+    params = plan_params(list(maps.values()), layout, num_layers=bridge.num_layers,
+                         num_experts=bridge.num_experts, dtype=dtype, tied=bridge.tied_embeddings)
+    out, offset = {}, {}
+    for p in reversed(params):
+        pm = maps[p.mcore_name]
+        full = sum(part.num_rows for seg in pm.segments for part in seg) * (pm.num_cols or 1)
+        at = offset.get(p.sender, 0)
+        n = inplace_numel(pm, p)
+        if n is not None:
+            out[p.mcore_name] = Placement(storage=1000 + p.sender, offset=at, numel=n)
+        offset[p.sender] = at + full + (64 if p.mcore_name == gap_after else 0)
+    return params, out
+
+
+def test_inplace_numel_knows_which_params_need_regrouping(ckpt_dir):
+    """QKV (megatron interleaves q/k/v per query group) is regrouped; gate/up, experts, norms, and a
+    vocab-padded embedding (its HF rows first, padding after) go as they lie."""
+    from mrl.weight_sync.copy_plan import inplace_numel
+
+    bridge = get_bridge(ckpt_dir["stress_a"])
+    vp = bridge.padded_vocab(128, 1)
+    maps = {pm.mcore_name: pm for pm in bridge.param_maps(vp)}
+    params = {p.mcore_name: p for p in plan_params_for(bridge, vp)}
+    qkv = next(n for n in maps if n.endswith("linear_qkv.weight"))
+    fc1 = next(n for n in maps if ".experts." in n and n.endswith("linear_fc1.weight"))
+    emb = "embedding.word_embeddings.weight"
+    assert inplace_numel(maps[qkv], params[qkv]) is None
+    assert inplace_numel(maps[fc1], params[fc1]) == sum(t.shape[0] * t.shape[1] for t in params[fc1].tensors)
+    assert [t.name.rsplit(".", 2)[-2] for t in params[fc1].tensors] == ["gate_proj", "up_proj"]
+    h = bridge.hf_config.hidden_size
+    assert vp > bridge.vocab_size and inplace_numel(maps[emb], params[emb]) == bridge.vocab_size * h
+
+
+def plan_params_for(bridge, vp):
+    from mrl.weight_sync.planner import plan_params
+
+    return plan_params(bridge.param_maps(vp), TrainerLayout(tp=1, pp=1, ep=1, etp=1, world_size=1),
+                       num_layers=bridge.num_layers, num_experts=bridge.num_experts, dtype="float32",
+                       tied=bridge.tied_embeddings)
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp,world", [(1, 1, 1, 1, 1), (2, 1, 8, 1, 8), (8, 2, 16, 1, 64), (4, 4, 8, 2, 64)])
+def test_inplace_buckets_are_runs_of_the_senders_memory(tp, pp, ep, etp, world):
+    """Qwen3-30B in a DDP-like buffer: in-place buckets are params back to back in one sender's memory,
+    in memory order, <= the bucket size; all the rest is copied; still every HF tensor exactly once."""
+    layout = TrainerLayout(tp=tp, pp=pp, ep=ep, etp=etp, world_size=world)
+    params, placements = _ddp_like_placements(Q30B, layout)
+    bucket = 512 << 20
+    plan = plan_sync(Q30B.param_maps(Q30B.padded_vocab(128, tp)), layout, num_layers=48, num_experts=128,
+                     bucket_bytes=bucket, dtype="bfloat16", placements=placements)
+    sent = Counter(t.name for b in plan.buckets for t in b.tensors)
+    assert set(sent.values()) == {1} and len(sent) == sum(len(p.tensors) for p in params)
+    inplace = [b for b in plan.buckets if b.inplace]
+    assert inplace, "the experts (expert-TP 1) lie back to back"
+    for b in inplace:
+        at = [placements[p.mcore_name] for p in b.params]
+        assert len({a.storage for a in at}) == 1 and all(x.offset + x.numel == y.offset for x, y in zip(at, at[1:]))
+        assert b.nbytes <= bucket or len(b.params) == 1
+    for r in plan.groups:  # per sender: in-place buckets first, numbered on
+        bs = plan.for_sender(r)
+        assert [b.index for b in bs] == list(range(len(bs)))
+        assert [b.inplace for b in bs] == sorted((b.inplace for b in bs), reverse=True)
+    moved = sum(b.nbytes for b in inplace) / plan.nbytes
+    assert moved > 0.9 if etp == 1 else moved > 0  # expert bytes dominate a 30B MoE
+
+
+def test_inplace_runs_break_at_gaps_and_short_runs_are_copied():
+    layout = TrainerLayout(tp=1, pp=1, ep=1, etp=1, world_size=1)
+    maps = Q30B.param_maps(Q30B.padded_vocab(128, 1))
+    args = dict(num_layers=48, num_experts=128, dtype="bfloat16")
+    expert = "decoder.layers.47.mlp.experts.local_experts.60.linear_fc2.weight"  # mid-layer: both halves >= 512 MiB
+    _, flat = _ddp_like_placements(Q30B, layout)
+    _, gapped = _ddp_like_placements(Q30B, layout, gap_after=expert)
+    runs = {}
+    for name, pl in (("flat", flat), ("gapped", gapped)):
+        plan = plan_sync(maps, layout, bucket_bytes=2 << 30, placements=pl, **args)  # one bucket per layer's run
+        runs[name] = [b for b in plan.buckets if b.inplace]
+    assert len(runs["flat"]) >= 48  # EP1: a layer's experts, router, norms and o_proj; its QKV ends the run
+    assert len(runs["gapped"]) == len(runs["flat"]) + 1  # the gap splits one run in two
+    assert [b.params[-1].mcore_name for b in runs["gapped"]].count(expert) == 1
+    # a run shorter than min_inplace_bytes is copied instead: no layer's run reaches 2 GiB
+    plan = plan_sync(maps, layout, bucket_bytes=2 << 30, placements=flat, min_inplace_bytes=2 << 30, **args)
+    assert not any(b.inplace for b in plan.buckets)
