@@ -6,8 +6,15 @@ A JSONL prompt set whose per-sample budgets are long-tailed (``LENGTH_MIX``: mos
 256; ``ignore_eos``, so lengths are exactly the budgets) is trained with the real loop twice: ``train.mode=sync`` (each
 step waits for its slowest sample, the engine idles meanwhile) and ``train.mode=overlap`` (the engine
 keeps generating up to ``max_inflight_groups`` groups; batches fill with whatever finishes first,
-older samples are corrected by the IS weights). Reported: trained response tokens per second of RL
-wall time, the ratio, and the staleness distribution of the overlap run.
+older samples are corrected by the IS weights). The overlap run syncs weights every ``--sync-every``
+steps (3): each sync pauses the engine, aborts what is in flight and re-prefills it afterwards, which
+costs more than the pause itself (engine batch 64, 32-group window: 2.34x sync with a sync after every
+step, 2.86x every 2, 3.03x every 3, in one sweep); sync mode syncs after every step by definition, and
+its engine never holds more than one batch (32 samples). Reported: trained response tokens per second of RL
+wall time, the ratio, and the staleness distribution of the overlap run. A third run,
+``_generation_ceiling.py``, is the overlap run's rollout side with the trainer taken out (no training,
+no pauses, no syncs): the most any loop could train per second on this box, so it tells how much of the
+gap to a ratio goal is the loop's and how much the engine's.
 """
 
 from __future__ import annotations
@@ -49,16 +56,32 @@ def write_prompts(path: str, n: int, group_size: int = 4, seed: int = 0) -> list
     return budgets
 
 
-def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
-        inflight: int, client_process: bool = True) -> dict:
-    args = [MRL, "train", f"train.mode={mode}", f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
+def overrides(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
+              inflight: int, client_process: bool = True, sync_every: int = 1) -> list[str]:
+    args = [f"train.mode={mode}", f"weight_sync.every_n_steps={sync_every if mode == 'overlap' else 1}", f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
             "train.eval_every=0", "train.sft_warmup_steps=0", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
             "rollout.ignore_eos=true", "train.max_staleness=4", "train.stale_policy=keep",
             f"train.max_inflight_groups={inflight}", "train.routing_metrics_every=0",
             f"rollout.max_running_requests={engine_batch}", "+rollout.server_args.max_total_tokens=16384", *EXTRA,
             f"rollout.client_process={str(client_process).lower()}", f"run_dir={run_dir}"]
-    if engine_cpus:
-        args.append(f"rollout.cpus=[{engine_cpus}]")
+    return args + ([f"rollout.cpus=[{engine_cpus}]"] if engine_cpus else [])
+
+
+def ceiling(prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None, inflight: int) -> dict:
+    """The overlap run's rollout side alone (``_generation_ceiling.py``): no training, no pauses, no syncs."""
+    out = os.path.join(run_dir, "ceiling.json")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "_generation_ceiling.py"), "--steps", str(steps),
+                        "--out", out, *overrides("overlap", prompts, run_dir, steps, engine_batch, engine_cpus, inflight)],
+                       cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"generation ceiling failed:\n{p.stderr[-3000:]}")
+    return dict(json.load(open(out)), engine_cpus=engine_cpus or "all")
+
+
+def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
+        inflight: int, client_process: bool = True, sync_every: int = 1) -> dict:
+    args = [MRL, "train", *overrides(mode, prompts, run_dir, steps, engine_batch, engine_cpus, inflight, client_process,
+                                     sync_every)]
     p = subprocess.run(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"mrl train ({mode}) failed:\n{p.stderr[-3000:]}")
@@ -71,6 +94,7 @@ def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, en
     last = steps_rows[-1]
     med = lambda k: sorted(r.get(k, 0.0) for r in timed)[len(timed) // 2]  # noqa: E731
     return {"mode": mode, "engine_cpus": engine_cpus or "all", "client_process": client_process,
+            "sync_every_n_steps": sync_every if mode == "overlap" else 1,
             "median_seconds": {k: med(k) for k in ("step_seconds", "wait_seconds", "train_seconds", "drain_seconds",
                                                    "sync_seconds")},
             "steps_timed": len(timed), "seconds": seconds,
@@ -83,9 +107,11 @@ def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, en
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--engine-batch", type=int, default=32, help="rollout.max_running_requests")
-    ap.add_argument("--inflight", type=int, default=None,
-                    help="train.max_inflight_groups of the overlap run (default: one group per engine slot)")
+    ap.add_argument("--engine-batch", type=int, default=64, help="rollout.max_running_requests (sync mode never "
+                    "has more than one batch, 32 samples, in flight)")
+    ap.add_argument("--inflight", type=int, default=32, help="train.max_inflight_groups of the overlap run")
+    ap.add_argument("--sync-every", type=int, default=3,
+                    help="weight_sync.every_n_steps of the overlap run (sync mode syncs after every step)")
     ap.add_argument("--split-cores", default="0",
                     help="rollout.cpus of the overlap run (the trainer takes the other cores); '' = shared")
     ap.add_argument("--out", default=None)
@@ -99,23 +125,29 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         prompts = os.path.join(tmp, "prompts.jsonl")
         budgets = write_prompts(prompts, 400)
-        inflight = a.inflight or a.engine_batch
-        runs = [run(m, prompts, os.path.join(tmp, f"{m}{i}"), a.steps, a.engine_batch, c, inflight, proc)
+        inflight = a.inflight
+        runs = [run(m, prompts, os.path.join(tmp, f"{m}{i}"), a.steps, a.engine_batch, c, inflight, proc, a.sync_every)
                 for i, (m, c, proc) in enumerate(dict.fromkeys(variants))]
+        top = ceiling(prompts, os.path.join(tmp, "ceiling"), a.steps, a.engine_batch, a.split_cores or None, inflight)
     sync = max((r for r in runs if r["mode"] == "sync"), key=lambda r: r["tokens_per_s"])
     over = next(r for r in runs if r["mode"] == "overlap" and r["client_process"])
     ratio = over["tokens_per_s"] / sync["tokens_per_s"]
     out = {"hardware": "2-core x86 CPU box, 1 SGLang CPU engine + 1 trainer rank (tiny model, fp32)",
-           "engine_batch": a.engine_batch, "max_inflight_groups": inflight, "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))},
-           "runs": runs, "baseline": sync, "overlap": over, "overlap_over_sync": ratio}
+           "engine_batch": a.engine_batch, "max_inflight_groups": inflight, "overlap_sync_every_n_steps": a.sync_every, "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))},
+           "runs": runs, "baseline": sync, "overlap": over, "overlap_over_sync": ratio, "generation_only": top,
+           "generation_only_over_sync": top["tokens_per_s"] / sync["tokens_per_s"],
+           "overlap_over_generation_only": over["tokens_per_s"] / top["tokens_per_s"]}
     print(f"{'mode':8s} {'client':>7s} {'engine cores':>12s} {'tokens/s':>9s} {'mean len':>9s} {'wait/step':>9s} "
           f"{'sync/step':>9s}")
     for r in runs:
         print(f"{r['mode']:8s} {'process' if r['client_process'] else 'thread':>7s} {r['engine_cpus']:>12s} "
               f"{r['tokens_per_s']:9.1f} {r['mean_response_len']:9.1f} "
               f"{r['wait_seconds_mean']:9.3f} {r['sync_seconds_mean']:9.3f}")
-    print(f"overlap / best sync throughput: {ratio:.2f}x; staleness (versions behind, samples): "
-          f"{over['staleness_hist']}")
+    print(f"{'gen only':8s} {'process':>7s} {top['engine_cpus']:>12s} {top['tokens_per_s']:9.1f}   (no training, "
+          "no pauses, no syncs: the most any loop could train per second here)")
+    print(f"overlap / best sync throughput: {ratio:.2f}x; generation only / best sync: "
+          f"{out['generation_only_over_sync']:.2f}x; overlap reaches {out['overlap_over_generation_only']:.0%} of "
+          f"generation only; staleness (versions behind, samples): {over['staleness_hist']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

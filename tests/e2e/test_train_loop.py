@@ -51,3 +51,15 @@ def test_default_run_learns(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"\n[mrl train] reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert first < 0.3 and last > first + 0.2, rewards  # README run: 0.03 -> 0.5 by step 70
+
+
+def test_overlap_run_syncing_every_second_step(tmp_path):
+    """``weight_sync.every_n_steps=2`` (the async bench syncs every 3): the version advances at every second
+    step only, the other steps train on without pausing the engine, and staleness is counted in versions."""
+    _, rows = mrl_train(tmp_path / "every2", "train.steps=4", "weight_sync.every_n_steps=2", "train.sft_warmup_steps=0",
+                        "train.prompts_per_step=4", "train.eval_every=0", "train.max_staleness=1")
+    steps = [r for r in rows if "step_seconds" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["version"] for r in steps] == [0, 1, 1, 2]
+    assert ["sync_seconds" in r for r in steps] == [False, True, False, True]
+    assert all(int(k) <= 1 for r in steps for k in r["staleness_hist"]), steps  # max_staleness=1 (drop)
