@@ -46,7 +46,7 @@ from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProto
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
 from mrl.weight_sync.http_pipeline import post_pipelined
-from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_params, plan_sync
+from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,8 +140,7 @@ class DistributedWeightSync:
         DDP parameter buffer these go out without a copy). ``connect`` calls it; the groups stay."""
         me, dtype = self.layout.world_rank, _TORCH_DTYPES[self.dtype]
         mine = {}
-        for p in plan_params(self._planning["maps"], self._planning["layout"], num_layers=self._planning["num_layers"],
-                             num_experts=self._planning["num_experts"], dtype=self.dtype, tied=self._planning["tied"]):
+        for p in (p for b in self.plan.buckets for p in b.params):  # the planned params, whatever their buckets
             lp = self.local.get(p.mcore_name)
             if p.sender == me and lp is not None:
                 at = placement(lp, self.maps[p.mcore_name], p, dtype)

@@ -87,6 +87,15 @@ def _samples(last: dict, steps: int) -> dict:
             "failed": last["rollout/samples_failed"], "retried": last["rollout/retries"], "lost": lost}
 
 
+def _nothing_lost(steps: list[dict]) -> dict:
+    """The run's sample accounting (``_samples``), asserting that no sample failed and none was lost."""
+    last = steps[-1]
+    assert last["rollout/samples_failed"] == 0 and last.get("rollout/groups_failed", 0) == 0, last
+    samples = _samples(last, len(steps))
+    assert samples["lost"] == 0, samples
+    return samples
+
+
 def _kill_engine_at_step_2(proc, run, name: str) -> tuple[float, int]:
     """SIGKILL engine ``name``'s process group from outside the job once step 2 is logged; (when, last step)."""
     _wait_for(proc, lambda: any(r["step"] >= 2 for r in _steps(run)), "step 2")
@@ -130,10 +139,7 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
     assert alive[:2] == [3, 3] and alive[4:] == [1, 1, 1] and steps[-1]["engines_dropped"] == 2, alive
     _assert_engines_hold_trainer_weights(steps)
     assert all(r["grad_norm"] > 0.1 for r in steps), steps  # rewards by length: the weights move every step
-    last = steps[-1]
-    assert last["rollout/samples_failed"] == 0 and last.get("rollout/groups_failed", 0) == 0
-    samples = _samples(last, 7)
-    assert samples["lost"] == 0, samples
+    samples = _nothing_lost(steps)
     first_drop = alive.index(2) if 2 in alive else 4
     reliability.record(
         category="fault", name="engine SIGKILLed mid-rollout", survived=True, samples=samples,
@@ -150,7 +156,7 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
         details={"sync_seconds_with_fault": round(steps[4]["sync_seconds"], 3),
                  "sync_seconds_median": round(sorted(r["sync_seconds"] for r in steps)[3], 3),
                  "max_abs_logprob_diff_engine_vs_trainer": max(r["logprob_diff_replay_on"] for r in steps),
-                 "requests_moved_to_survivors": last["rollout/engine_failures"],
+                 "requests_moved_to_survivors": steps[-1]["rollout/engine_failures"],
                  "run_seconds_after_first_kill": round(time.time() - t_kill, 1)})
 
 
@@ -177,10 +183,7 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
     _assert_engines_hold_trainer_weights(steps)  # the survivor holds the trainer's weights
     # the failed push ended in moments: well inside one bucket's limit, nowhere near 30 minutes
     assert steps[1]["sync_seconds"] < 60, steps[1]
-    last = steps[-1]
-    assert last["rollout/samples_failed"] == 0
-    samples = _samples(last, 3)
-    assert samples["lost"] == 0, samples
+    samples = _nothing_lost(steps)
     reliability.record(
         category="fault", name="engine SIGKILLed between two buckets of a sync", survived=True, samples=samples,
         injected=f"{FAULT_ENV}=2:1:1: SIGKILL engine 1 of 2 before broadcast 1 of 5 (weight_sync.bucket_mb=0.25)",
@@ -214,10 +217,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     replacement = next(u for u in served if u not in served_before(steps, rejoined))
     assert served[replacement] > 0, served  # it took requests after joining
     _assert_engines_hold_trainer_weights(steps)  # the replacement included, once it joined
-    last = steps[-1]
-    assert last["rollout/samples_failed"] == 0
-    samples = _samples(last, 45)
-    assert samples["lost"] == 0, samples
+    samples = _nothing_lost(steps)
     reliability.record(
         category="fault", name="engine SIGKILLed and restarted", survived=True, samples=samples,
         injected="SIGKILL to the process group of 1 of 2 SGLang engines once step 2 is logged (outside the job)",
