@@ -177,9 +177,13 @@ class RolloutConfig:
     engine_dp: int = 1
     """DP inside one server: only with server_args.enable_dp_attention."""
     cpu_mode: bool = True
+    """Run engines on CPU (fp32, torch_native attention, CUDA driver stub)."""
+    cpu_batched_attention: bool = True
+    """CPU mode: SGLang's torch_native attention takes the whole batch in one SDPA call
+    (``mrl.rollout.cpu_attention``) instead of looping over sequences in Python, which made a CPU
+    engine's cost grow linearly with its batch. false = SGLang's own loop."""
     memory_saver: bool = False
     """GPU only: --enable-memory-saver (colocated runs release/resume engine memory)."""
-    """Run engines on CPU (fp32, torch_native attention, CUDA driver stub)."""
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0

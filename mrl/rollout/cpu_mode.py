@@ -44,12 +44,14 @@ def ensure_cuda_stub(build_dir: str | None = None) -> str:
     return build_dir
 
 
-def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None = None) -> dict[str, str]:
+def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None = None,
+            batched_attention: bool = True) -> dict[str, str]:
     """Environment of an SGLang server process in CPU mode, its ranks sharing ``cpus`` (default: all).
 
     With CUDA-only sgl_kernel builds SGLang cannot bind OpenMP threads itself (it needs the AMX
     kernels), so the launcher pins the process group to ``cpus`` and sizes each rank's thread pool:
-    two engines on one box must not both spin threads on every core.
+    two engines on one box must not both spin threads on every core. ``batched_attention`` switches
+    SGLang's torch_native backend to ``mrl.rollout.cpu_attention`` (through the pyshim).
     """
     env = dict(base if base is not None else os.environ)
     stub = ensure_cuda_stub()
@@ -58,6 +60,7 @@ def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None 
     env["LD_LIBRARY_PATH"] = stub + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     env["PYTHONPATH"] = PYSHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    env["MRL_CPU_BATCHED_ATTENTION"] = "1" if batched_attention else "0"
     per = max(1, len(cpus) // tp)
     env["OMP_NUM_THREADS"] = str(per)
     # one block of cores per TP rank ("0|1" for TP2 on 2 cores); ranks share cores when there are fewer

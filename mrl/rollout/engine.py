@@ -117,6 +117,8 @@ class Engine:
     """DP inside one server: only with DP attention (weight updates assert dp == 1 otherwise);
     plain data parallelism = several Engines."""
     cpu_mode: bool = True
+    cpu_batched_attention: bool = True
+    """CPU mode: batched torch_native attention (``mrl.rollout.cpu_attention``)."""
     memory_saver: bool = False
     """GPU: --enable-memory-saver, so release/resume_memory_occupation really free memory (colocated runs)."""
     host: str = "127.0.0.1"
@@ -188,7 +190,8 @@ class Engine:
         if self.secrets is None:
             self.secrets = ensure_run_secrets()
         os.makedirs(self.log_dir, exist_ok=True)
-        env = cpu_mode.cpu_env(self.tp, cpus=self.cpus) if self.cpu_mode else dict(os.environ)
+        env = (cpu_mode.cpu_env(self.tp, cpus=self.cpus, batched_attention=self.cpu_batched_attention)
+               if self.cpu_mode else dict(os.environ))
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
         for k in [k for k in env if k in _TORCHRUN_VARS or k.startswith(("TORCHELASTIC_", "PET_"))]:
@@ -292,7 +295,8 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
     """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started)."""
     names = names or [f"engine{i}" for i in range(r.num_engines)]
     return [Engine(model_path=model_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
-                   memory_saver=r.memory_saver, name=n, host=host, log_dir=log_dir, server_args=dict(r.server_args),
+                   cpu_batched_attention=r.cpu_batched_attention, memory_saver=r.memory_saver, name=n, host=host,
+                   log_dir=log_dir, server_args=dict(r.server_args),
                    max_running_requests=r.max_running_requests,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for n in names]

@@ -19,6 +19,7 @@ import torch
 
 from mrl.models import get_bridge
 from mrl.rollout.client import EngineClient
+from mrl.rollout.cpu_attention import INSTALLED_MARK
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec
@@ -77,6 +78,13 @@ def megatron_scores(ckpt_dir, engine_samples, tmp_path_factory):
         assert r.returncode == 0, r.stderr[-3000:]
         out[name] = json.loads(f.read_text())["results"]
     return out
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_engine_runs_mrl_batched_cpu_attention(engine_samples, engines, tp):
+    """The outputs these tests check came from mrl's batched attention (every TP rank's scheduler)."""
+    with open(engines[tp].log_path) as f:
+        assert f.read().count(INSTALLED_MARK) == engines[tp].tp
 
 
 @pytest.mark.parametrize("tp", TPS)

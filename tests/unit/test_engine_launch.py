@@ -43,6 +43,7 @@ def test_cpu_env_builds_the_stub_and_splits_cores(tmp_path, monkeypatch):
     assert env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path)
     assert env["PYTHONPATH"].split(":")[0] == cpu_mode.PYSHIM_DIR
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and env["OMP_NUM_THREADS"] == "1"
-    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["MRL_CPU_BATCHED_ATTENTION"] == "1"
+    assert cpu_mode.cpu_env(1, base={}, batched_attention=False)["MRL_CPU_BATCHED_ATTENTION"] == "0"
     one = cpu_mode.cpu_env(1, base={}, cpus=[1])
     assert one["SGLANG_CPU_OMP_THREADS_BIND"] == "1" and "SGLANG_NCCL_SO_PATH" not in one

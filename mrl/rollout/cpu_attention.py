@@ -1,0 +1,116 @@
+"""Batched attention for SGLang's ``torch_native`` backend, the only one SGLang 0.5.10 runs on a CPU.
+
+SGLang's backend loops over the sequences of a batch in Python and calls SDPA once per sequence and
+layer. On a CPU engine that loop is most of the scheduler's time at batch 64 (about half, measured
+with py-spy), so the engine's cost grows linearly with its batch -- unlike a real GPU engine, whose
+attention kernels take the whole batch at once. These functions do the same attention for the whole
+batch in one SDPA call over a padded ``[batch, heads, q, kv]`` problem, with a mask that keeps each
+sequence to its own keys (and causal in prefill). Same arguments and results as the methods they
+replace (``TorchNativeAttnBackend._run_sdpa_forward_decode`` / ``_extend``); tests compare the two.
+
+Loaded only inside SGLang server processes in mrl's CPU mode: the pyshim's ``sitecustomize`` calls
+:func:`install` when SGLang imports its backend and ``MRL_CPU_BATCHED_ATTENTION`` is ``1`` (the
+launcher's default; ``rollout.cpu_batched_attention=false`` keeps SGLang's loop). Never imported by
+the trainer.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+EXTEND_PAD_LIMIT = 4.0
+"""A prefill batch is padded to its longest sequence; when that would cost more than this many times
+the attention scores the sequences need (one long prompt among short ones), the per-sequence loop is
+cheaper and is used instead."""
+
+TARGET_MODULE = "sglang.srt.layers.attention.torch_native_backend"
+INSTALLED_MARK = "mrl: SGLang torch_native attention batched (mrl.rollout.cpu_attention)"
+"""Printed to the engine's log by :func:`install`, so a run (and the tests) can tell which path ran."""
+
+
+def _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, dtype):
+    """Keys and values of every sequence, padded to the longest: ``[B, Hkv, L, D]`` each, plus the
+    ``[B, L]`` validity mask. Padded positions read the sequence's first key (always written), not
+    whatever an unused cache slot holds: a NaN there would leak through a masked softmax (0 * NaN)."""
+    max_len = int(seq_lens.max())
+    pos = torch.arange(max_len, device=seq_lens.device)
+    valid = pos[None, :] < seq_lens[:, None]
+    slots = req_to_token[req_pool_indices, :max_len]
+    slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
+    shape = (valid.shape[0], max_len) + tuple(k_cache.shape[1:])
+    # index_select on the flat slot list: half the time of advanced indexing with a 2-D index
+    k = k_cache.index_select(0, slots).view(shape).transpose(1, 2)
+    v = v_cache.index_select(0, slots).view(shape[:2] + tuple(v_cache.shape[1:])).transpose(1, 2)
+    if k.dtype != dtype:
+        k, v = k.to(dtype), v.to(dtype)
+    return k, v, valid
+
+
+def sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling=None,
+                enable_gqa=False, causal=False):
+    """One new token per sequence: query ``[B, H, D]`` attends to its sequence's ``seq_len`` cached keys."""
+    if seq_lens.shape[0] == 0:
+        return output
+    k, v, valid = _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, query.dtype)
+    out = scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :],
+                                       scale=scaling, enable_gqa=enable_gqa)
+    output.copy_(out.squeeze(2))
+    return output
+
+
+def sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                extend_seq_lens, scaling=None, enable_gqa=False, causal=False, fallback=None):
+    """Prefill: sequence ``b`` brings ``extend_seq_lens[b]`` new tokens (``query`` holds them back to back)
+    after ``extend_prefix_lens[b]`` cached ones. ``fallback`` (the per-sequence loop, same arguments) runs
+    when padding would waste more than :data:`EXTEND_PAD_LIMIT`."""
+    n = seq_lens.shape[0]
+    if n == 0:
+        return output
+    ext = extend_seq_lens.tolist()
+    kv = seq_lens.tolist()
+    max_q, max_kv = max(ext), max(kv)
+    needed = sum(q * k for q, k in zip(ext, kv))
+    if fallback is not None and n > 1 and n * max_q * max_kv > EXTEND_PAD_LIMIT * max(needed, 1):
+        return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal)
+    k, v, valid = _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, query.dtype)
+    qpos = torch.arange(max_q, device=query.device)
+    q_valid = qpos[None, :] < extend_seq_lens[:, None]  # [B, Q]
+    q = query.new_zeros((n, max_q) + query.shape[1:])
+    q[q_valid] = query
+    mask = valid[:, None, :].expand(n, max_q, valid.shape[1])  # [B, Q, L]
+    if causal:
+        absolute = extend_prefix_lens[:, None] + qpos[None, :]  # [B, Q]: position of each query token
+        kpos = torch.arange(valid.shape[1], device=query.device)
+        # key 0 stays visible to padded query rows, so no row is fully masked (NaN); they are dropped below
+        mask = mask & (kpos[None, None, :] <= absolute[:, :, None])
+    out = scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scaling,
+                                       enable_gqa=enable_gqa)
+    output.copy_(out.transpose(1, 2)[q_valid])
+    return output
+
+
+def install(module=None) -> None:
+    """Route SGLang's ``TorchNativeAttnBackend`` through the batched functions (idempotent)."""
+    if module is None:
+        import importlib
+
+        module = importlib.import_module(TARGET_MODULE)
+    cls = module.TorchNativeAttnBackend
+    if getattr(cls, "_mrl_batched", False):
+        return
+    loop_extend = cls._run_sdpa_forward_extend
+
+    def _extend(self, *args, **kwargs):
+        return sdpa_extend(*args, **kwargs, fallback=lambda *a, **k: loop_extend(self, *a, **k))
+
+    def _decode(self, *args, **kwargs):
+        return sdpa_decode(*args, **kwargs)
+
+    cls._run_sdpa_forward_extend = _extend
+    cls._run_sdpa_forward_decode = _decode
+    cls._mrl_batched = True
+    print(INSTALLED_MARK, file=sys.stderr, flush=True)
