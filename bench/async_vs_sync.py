@@ -1,20 +1,20 @@
 """Async (overlap) vs sync RL loop throughput on long-tailed response lengths, in one run.
 
-    .venv/bin/python bench/async_vs_sync.py [--steps 12] [--out docs/results/async_vs_sync_cpu.json]
+    .venv/bin/python bench/async_vs_sync.py [--steps 40] [--rounds 3] [--out docs/results/async_vs_sync_cpu.json]
 
 A JSONL prompt set whose per-sample budgets are long-tailed (``LENGTH_MIX``: most 8 tokens, 5% run to
-256; ``ignore_eos``, so lengths are exactly the budgets) is trained with the real loop twice: ``train.mode=sync`` (each
-step waits for its slowest sample, the engine idles meanwhile) and ``train.mode=overlap`` (the engine
-keeps generating up to ``max_inflight_groups`` groups; batches fill with whatever finishes first,
-older samples are corrected by the IS weights). The overlap run syncs weights every ``--sync-every``
-steps (3): each sync pauses the engine, aborts what is in flight and re-prefills it afterwards, which
-costs more than the pause itself (engine batch 64, 32-group window: 2.34x sync with a sync after every
-step, 2.86x every 2, 3.03x every 3, in one sweep); sync mode syncs after every step by definition, and
-its engine never holds more than one batch (32 samples). Reported: trained response tokens per second of RL
-wall time, the ratio, and the staleness distribution of the overlap run. A third run,
-``_generation_ceiling.py``, is the overlap run's rollout side with the trainer taken out (no training,
-no pauses, no syncs): the most any loop could train per second on this box, so it tells how much of the
-gap to a ratio goal is the loop's and how much the engine's.
+256; ``ignore_eos``, so lengths are exactly the budgets) is trained with the real loop in both modes:
+``train.mode=sync`` (each step waits for its slowest sample, the engine idles meanwhile; weights synced
+after every step; its engine never holds more than the step's 32 samples, on every core) and
+``train.mode=overlap`` (the engine, on core 0, keeps generating up to ``max_inflight_groups`` groups;
+batches fill with whatever finishes first, older samples are corrected by the IS weights; weights synced
+every ``--sync-every`` steps: each sync pauses the engine, aborts what is in flight and re-prefills it
+afterwards). A third run, ``_generation_ceiling.py``, is the overlap run's rollout side with the trainer
+taken out (no training, pauses or syncs): the most any loop could train per second on this box, so it
+tells how much of a gap to the goal is the loop's and how much the engine's. The three run in rounds,
+interleaved, so a drift of the box's speed hits all of them. Reported: trained response tokens per second
+of RL wall time pooled over the rounds, the ratio (pooled and per round), and the staleness distribution
+of the overlap runs.
 """
 
 from __future__ import annotations
@@ -104,9 +104,16 @@ def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, en
             "staleness_hist": last.get("staleness_hist", {}), "dropped_stale": last.get("dropped_stale", 0)}
 
 
+def pooled(rs: list[dict]) -> float:
+    return sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (sync, overlap, generation only), interleaved so that a drift of the box's "
+                    "speed (15%% over minutes on a shared box) hits every mode alike")
     ap.add_argument("--engine-batch", type=int, default=64, help="rollout.max_running_requests (sync mode never "
                     "has more than one batch, 32 samples, in flight)")
     ap.add_argument("--inflight", type=int, default=32, help="train.max_inflight_groups of the overlap run")
@@ -114,40 +121,66 @@ def main() -> int:
                     help="weight_sync.every_n_steps of the overlap run (sync mode syncs after every step)")
     ap.add_argument("--split-cores", default="0",
                     help="rollout.cpus of the overlap run (the trainer takes the other cores); '' = shared")
+    ap.add_argument("--variants", action="store_true",
+                    help="in round 1 also: sync with the engine on the overlap run's cores only, and overlap "
+                    "with the rollout client in a thread of trainer rank 0 (rollout.client_process=false)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    # The baseline gets its best layout: sync mode never generates and trains at once, so its engine may
-    # use every core. Both splits are run for sync, the faster one is the baseline.
-    # The overlap run once more with the rollout client in a thread of trainer rank 0 instead of its own
-    # process (rollout.client_process=false), for the comparison.
-    variants = [("sync", None, True), ("sync", a.split_cores or None, True), ("overlap", a.split_cores or None, True),
-                ("overlap", a.split_cores or None, False)]
+    split = a.split_cores or None
+    # The baseline gets its best layout: sync mode never generates and trains at once, so its engine uses
+    # every core (with --variants also the overlap run's split, which has always been slower).
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         prompts = os.path.join(tmp, "prompts.jsonl")
-        budgets = write_prompts(prompts, 400)
-        inflight = a.inflight
-        runs = [run(m, prompts, os.path.join(tmp, f"{m}{i}"), a.steps, a.engine_batch, c, inflight, proc, a.sync_every)
-                for i, (m, c, proc) in enumerate(dict.fromkeys(variants))]
-        top = ceiling(prompts, os.path.join(tmp, "ceiling"), a.steps, a.engine_batch, a.split_cores or None, inflight)
-    sync = max((r for r in runs if r["mode"] == "sync"), key=lambda r: r["tokens_per_s"])
-    over = next(r for r in runs if r["mode"] == "overlap" and r["client_process"])
-    ratio = over["tokens_per_s"] / sync["tokens_per_s"]
+        budgets = write_prompts(prompts, 600)
+
+        def go(tag: str, mode: str, cpus: str | None, client_process: bool = True) -> dict:
+            return run(mode, prompts, os.path.join(tmp, tag), a.steps, a.engine_batch, cpus, a.inflight,
+                       client_process, a.sync_every)
+
+        for i in range(a.rounds):
+            sync = go(f"sync{i}", "sync", None)
+            over = go(f"overlap{i}", "overlap", split)
+            top = ceiling(prompts, os.path.join(tmp, f"ceiling{i}"), a.steps, a.engine_batch, split, a.inflight)
+            extra = [go("sync_split", "sync", split), go("overlap_thread", "overlap", split, False)] \
+                if a.variants and i == 0 else []
+            rounds.append({"sync": sync, "overlap": over, "generation_only": top, "variants": extra,
+                           "overlap_over_sync": over["tokens_per_s"] / sync["tokens_per_s"],
+                           "generation_only_over_sync": top["tokens_per_s"] / sync["tokens_per_s"]})
+            print(f"round {i + 1}: sync {sync['tokens_per_s']:.0f} tokens/s, overlap {over['tokens_per_s']:.0f}, "
+                  f"generation only {top['tokens_per_s']:.0f}: overlap/sync {rounds[-1]['overlap_over_sync']:.2f}x",
+                  flush=True)
+    syncs, overs, tops = ([r[k] for r in rounds] for k in ("sync", "overlap", "generation_only"))
+    ratios = sorted(r["overlap_over_sync"] for r in rounds)
+    stale: dict[str, int] = {}
+    for o in overs:
+        for k, n in o["staleness_hist"].items():
+            stale[k] = stale.get(k, 0) + n
     out = {"hardware": "2-core x86 CPU box, 1 SGLang CPU engine + 1 trainer rank (tiny model, fp32)",
-           "engine_batch": a.engine_batch, "max_inflight_groups": inflight, "overlap_sync_every_n_steps": a.sync_every, "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))},
-           "runs": runs, "baseline": sync, "overlap": over, "overlap_over_sync": ratio, "generation_only": top,
-           "generation_only_over_sync": top["tokens_per_s"] / sync["tokens_per_s"],
-           "overlap_over_generation_only": over["tokens_per_s"] / top["tokens_per_s"]}
-    print(f"{'mode':8s} {'client':>7s} {'engine cores':>12s} {'tokens/s':>9s} {'mean len':>9s} {'wait/step':>9s} "
-          f"{'sync/step':>9s}")
-    for r in runs:
-        print(f"{r['mode']:8s} {'process' if r['client_process'] else 'thread':>7s} {r['engine_cpus']:>12s} "
-              f"{r['tokens_per_s']:9.1f} {r['mean_response_len']:9.1f} "
-              f"{r['wait_seconds_mean']:9.3f} {r['sync_seconds_mean']:9.3f}")
-    print(f"{'gen only':8s} {'process':>7s} {top['engine_cpus']:>12s} {top['tokens_per_s']:9.1f}   (no training, "
-          "no pauses, no syncs: the most any loop could train per second here)")
-    print(f"overlap / best sync throughput: {ratio:.2f}x; generation only / best sync: "
+           "engine_batch": a.engine_batch, "max_inflight_groups": a.inflight,
+           "overlap_sync_every_n_steps": a.sync_every, "steps": a.steps,
+           "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))}, "rounds": rounds,
+           "sync_tokens_per_s": pooled(syncs), "overlap_tokens_per_s": pooled(overs),
+           "generation_only_tokens_per_s": pooled(tops),
+           "overlap_over_sync": pooled(overs) / pooled(syncs),
+           "overlap_over_sync_per_round": {"min": ratios[0], "median": ratios[len(ratios) // 2], "max": ratios[-1]},
+           "generation_only_over_sync": pooled(tops) / pooled(syncs),
+           "overlap_over_generation_only": pooled(overs) / pooled(tops), "staleness_hist": stale}
+    print(f"{'mode':16s} {'tokens/s':>9s} {'mean len':>9s} {'wait/step':>9s} {'sync/step':>9s}   (pooled over "
+          f"{a.rounds} rounds of {a.steps} steps)")
+    for name, rs in (("sync", syncs), ("overlap", overs)):
+        print(f"{name:16s} {pooled(rs):9.1f} {sum(r['mean_response_len'] for r in rs) / len(rs):9.1f} "
+              f"{sum(r['wait_seconds_mean'] for r in rs) / len(rs):9.3f} "
+              f"{sum(r['sync_seconds_mean'] for r in rs) / len(rs):9.3f}")
+    print(f"{'generation only':16s} {pooled(tops):9.1f}   (no training, no pauses, no syncs: the most any loop "
+          "could train per second here)")
+    for v in rounds[0]["variants"]:
+        print(f"variant: {v['mode']} engine cores {v['engine_cpus']} client "
+              f"{'process' if v['client_process'] else 'thread'}: {v['tokens_per_s']:.1f} tokens/s")
+    print(f"overlap / sync: {out['overlap_over_sync']:.2f}x pooled, per round min {ratios[0]:.2f} median "
+          f"{ratios[len(ratios) // 2]:.2f} max {ratios[-1]:.2f}; generation only / sync: "
           f"{out['generation_only_over_sync']:.2f}x; overlap reaches {out['overlap_over_generation_only']:.0%} of "
-          f"generation only; staleness (versions behind, samples): {over['staleness_hist']}")
+          f"generation only; staleness (versions behind, samples): {stale}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
