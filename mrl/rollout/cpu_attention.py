@@ -69,6 +69,20 @@ def sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
     n = seq_lens.shape[0]
     if n == 0:
         return output
+    one = extend_seq_lens == 1
+    if bool(one.any()) and not bool(one.all()):
+        # a mixed batch (--enable-mixed-chunk: decoding sequences ride along with a prefill): the one-token
+        # rows take the decode path, so the prefill's length does not pad them
+        first = torch.cumsum(extend_seq_lens, 0) - extend_seq_lens  # each sequence's first query row
+        rows = first[one]
+        output[rows] = sdpa_decode(query[rows], torch.empty_like(output[rows]), k_cache, v_cache, req_to_token,
+                                   req_pool_indices[one], seq_lens[one], scaling=scaling, enable_gqa=enable_gqa)
+        rest = torch.repeat_interleave(~one, extend_seq_lens)
+        output[rest] = sdpa_extend(query[rest], torch.empty_like(output[rest]), k_cache, v_cache, req_to_token,
+                                   req_pool_indices[~one], seq_lens[~one], extend_prefix_lens[~one],
+                                   extend_seq_lens[~one], scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                                   fallback=fallback)
+        return output
     ext = extend_seq_lens.tolist()
     kv = seq_lens.tolist()
     max_q, max_kv = max(ext), max(kv)

@@ -59,6 +59,20 @@ def test_extend_equals_sglang_loop(causal, heads, heads_kv):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_mixed_batch_decode_rows_equal_sglang_loop():
+    """--enable-mixed-chunk: one-token rows (decoding sequences) among prefills, in any order."""
+    seq_lens = [90, 12, 130, 7, 60]
+    prefix = [89, 0, 129, 2, 59]
+    ext = [s - p for s, p in zip(seq_lens, prefix)]  # 1, 12, 1, 5, 1
+    k, v, table, rows, lens = _pool(seq_lens, 2, 8, seed=4)
+    q = torch.randn(sum(ext), 4, 8)
+    args = (table, rows, lens, torch.tensor(prefix), torch.tensor(ext))
+    ref = LOOP._run_sdpa_forward_extend(None, q, torch.empty_like(q), k, v, *args, enable_gqa=True, causal=True)
+    out = cpu_attention.sdpa_extend(q, torch.empty_like(q), k, v, *args, enable_gqa=True, causal=True,
+                                    fallback=lambda *a, **kw: pytest.fail("padding is small once decodes split off"))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_extend_falls_back_to_the_loop_when_padding_would_dominate():
     seq_lens = [200, 2, 3, 1, 4, 2]  # one long prompt among short ones: padding all to 200x200 wastes 6x
     k, v, table, rows, lens = _pool(seq_lens, 2, 8, seed=2)
