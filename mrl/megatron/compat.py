@@ -354,6 +354,26 @@ def _patch_distopt_torch_adam() -> None:
     shim.applied = True
 
 
+def checkpoint_writer_dies_with_rank() -> None:
+    """``dist_checkpointing/strategies/filesystem_async.py:65`` keeps the checkpoint writer's results
+    queue in a ``multiprocessing`` Manager: a spawned server process per rank that is shut down only by
+    a finalizer, so a killed rank leaves it running for good (two idle ~900 MB orphans per rank-kill
+    fault test). Start that Manager here, before megatron's first save does, as a process that dies
+    with its rank (``PR_SET_PDEATHSIG``). Call before ``dist_checkpointing.save``; idempotent."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mrl.rollout.engine import die_with_parent
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager referenced
+
+
 def _apply() -> None:
     if os.environ.get("MRL_COMPAT_DISABLE") == "1":
         return

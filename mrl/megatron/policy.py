@@ -324,6 +324,7 @@ class Policy:
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         sd = self._sharded(False)
+        compat.checkpoint_writer_dies_with_rank()
         dist_checkpointing.save(sd, path)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                "scheduler": self.scheduler.state_dict()}

@@ -43,12 +43,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+
+
 def child_setup(cpus: list[int] | None):
     """``preexec_fn`` for a child that must die with this process (and optionally keep to ``cpus``)."""
 
     def setup() -> None:  # runs in the child between fork and exec
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+        die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)  # inherited by the scheduler/detokenizer processes
 

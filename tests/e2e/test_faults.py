@@ -278,6 +278,7 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     assert engines, "no engine process found under the job"
     rollout = [p for p in _descendants(proc) if "mrl.rollout.service" in _cmdline(p)]
     assert len(rollout) == 1, "no rollout process under the job"
+    under_job = _descendants(proc)  # ranks, engines, the rollout process, megatron's checkpoint writer
     victim = _rank_pid(proc, victim_rank)
     t_kill = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -292,6 +293,8 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     time.sleep(2)  # engines die with their launcher (parent-death signal): give the kernel a moment
     alive = [p.pid for p in engines + rollout if _alive(p)]
     assert not alive, f"engine or rollout processes survived the trainer: {alive}"
+    left = [(p.pid, _cmdline(p)[:120]) for p in under_job if _alive(p)]
+    assert not left, f"processes of the job survived it: {left}"
     rows_before = len(_steps(run))
     done_before = max(r["step"] for r in _steps(run))
 
