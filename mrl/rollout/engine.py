@@ -142,6 +142,10 @@ class Engine:
     """The run's keys; ``start`` takes ``ensure_run_secrets()`` when None."""
     proc: subprocess.Popen | None = field(default=None, init=False)
     _pump: threading.Thread | None = field(default=None, init=False, repr=False)
+    _port_retries: int = field(default=0, init=False, repr=False)
+    """Starts left on a fresh port when the one picked for us was taken before the server bound it
+    (``free_port`` can only pick a port that is free now: another process, or an SGLang server's own
+    internal ports, may take it first). 0 for a port the caller chose."""
 
     def __post_init__(self) -> None:
         if self.cpu_mode and self.ep > 1:
@@ -155,7 +159,8 @@ class Engine:
         if reserved:
             raise ValueError(f"rollout.server_args: {reserved} are set by mrl from the run's keys file "
                              "(mrl.rollout.secrets), never from the config")
-        self.port = self.port or free_port(self.host)
+        if not self.port:
+            self.port, self._port_retries = free_port(self.host), 3
 
     def __hash__(self) -> int:
         return id(self)
@@ -239,6 +244,9 @@ class Engine:
             if not self.alive():
                 if self._pump is not None:
                     self._pump.join(timeout=5)  # the last lines (the error) are still in the pipe
+                if self._port_retries and f"('{self.host}', {self.port}): address already in use" in self.log_tail():
+                    self._restart_on_a_fresh_port()
+                    continue
                 raise EngineStartError(f"{self.name} exited with code {self.proc.returncode} during startup; "
                                        f"log {self.log_path}:\n{self.log_tail()}")
             try:
@@ -251,6 +259,14 @@ class Engine:
                 raise EngineStartError(f"{self.name} not healthy after {timeout:.0f}s; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
             time.sleep(1.0)
+
+    def _restart_on_a_fresh_port(self) -> None:
+        taken, self._port_retries = self.port, self._port_retries - 1
+        self.stop()
+        self.proc, self.port = None, free_port(self.host)
+        with open(self.log_path, "a") as f:
+            f.write(f"[mrl] port {taken} was taken before the server bound it: starting again on {self.port}\n")
+        self.start()
 
     def pids(self) -> list[int]:
         """The server and every process it started (same session)."""

@@ -51,6 +51,38 @@ def test_engine_dies_with_a_killed_launcher(ckpt_dir, tmp_path):
         proc.kill()
 
 
+def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(tmp_path, ckpt_dir, monkeypatch):
+    """free_port() can only pick a port that is free now; here another socket takes it first. A port
+    the caller chose is never swapped: that start fails, naming the cause."""
+    import socket
+
+    import mrl.rollout.engine as engine_mod
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    picks = iter([busy])
+    real = engine_mod.free_port
+    monkeypatch.setattr(engine_mod, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    eng = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path), name="picked")
+    fixed = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path), name="fixed", port=busy)
+    assert eng.port == busy
+    try:
+        eng.start()
+        fixed.start()
+        eng.wait_healthy(timeout=300)
+        assert eng.port != busy
+        assert f"port {busy} was taken before the server bound it" in eng.log_tail(200)
+        with pytest.raises(EngineStartError, match="address already in use"):
+            fixed.wait_healthy(timeout=300)
+    finally:
+        eng.stop()
+        fixed.stop()
+        taken.close()
+    assert eng.pids() == [] and fixed.pids() == []
+
+
 def test_startup_failure_reports_the_log(tmp_path):
     bad = tmp_path / "not_a_model"
     bad.mkdir()

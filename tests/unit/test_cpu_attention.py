@@ -61,9 +61,9 @@ def test_extend_equals_sglang_loop(causal, heads, heads_kv):
 
 def test_mixed_batch_decode_rows_equal_sglang_loop():
     """--enable-mixed-chunk: one-token rows (decoding sequences) among prefills, in any order."""
-    seq_lens = [90, 12, 130, 7, 60]
-    prefix = [89, 0, 129, 2, 59]
-    ext = [s - p for s, p in zip(seq_lens, prefix)]  # 1, 12, 1, 5, 1
+    seq_lens = [90, 12, 130, 7, 60, 20]
+    prefix = [89, 0, 129, 2, 59, 15]
+    ext = [s - p for s, p in zip(seq_lens, prefix)]  # 1, 12, 1, 5, 1, 5
     k, v, table, rows, lens = _pool(seq_lens, 2, 8, seed=4)
     q = torch.randn(sum(ext), 4, 8)
     args = (table, rows, lens, torch.tensor(prefix), torch.tensor(ext))
@@ -91,6 +91,9 @@ def test_extend_falls_back_to_the_loop_when_padding_would_dominate():
     cpu_attention.sdpa_extend(q[:12], torch.empty_like(q[:12]), k, v, table, rows[1:], lens[1:],
                               torch.zeros(5, dtype=torch.int64), lens[1:].clone(), causal=True, fallback=loop)
     assert calls == [1]  # short ones alone: batched
+    cpu_attention.sdpa_extend(q[:5], torch.empty_like(q[:5]), k, v, table, rows[1:3], lens[1:3],
+                              torch.zeros(2, dtype=torch.int64), lens[1:3].clone(), causal=True, fallback=loop)
+    assert calls == [1, 1]  # two sequences: the loop is cheaper
 
 
 def test_install_patches_a_backend_class_once():
@@ -107,3 +110,22 @@ def test_install_patches_a_backend_class_once():
     out = cls._run_sdpa_forward_decode(cls.__new__(cls), q, torch.empty_like(q), k, v, table, rows, lens)
     ref = LOOP._run_sdpa_forward_decode(None, q, torch.empty_like(q), k, v, table, rows, lens)
     torch.testing.assert_close(out, ref)
+
+
+def test_installed_decode_leaves_single_sequences_to_the_loop(monkeypatch):
+    looped = []
+
+    class Backend(LOOP):
+        def _run_sdpa_forward_decode(self, *a, **kw):
+            looped.append(a[-1].shape[0])
+            return LOOP._run_sdpa_forward_decode(self, *a, **kw)
+
+    cpu_attention.install(types.SimpleNamespace(TorchNativeAttnBackend=Backend))
+    k, v, table, rows, lens = _pool([5, 9, 4], 2, 8, seed=5)
+    b = Backend.__new__(Backend)
+    for n in (1, 3):
+        q = torch.randn(n, 2, 8)
+        out = b._run_sdpa_forward_decode(q, torch.empty_like(q), k, v, table, rows[:n], lens[:n])
+        torch.testing.assert_close(out, LOOP._run_sdpa_forward_decode(None, q, torch.empty_like(q), k, v, table,
+                                                                      rows[:n], lens[:n]))
+    assert looped == [1]
