@@ -9,10 +9,17 @@ how it died, after torchrun's own report; for ``mrl.train`` also the checkpoint 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+
+def die_with_parent() -> None:
+    """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+
 
 # torchrun's agent, run in-process so that its ChildFailedError (which ranks failed, and how) is ours to report
 _AGENT = "import sys; from mrl.jobs import _agent_main; sys.exit(_agent_main(sys.argv[1:]))"

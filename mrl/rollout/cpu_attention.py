@@ -56,10 +56,14 @@ def _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, dtype
 
 
 def sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling=None,
-                enable_gqa=False, causal=False):
-    """One new token per sequence: query ``[B, H, D]`` attends to its sequence's ``seq_len`` cached keys."""
+                enable_gqa=False, causal=False, fallback=None):
+    """One new token per sequence: query ``[B, H, D]`` attends to its sequence's ``seq_len`` cached keys.
+    ``fallback`` (the per-sequence loop, same arguments) runs for a single sequence."""
     if seq_lens.shape[0] == 0:
         return output
+    if fallback is not None and seq_lens.shape[0] == 1:
+        return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling=scaling,
+                        enable_gqa=enable_gqa, causal=causal)
     k, v, valid = _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, query.dtype)
     out = scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :],
                                        scale=scaling, enable_gqa=enable_gqa)
@@ -128,9 +132,8 @@ def install(module=None) -> None:
     def _extend(self, *args, **kwargs):
         return sdpa_extend(*args, **kwargs, fallback=lambda *a, **k: loop_extend(self, *a, **k))
 
-    def _decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, **kwargs):
-        fn = sdpa_decode if seq_lens.shape[0] > 1 else lambda *a, **k: loop_decode(self, *a, **k)
-        return fn(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, **kwargs)
+    def _decode(self, *args, **kwargs):
+        return sdpa_decode(*args, **kwargs, fallback=lambda *a, **k: loop_decode(self, *a, **k))
 
     cls._run_sdpa_forward_extend = _extend
     cls._run_sdpa_forward_decode = _decode

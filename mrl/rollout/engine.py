@@ -17,7 +17,6 @@ engine process outlives the launcher even when it crashes. ``stop`` terminates t
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import socket
@@ -29,6 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrl.jobs import die_with_parent
 from mrl.rollout import cpu_mode
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
 
@@ -41,12 +41,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)
 
 
 def child_setup(cpus: list[int] | None):
