@@ -1,10 +1,11 @@
-# The two commands of the README: `make train` (main job) and `make test` (the test suite).
+# The README's commands: `make train` (main job), `make test` (the test suite, what CI runs),
+# `make test-fast` (unit tests and the fake SGLang server: the inner loop) and `make lint` (ruff).
 # Both install what they need into .venv first (scripts/setup_env.sh; a no-op when up to date).
 VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test bench
+.PHONY: setup train test test-fast lint bench
 setup:
 	bash scripts/setup_env.sh
 
@@ -13,6 +14,12 @@ train: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q $(PYTEST_ARGS)
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests/unit -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/python -m ruff check .
 
 bench: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/fwd_bwd_layouts.py
