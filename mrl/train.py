@@ -256,7 +256,8 @@ def main(cfg: Config) -> int:
             cfg.weight_sync.transport, model=policy.model, layout=layout, bridge=policy.bridge,
             padded_vocab=policy.padded_vocab, engines=engines, bucket_bytes=int(cfg.weight_sync.bucket_mb * (1 << 20)),
             export_dir=cfg.weight_sync.export_dir or os.path.join(cfg.run_dir, "weights"), config_src=hf_path,
-            timeout_s=cfg.weight_sync.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"))
+            timeout_s=cfg.weight_sync.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"),
+            dtype=cfg.rollout.engine_dtype)
 
     syncer = EngineSync(*channels(endpoints), layout, endpoints, rebuild=channels)
     syncer.connect()

@@ -26,11 +26,12 @@ class Dispatcher(str, enum.Enum):
 
 
 class TinyPreset(str, enum.Enum):
-    """Built-in random Qwen3-MoE checkpoints (``mrl make-tiny-model``)."""
+    """Built-in random checkpoints (``mrl make-tiny-model``): Qwen3-MoE unless named after a family."""
 
     tiny = "tiny"          # 3 MoE layers, 8 experts top-2, hidden 64, vocab 512: the default model
     stress_a = "stress_a"  # head_dim*heads != hidden, rope 1e6, one dense layer, vocab 500 (padded)
     stress_b = "stress_b"  # MoE every 2nd layer, norm_topk_prob off, tied embeddings, 16 experts top-4
+    glm4_moe = "glm4_moe"  # GLM-4.5: first layer dense, shared expert, sigmoid + bias, partial rotary, qkv bias
 
 
 def _fail(key: str, msg: str) -> None:
@@ -184,6 +185,22 @@ class RolloutConfig:
     engine's cost grow linearly with its batch. false = SGLang's own loop."""
     memory_saver: bool = False
     """GPU only: --enable-memory-saver (colocated runs release/resume engine memory)."""
+    base_gpu_id: Optional[int] = None
+    """GPU: first GPU of the first engine on a node; engine i takes the ``engine_tp * engine_dp`` GPUs that
+    follow ``base_gpu_id + i * engine_tp * engine_dp``. null = the GPUs after the trainer ranks' on this node
+    (``mrl train`` on one node of N GPUs: trainer on the first ones, engines on the rest)."""
+    mem_fraction_static: Optional[float] = None
+    """GPU: share of each engine GPU's memory for weights and KV cache (null: SGLang's own choice)."""
+    attention_backend: Optional[str] = None
+    """GPU: SGLang attention backend; null = fa3 where SGLang's kernels ship it, else triton."""
+    sampling_backend: Optional[str] = None
+    """GPU: SGLang sampling backend (pytorch | flashinfer); null = pytorch with ``train.sampling_mask``
+    (the support it rebuilds is the pytorch sampler's), else SGLang's default."""
+    engine_dtype: Optional[str] = None
+    """Engine weights dtype, also the dtype weights are synced in (bfloat16, float16, float32); null =
+    the trainer's ``model.dtype``. CPU mode runs float32 only."""
+    max_total_tokens: Optional[int] = None
+    """KV-cache tokens per engine; null = 4096 in CPU mode, sized from ``mem_fraction_static`` on GPU."""
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -233,6 +250,16 @@ class RolloutConfig:
             _fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             _fail("rollout.cpus", f"={list(self.cpus)}: give a non-empty list of core ids, or null")
+        if self.base_gpu_id is not None and self.base_gpu_id < 0:
+            _fail("rollout.base_gpu_id", f"must be >= 0 or null, got {self.base_gpu_id}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            _fail("rollout.mem_fraction_static", f"must be in (0, 1) or null, got {self.mem_fraction_static}")
+        if self.sampling_backend not in (None, "pytorch", "flashinfer"):
+            _fail("rollout.sampling_backend", f"must be pytorch, flashinfer or null, got {self.sampling_backend!r}")
+        if self.engine_dtype not in (None, "bfloat16", "float16", "float32"):
+            _fail("rollout.engine_dtype", f"must be bfloat16, float16, float32 or null, got {self.engine_dtype!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            _fail("rollout.max_total_tokens", f"must be >= 1 or null, got {self.max_total_tokens}")
 
 
 class AdvEstimator(str, enum.Enum):
@@ -669,6 +696,9 @@ class TrainConfig:
             _fail("train.pack_max_len", f"must be >= 2 or null, got {self.pack_max_len}")
 
 
+_ENGINE_DTYPES = {DType.fp32: "float32", DType.bf16: "bfloat16"}
+
+
 @dataclass(kw_only=True)
 class Config:
     """Root config: one node per component; YAML presets in conf/ extend it."""
@@ -687,6 +717,16 @@ class Config:
     seed: int = 1234
 
     def __post_init__(self) -> None:
+        r = self.rollout
+        if r.cpu_mode and r.engine_dtype not in (None, "float32"):
+            _fail("rollout.engine_dtype", f"{r.engine_dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
+        if r.engine_dtype is None:
+            r.engine_dtype = "float32" if r.cpu_mode else _ENGINE_DTYPES[self.model.dtype]
+        if self.train.sampling_mask and not self.rollout.cpu_mode:
+            if self.rollout.sampling_backend == "flashinfer":
+                _fail("rollout.sampling_backend", "=flashinfer with train.sampling_mask=true: the mask rebuilds the "
+                      "support of SGLang's pytorch sampler; use pytorch (or null)")
+            self.rollout.sampling_backend = "pytorch"
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "

@@ -60,6 +60,9 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     if compat.HAS_CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # the weight-update groups with SGLang engines fail ("Cuda failure 'invalid argument'") on some
+        # hosts when NCCL backs its buffers with cuMem; NCCL reads this once, at its first communicator
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     # a timeout on every collective: a dead peer surfaces as an error instead of a hang
     dist.init_process_group(backend=compat.BACKEND, timeout=timedelta(seconds=timeout_s))
 

@@ -1,4 +1,4 @@
-"""Batched attention for SGLang's ``torch_native`` backend, the only one SGLang 0.5.10 runs on a CPU.
+"""Batched attention for SGLang's ``torch_native`` backend, the only one SGLang runs on a CPU here.
 
 SGLang's backend loops over the sequences of a batch in Python and calls SDPA once per sequence and
 layer. On a CPU engine that loop is most of the scheduler's time at batch 64 (about half, measured
@@ -6,7 +6,9 @@ with py-spy), so the engine's cost grows linearly with its batch -- unlike a rea
 attention kernels take the whole batch at once. These functions do the same attention for the whole
 batch in one SDPA call over a padded ``[batch, heads, q, kv]`` problem, with a mask that keeps each
 sequence to its own keys (and causal in prefill). Same arguments and results as the methods they
-replace (``TorchNativeAttnBackend._run_sdpa_forward_decode`` / ``_extend``); tests compare the two.
+replace (``TorchNativeAttnBackend._run_sdpa_forward_decode`` / ``_extend``, SGLang 0.5.14 signatures);
+tests compare the two. Encoder-decoder (cross) attention and sliding windows, which no model mrl
+trains uses, go to SGLang's loop.
 
 Loaded only inside SGLang server processes in mrl's CPU mode: the pyshim's ``sitecustomize`` calls
 :func:`install` when SGLang imports its backend and ``MRL_CPU_BATCHED_ATTENTION`` is ``1`` (the
@@ -55,15 +57,24 @@ def _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, dtype
     return k, v, valid
 
 
-def sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling=None,
-                enable_gqa=False, causal=False, fallback=None):
+def _unsupported(encoder_lens, is_cross_attn, sliding_window_size) -> bool:
+    return encoder_lens is not None or is_cross_attn or sliding_window_size is not None
+
+
+def sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens=None,
+                scaling=None, enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None,
+                fallback=None):
     """One new token per sequence: query ``[B, H, D]`` attends to its sequence's ``seq_len`` cached keys.
     ``fallback`` (the per-sequence loop, same arguments) runs for a single sequence."""
     if seq_lens.shape[0] == 0:
         return output
-    if fallback is not None and seq_lens.shape[0] == 1:
-        return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling=scaling,
-                        enable_gqa=enable_gqa, causal=causal)
+    if fallback is not None and (seq_lens.shape[0] == 1 or
+                                 _unsupported(encoder_lens, is_cross_attn, sliding_window_size)):
+        return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                        sliding_window_size=sliding_window_size)
+    if _unsupported(encoder_lens, is_cross_attn, sliding_window_size):
+        raise NotImplementedError("batched CPU attention: cross attention and sliding windows take SGLang's loop")
     k, v, valid = _gather_kv(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, query.dtype)
     out = scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :],
                                        scale=scaling, enable_gqa=enable_gqa)
@@ -72,7 +83,8 @@ def sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
 
 
 def sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
-                extend_seq_lens, scaling=None, enable_gqa=False, causal=False, fallback=None):
+                extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                sliding_window_size=None, fallback=None):
     """Prefill: sequence ``b`` brings ``extend_seq_lens[b]`` new tokens (``query`` holds them back to back)
     after ``extend_prefix_lens[b]`` cached ones. ``fallback`` (the per-sequence loop, same arguments) runs
     for :data:`SMALL_BATCH` sequences or fewer and when padding would waste more than
@@ -80,6 +92,12 @@ def sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
     n = seq_lens.shape[0]
     if n == 0:
         return output
+    if _unsupported(encoder_lens, is_cross_attn, sliding_window_size):
+        if fallback is None:
+            raise NotImplementedError("batched CPU attention: cross attention and sliding windows take SGLang's loop")
+        return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                        extend_seq_lens, encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
     one = extend_seq_lens == 1
     if bool(one.any()) and not bool(one.all()):
         # a mixed batch (--enable-mixed-chunk: decoding sequences ride along with a prefill): the one-token

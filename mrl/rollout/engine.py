@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.jobs import die_with_parent
-from mrl.rollout import cpu_mode
+from mrl.rollout import cpu_mode, gpu_mode
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
 
 
@@ -120,6 +120,16 @@ class Engine:
     """CPU mode: batched torch_native attention (``mrl.rollout.cpu_attention``)."""
     memory_saver: bool = False
     """GPU: --enable-memory-saver, so release/resume_memory_occupation really free memory (colocated runs)."""
+    base_gpu_id: int = 0
+    """GPU: the first of the ``tp * dp`` consecutive GPUs this server takes (``--base-gpu-id``)."""
+    mem_fraction_static: float | None = None
+    """GPU: share of each GPU's memory for weights and KV cache (null: SGLang's own choice)."""
+    attention_backend: str | None = None
+    """GPU: null = FA3 where SGLang's kernels ship it, else triton (``gpu_mode.attention_backend``)."""
+    sampling_backend: str | None = None
+    """GPU: SGLang ``--sampling-backend`` (null: SGLang's default, flashinfer)."""
+    dtype: str | None = None
+    """GPU: ``--dtype`` (null: the checkpoint's). CPU mode always runs fp32."""
     host: str = "127.0.0.1"
     port: int | None = None
     log_dir: str = "runs/engines"
@@ -184,6 +194,15 @@ class Engine:
             cmd.append("--enable-return-routed-experts")
         if self.cpu_mode:
             cmd += cpu_mode.CPU_SERVER_ARGS
+        else:
+            cmd += ["--base-gpu-id", str(self.base_gpu_id),
+                    "--attention-backend", self.attention_backend or gpu_mode.attention_backend()]
+            if self.mem_fraction_static is not None:
+                cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+            if self.sampling_backend:
+                cmd += ["--sampling-backend", self.sampling_backend]
+            if self.dtype:
+                cmd += ["--dtype", self.dtype]
         if self.secrets is not None:
             cmd += ["--config", self.secrets.path]  # the keys file: --api-key, --admin-api-key
         return cmd + server_args_to_cli(self.server_args)
@@ -194,8 +213,11 @@ class Engine:
         if self.secrets is None:
             self.secrets = ensure_run_secrets()
         os.makedirs(self.log_dir, exist_ok=True)
-        env = (cpu_mode.cpu_env(self.tp, cpus=self.cpus, batched_attention=self.cpu_batched_attention)
-               if self.cpu_mode else dict(os.environ))
+        if self.cpu_mode:
+            env = cpu_mode.cpu_env(self.tp, cpus=self.cpus, batched_attention=self.cpu_batched_attention)
+        else:
+            gpu_mode.check_gpu_stack()
+            env = gpu_mode.gpu_env()
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
         for k in [k for k in env if k in _TORCHRUN_VARS or k.startswith(("TORCHELASTIC_", "PET_"))]:
@@ -307,14 +329,21 @@ class Engine:
 
 def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | None = None,
                         host: str = "127.0.0.1") -> list["Engine"]:
-    """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started)."""
+    """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started). On GPUs, engine i takes
+    the ``engine_tp * engine_dp`` GPUs from ``base_gpu_id + i * engine_tp * engine_dp``; ``base_gpu_id``
+    null = after the GPUs of the trainer ranks on this node."""
     names = names or [f"engine{i}" for i in range(r.num_engines)]
+    per = r.engine_tp * r.engine_dp
+    base = r.base_gpu_id if r.base_gpu_id is not None else gpu_mode.trainer_gpus_on_this_node()
     return [Engine(model_path=model_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
                    cpu_batched_attention=r.cpu_batched_attention, memory_saver=r.memory_saver, name=n, host=host,
                    log_dir=log_dir, server_args=dict(r.server_args),
                    max_running_requests=r.max_running_requests,
+                   max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
+                   base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
+                   attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
-            for n in names]
+            for i, n in enumerate(names)]
 
 
 def stop_all() -> None:

@@ -129,3 +129,36 @@ def test_installed_decode_leaves_single_sequences_to_the_loop(monkeypatch):
         torch.testing.assert_close(out, LOOP._run_sdpa_forward_decode(None, q, torch.empty_like(q), k, v, table,
                                                                       rows[:n], lens[:n]))
     assert looped == [1]
+
+
+def test_installed_methods_take_sglangs_own_call():
+    """The arguments exactly as SGLang's ``forward_extend`` / ``forward_decode`` pass them (``encoder_lens``
+    positional, cross-attention and sliding-window keywords); a sliding window goes to SGLang's loop."""
+    looped = []
+
+    class Backend(LOOP):
+        def _run_sdpa_forward_extend(self, *a, **kw):
+            looped.append(kw["sliding_window_size"])
+            return LOOP._run_sdpa_forward_extend(self, *a, **kw)
+
+    cpu_attention.install(types.SimpleNamespace(TorchNativeAttnBackend=Backend))
+    b = Backend.__new__(Backend)
+    seq_lens, prefix = [6, 20, 11, 30], [0, 12, 4, 0]
+    ext = [s - p for s, p in zip(seq_lens, prefix)]
+    k, v, table, rows, lens = _pool(seq_lens, 2, 8, seed=7)
+    q = torch.randn(sum(ext), 4, 8)
+    args = (table, rows, lens, torch.tensor(prefix), torch.tensor(ext), None)
+    kw = dict(scaling=0.3, enable_gqa=True, causal=True, is_cross_attn=False)
+    out = b._run_sdpa_forward_extend(q, torch.empty_like(q), k, v, *args, **kw, sliding_window_size=None)
+    ref = LOOP._run_sdpa_forward_extend(None, q, torch.empty_like(q), k, v, *args, **kw, sliding_window_size=None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert looped == []  # batched
+    win = b._run_sdpa_forward_extend(q, torch.empty_like(q), k, v, *args, **kw, sliding_window_size=4)
+    torch.testing.assert_close(win, LOOP._run_sdpa_forward_extend(b, q, torch.empty_like(q), k, v, *args, **kw,
+                                                                  sliding_window_size=4))
+    assert looped == [4]
+    qd = torch.randn(4, 4, 8)
+    dkw = dict(scaling=0.3, enable_gqa=True, causal=False, is_cross_attn=False, sliding_window_size=None)
+    out = b._run_sdpa_forward_decode(qd, torch.empty_like(qd), k, v, table, rows, lens, None, **dkw)
+    ref = LOOP._run_sdpa_forward_decode(None, qd, torch.empty_like(qd), k, v, table, rows, lens, None, **dkw)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

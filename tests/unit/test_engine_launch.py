@@ -47,3 +47,67 @@ def test_cpu_env_builds_the_stub_and_splits_cores(tmp_path, monkeypatch):
     assert cpu_mode.cpu_env(1, base={}, batched_attention=False)["MRL_CPU_BATCHED_ATTENTION"] == "0"
     one = cpu_mode.cpu_env(1, base={}, cpus=[1])
     assert one["SGLANG_CPU_OMP_THREADS_BIND"] == "1" and "SGLANG_NCCL_SO_PATH" not in one
+
+
+def _rollout(**kw):
+    from mrl.config.load import compose
+
+    overrides = ["rollout=gpu", "model.dtype=bf16"] + [f"rollout.{k}={v}" for k, v in kw.items()]
+    return compose(overrides)
+
+
+def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path):
+    from mrl.rollout import gpu_mode
+    from mrl.rollout.engine import engines_from_config
+
+    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two trainer ranks on this node: GPUs 0 and 1
+    cfg = _rollout(num_engines=2, engine_tp=2, mem_fraction_static=0.6)
+    engines = engines_from_config(cfg.rollout, "/m", log_dir=str(tmp_path))
+    cmds = [e.command() for e in engines]
+    assert [c[c.index("--base-gpu-id") + 1] for c in cmds] == ["2", "4"]
+    for c in cmds:
+        assert c[c.index("--attention-backend") + 1] == "triton" and "--device" not in c
+        assert c[c.index("--mem-fraction-static") + 1] == "0.6" and "--max-total-tokens" not in c
+        assert c[c.index("--dtype") + 1] == "bfloat16"  # the trainer's model.dtype
+        assert "--sampling-backend" not in c
+    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: True)
+    fixed = engines_from_config(_rollout(base_gpu_id=1).rollout, "/m", log_dir=str(tmp_path))[0].command()
+    assert fixed[fixed.index("--base-gpu-id") + 1] == "1" and fixed[fixed.index("--attention-backend") + 1] == "fa3"
+
+
+def test_gpu_engines_sample_with_the_backend_the_mask_rebuilds():
+    from mrl.config.load import compose
+
+    assert compose(["rollout=gpu", "train.sampling_mask=true"]).rollout.sampling_backend == "pytorch"
+    assert compose(["rollout=gpu"]).rollout.sampling_backend is None
+    with pytest.raises(ValueError, match="rollout.sampling_backend"):
+        compose(["rollout=gpu", "train.sampling_mask=true", "rollout.sampling_backend=flashinfer"])
+    with pytest.raises(ValueError, match="rollout.engine_dtype"):
+        compose(["rollout.engine_dtype=bfloat16"])  # CPU mode: float32 only
+    assert compose([]).rollout.engine_dtype == "float32"
+
+
+def test_gpu_engine_without_sglang_kernels_names_what_is_missing(monkeypatch, tmp_path):
+    from mrl.rollout import gpu_mode
+
+    real = gpu_mode._package_dir
+    monkeypatch.setattr(gpu_mode, "_package_dir", lambda name: None if name == "sgl_kernel" else real(name))
+    gpu_mode.check_gpu_stack.cache_clear()
+    try:
+        with pytest.raises(gpu_mode.GPUStackError, match="sgl_kernel.*scripts/gpu/install_stack.sh"):
+            Engine(model_path="/m", cpu_mode=False, log_dir=str(tmp_path), port=1).start()
+    finally:
+        gpu_mode.check_gpu_stack.cache_clear()
+
+
+def test_gpu_stack_check_on_this_cpu_host_says_there_is_no_gpu():
+    """On this CPU-only host the kernels are installed (CPU mode needs them) but torch sees no GPU."""
+    from mrl.rollout import gpu_mode
+
+    gpu_mode.check_gpu_stack.cache_clear()
+    try:
+        with pytest.raises(gpu_mode.GPUStackError, match="no CUDA GPU"):
+            gpu_mode.check_gpu_stack()
+    finally:
+        gpu_mode.check_gpu_stack.cache_clear()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On a network-less GPU host: assemble the parts made by fetch_parts.sh (stashed in STASH as part.aa,
+# part.ab, ...) and install SGLang 0.5.14, megatron-core and Transformer Engine into TARGET, next to the
+# host's own torch. Afterwards: source TARGET/env.sh (PYTHONPATH, NCCL_CUMEM_ENABLE=0).
+# Usage: scripts/gpu/install_stack.sh STASH TARGET [SHA256]
+set -euo pipefail
+S=${1:?stash}; T=${2:?target}; want=${3:-}
+PY=${PYTHON:-python3}
+W=$(mktemp -d)
+cat "$S"/part.* > "$W/bundle.tar"
+if [ -n "$want" ] && [ "$(sha256sum "$W/bundle.tar" | cut -d' ' -f1)" != "$want" ]; then
+  echo "install_stack.sh: the assembled bundle's sha256 differs from $want: a part is missing or damaged" >&2
+  exit 1
+fi
+tar xf "$W/bundle.tar" -C "$W"
+mkdir -p "$T"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T" "$W"/wheels/*.whl
+cp -r "$W"/site_extra/* "$T/"
+# sglang.utils imports IPython.display at import time; the host image has no IPython
+mkdir -p "$T/IPython"; : > "$T/IPython/__init__.py"; printf 'HTML = display = None\n' > "$T/IPython/display.py"
+# transformers 5.8.1 (SGLang's pin) refuses the image's newer tokenizers; mrl's engines skip tokenizer init
+printf 'def dep_version_check(pkg, hint=None):\n    pass\n' > "$T/transformers/dependency_versions_check.py"
+if ls "$W"/te/*.whl >/dev/null 2>&1; then
+  if ! ls "$W"/te/transformer_engine_torch-*.whl >/dev/null 2>&1 && ls "$W"/te/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
+    echo "[install] building Transformer Engine's torch extension against the host's torch"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T" "$W"/te/transformer_engine_cu13-*.whl
+    (cd "$W/te" && tar xzf transformer_engine_torch-*.tar.gz && cd transformer_engine_torch-*/ &&
+      PYTHONPATH="$T" NVTE_CUDA_ARCHS=90 MAX_JOBS=$(nproc) NVTE_FRAMEWORK=pytorch \
+      "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$W/te" .)
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T" "$W"/te/*.whl
+fi
+cat > "$T/env.sh" <<EOF
+export PYTHONPATH=$T:\${PYTHONPATH:-}
+# SGLang's NCCL weight-update group fails with "Cuda failure 'invalid argument'" on cuMem-backed buffers
+export NCCL_CUMEM_ENABLE=0
+EOF
+rm -rf "$W"
+PYTHONPATH="$T" "$PY" - <<'PY'
+import importlib
+for m in ("sglang", "sgl_kernel", "megatron.core", "hydra", "omegaconf", "transformers"):
+    mod = importlib.import_module(m)
+    print(f"[install] {m} {getattr(mod, '__version__', '')}")
+try:
+    import transformer_engine.pytorch as te  # noqa: F401
+    import transformer_engine
+    print("[install] transformer_engine", transformer_engine.__version__)
+except Exception as e:  # TE is optional: the local spec runs without it
+    print("[install] transformer_engine not available:", type(e).__name__, str(e)[:200])
+PY
