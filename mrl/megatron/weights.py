@@ -43,7 +43,10 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]:
     m = _unwrap(model)
     num_local_experts = (m.config.num_moe_experts or 0) // layout.ep.size
-    for name, p in m.named_parameters():
+    # megatron's router expert bias is a buffer, not a parameter, but it is a checkpoint tensor like
+    # any weight (GLM-4.5 / DeepSeek-V3 ``e_score_correction_bias``): loaded, exported and synced
+    bias = [(n, b) for n, b in m.named_buffers() if n.endswith(".router.expert_bias")]
+    for name, p in [*m.named_parameters(), *bias]:
         gname = local_spec_name(name)
         lm = _LAYER.match(gname)
         if lm:  # local layer index -> global (PP stage offset); layer_number is 1-based and global

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from mrl.models.bridge import ModelBridge, UnsupportedModelError, read_config_json
+from mrl.models.glm4_moe import Glm4MoeBridge
 from mrl.models.qwen3_moe import Qwen3MoeBridge
 
-# Adding Mixtral or DeepSeek-V3 = one file with a ModelBridge subclass + one entry here.
-BRIDGES: dict[str, type[ModelBridge]] = {arch: cls for cls in (Qwen3MoeBridge,) for arch in cls.architectures}
+# A new family = one file with a ModelBridge subclass + one entry here (docs/models.md).
+BRIDGES: dict[str, type[ModelBridge]] = {
+    arch: cls for cls in (Qwen3MoeBridge, Glm4MoeBridge) for arch in cls.architectures}
 
 
 def get_bridge(path: str) -> ModelBridge:

@@ -141,6 +141,11 @@ class ModelBridge(ABC):
     @abstractmethod
     def num_query_groups(self) -> int: ...
 
+    @abstractmethod
+    def moe_layer_pattern(self) -> list[int]:
+        """Per layer 1 (MoE) or 0 (dense): megatron's ``moe_layer_freq`` list, and which layers of an
+        engine's routed-experts record are kept."""
+
     @property
     def tied_embeddings(self) -> bool:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))

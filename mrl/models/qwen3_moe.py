@@ -121,42 +121,58 @@ class Qwen3MoeBridge(ModelBridge):
 
     # -- parameters -----------------------------------------------------------------------------
     def param_maps(self, padded_vocab: int) -> list[ParamMap]:
-        c = self.hf_config
-        H, V = c.hidden_size, self.vocab_size
-        nq, ng, d = self.num_heads, self.num_query_groups, self.head_dim
-        qpg = nq // ng
+        maps = self.embedding_maps(padded_vocab)
+        for i, sparse in enumerate(self.moe_layer_pattern()):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            maps += [copy(m + "input_layernorm.weight", h + "input_layernorm.weight", (self.hf_config.hidden_size,))]
+            maps += self.attention_maps(h, m)
+            maps += [copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight",
+                          (self.hf_config.hidden_size,))]
+            maps += self.moe_maps(h, m) if sparse else self.dense_mlp_maps(h, m)
+        return maps
+
+    def embedding_maps(self, padded_vocab: int) -> list[ParamMap]:
+        H, V = self.hf_config.hidden_size, self.vocab_size
         maps = [
             padded_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight", V, padded_vocab, H),
             copy("decoder.final_layernorm.weight", "model.norm.weight", (H,)),
         ]
         if not self.tied_embeddings:
             maps.append(padded_rows("output_layer.weight", "lm_head.weight", V, padded_vocab, H))
-        for i, sparse in enumerate(self.moe_layer_pattern()):
-            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-            qkv = []
-            for g in range(ng):  # per KV group: [its q heads; k_g; v_g]
-                qkv += [Part(h + "self_attn.q_proj.weight", g * qpg * d, (g + 1) * qpg * d),
-                        Part(h + "self_attn.k_proj.weight", g * d, (g + 1) * d),
-                        Part(h + "self_attn.v_proj.weight", g * d, (g + 1) * d)]
-            maps += [
-                copy(m + "input_layernorm.weight", h + "input_layernorm.weight", (H,)),
-                ParamMap(m + "self_attention.linear_qkv.weight", (tuple(qkv),), H),
-                copy(m + "self_attention.q_layernorm.weight", h + "self_attn.q_norm.weight", (d,)),
-                copy(m + "self_attention.k_layernorm.weight", h + "self_attn.k_norm.weight", (d,)),
-                copy(m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight", (H, nq * d)),
-                copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight", (H,)),
-            ]
-            if sparse:
-                inter = c.moe_intermediate_size
-                maps.append(copy(m + "mlp.router.weight", h + "mlp.gate.weight", (self.num_experts, H)))
-                for e in range(self.num_experts):
-                    he, me = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-                    maps.append(concat(me + "linear_fc1.weight",
-                                       [(he + "gate_proj.weight", inter), (he + "up_proj.weight", inter)], H))
-                    maps.append(copy(me + "linear_fc2.weight", he + "down_proj.weight", (H, inter)))
-            else:
-                inter = c.intermediate_size
-                maps.append(concat(m + "mlp.linear_fc1.weight",
-                                   [(h + "mlp.gate_proj.weight", inter), (h + "mlp.up_proj.weight", inter)], H))
-                maps.append(copy(m + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight", (H, inter)))
         return maps
+
+    def qkv_parts(self, h: str, what: str) -> tuple[Part, ...]:
+        """Rows of ``linear_qkv.<what>`` (weight or bias): per KV group, its q heads, then k_g, then v_g."""
+        nq, ng, d = self.num_heads, self.num_query_groups, self.head_dim
+        qpg = nq // ng
+        parts = []
+        for g in range(ng):
+            parts += [Part(h + f"self_attn.q_proj.{what}", g * qpg * d, (g + 1) * qpg * d),
+                      Part(h + f"self_attn.k_proj.{what}", g * d, (g + 1) * d),
+                      Part(h + f"self_attn.v_proj.{what}", g * d, (g + 1) * d)]
+        return tuple(parts)
+
+    def attention_maps(self, h: str, m: str) -> list[ParamMap]:
+        H, nq, d = self.hf_config.hidden_size, self.num_heads, self.head_dim
+        return [
+            ParamMap(m + "self_attention.linear_qkv.weight", (self.qkv_parts(h, "weight"),), H),
+            copy(m + "self_attention.q_layernorm.weight", h + "self_attn.q_norm.weight", (d,)),
+            copy(m + "self_attention.k_layernorm.weight", h + "self_attn.k_norm.weight", (d,)),
+            copy(m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight", (H, nq * d)),
+        ]
+
+    def moe_maps(self, h: str, m: str) -> list[ParamMap]:
+        H, inter = self.hf_config.hidden_size, self.hf_config.moe_intermediate_size
+        maps = [copy(m + "mlp.router.weight", h + "mlp.gate.weight", (self.num_experts, H))]
+        for e in range(self.num_experts):
+            he, me = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+            maps.append(concat(me + "linear_fc1.weight", [(he + "gate_proj.weight", inter), (he + "up_proj.weight", inter)], H))
+            maps.append(copy(me + "linear_fc2.weight", he + "down_proj.weight", (H, inter)))
+        return maps
+
+    def dense_mlp_maps(self, h: str, m: str, hf: str = "mlp.", mc: str = "mlp.", inter: int | None = None) -> list[ParamMap]:
+        """SwiGLU MLP ``h + hf`` (gate/up/down) -> ``m + mc`` (linear_fc1 = [gate; up], linear_fc2)."""
+        H = self.hf_config.hidden_size
+        inter = self.hf_config.intermediate_size if inter is None else inter
+        return [concat(m + mc + "linear_fc1.weight", [(h + hf + "gate_proj.weight", inter), (h + hf + "up_proj.weight", inter)], H),
+                copy(m + mc + "linear_fc2.weight", h + hf + "down_proj.weight", (H, inter))]

@@ -1,9 +1,12 @@
-"""``mrl make-tiny-model DIR``: tiny random Qwen3-MoE HF checkpoints and a tokenizer, made locally.
+"""``mrl make-tiny-model DIR``: tiny random HF checkpoints and a tokenizer, made locally.
 
-Nothing is downloaded. The default ``tiny`` preset is the model of tests and of ``mrl train``; the
-two stress presets catch mapping mistakes the tiny one cannot (head_dim != hidden/heads, rope theta
-!= megatron's default, dense layers, vocab padding, tied embeddings, norm_topk_prob off).
-Weights are written with per-expert hub names, which SGLang 0.5.10 requires.
+Nothing is downloaded. The default ``tiny`` preset (Qwen3-MoE) is the model of tests and of
+``mrl train``; the two stress presets catch mapping mistakes the tiny one cannot (head_dim !=
+hidden/heads, rope theta != megatron's default, dense layers, vocab padding, tied embeddings,
+norm_topk_prob off). The family presets (``glm4_moe``, ...) are the smallest checkpoints of those
+architectures that still exercise every mapped feature; transformers' zero init of biases and of the
+score-correction bias is replaced by random values so a dropped or misplaced one shows.
+Weights are written with per-expert hub names, which SGLang requires.
 """
 
 from __future__ import annotations
@@ -33,7 +36,22 @@ PRESETS: dict[TinyPreset, dict] = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=12, num_experts=16, num_experts_per_tok=4,
         decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False, tie_word_embeddings=True,
         rope_theta=5000.0, rms_norm_eps=1e-5),
+    TinyPreset.glm4_moe: dict(
+        vocab_size=500, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, n_group=1, topk_group=1, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+        rms_norm_eps=1e-5),
 }
+
+# preset -> (transformers config class, model class, architecture)
+_QWEN3 = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
+FAMILIES: dict[TinyPreset, tuple[str, str]] = {
+    TinyPreset.tiny: _QWEN3, TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
+    TinyPreset.glm4_moe: ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+}
+_STRESS = (TinyPreset.stress_a, TinyPreset.stress_b)
 
 
 def split_fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -81,19 +99,20 @@ def build_tokenizer(vocab_size: int):
 
 
 def make_tiny_model(out_dir: str, preset: TinyPreset = TinyPreset.tiny, seed: int = 0) -> str:
-    """Write a random Qwen3-MoE checkpoint + tokenizer.json to ``out_dir``; returns ``out_dir``."""
+    """Write a random checkpoint of ``preset`` + tokenizer.json to ``out_dir``; returns ``out_dir``."""
+    import transformers
     from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    kw = dict(PRESETS[TinyPreset(preset)])
-    cfg = Qwen3MoeConfig(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         architectures=["Qwen3MoeForCausalLM"], **kw)
+    preset = TinyPreset(preset)
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[preset])
+    cfg = config_cls(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                     architectures=[model_cls.__name__], **PRESETS[preset])
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
-    if preset != TinyPreset.tiny:
+    model = model_cls(cfg).to(torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    if preset in _STRESS:
         # HF inits norms to 1 and weights with std 0.02, which hides swapped norms and mapping
         # mistakes; stress presets use random norms and fan-in scaled weights, routers 2x.
-        g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 r = torch.randn(p.shape, generator=g)
@@ -103,6 +122,19 @@ def make_tiny_model(out_dir: str, preset: TinyPreset = TinyPreset.tiny, seed: in
                     p.copy_(r)
                 else:
                     p.copy_(r * (2.0 if n.endswith("mlp.gate.weight") else 1.0) / p.shape[-1] ** 0.5)
+    elif FAMILIES[preset] != _QWEN3:
+        # family presets keep HF's init (they must train like the tiny one) but no tensor is left at a
+        # constant: norms around 1, biases small, the score-correction bias on the scale of the router
+        # scores' spread so that it changes some selections
+        with torch.no_grad():
+            for n, t in model.state_dict(keep_vars=True).items():
+                r = torch.randn(t.shape, generator=g)
+                if n.endswith("norm.weight"):
+                    t.copy_(1.0 + 0.2 * r)
+                elif n.endswith(".bias"):
+                    t.copy_(0.02 * r)
+                elif n.endswith("e_score_correction_bias"):
+                    t.copy_(0.01 * r)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     for f in os.listdir(out_dir):  # rewrite weights with per-expert names
