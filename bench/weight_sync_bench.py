@@ -41,7 +41,7 @@ SENDERS = {"tp1": {0}, "tp2": {0}, "ep2": {0, 1}, "tp2ep2": {0, 1}, "pp2": {0, 1
 
 
 def split_variant(name: str) -> tuple[str, dict[str, str]]:
-    """``tp2+MRL_WEIGHT_SYNC_GATHER=allgather+MRL_WEIGHT_SYNC_CHUNK_MB=64`` -> ("tp2", {env of its workers})."""
+    """``tp1+MRL_BENCH_NO_DDP=1`` -> ("tp1", {env of its workers})."""
     base, *env = name.split("+")
     return base, dict(e.split("=", 1) for e in env)
 # >= 1 GiB in bf16 (~0.84 B params): 8 layers, 64 experts of 1024x512, vocab 32768
@@ -178,7 +178,7 @@ def main():
     ap.add_argument("--receivers", type=int, default=1)
     ap.add_argument("--layouts", nargs="+", default=["tp1", "tp2", "ep2", "tp2ep2", "pp2"],
                     help="layout names, each optionally with +ENV=VALUE settings of its workers (a variant), e.g. "
-                         "tp2+MRL_WEIGHT_SYNC_GATHER=gather+MRL_WEIGHT_SYNC_CHUNK_MB=0 (mrl.weight_sync.copy_plan)")
+                         "tp1+MRL_BENCH_NO_DDP=1 (params left as loaded, not in a DDP buffer: bench/_sync_worker.py)")
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=None,
                     help="bucket sizes (MiB), each timed on the same loaded model (default: per scale, SCALES)")
     ap.add_argument("--reps", type=int, default=3)

@@ -10,20 +10,13 @@ replayed every sync.
             broadcast(step.flat)
 
 Shards go to the group's rank 0 (the sender) only: the other ranks send theirs once and receive
-nothing. By default one transfer per (group, dtype) and bucket; ``MRL_WEIGHT_SYNC_CHUNK_MB`` > 0
-splits it into chunks of whole params, so the sender's copies of chunk j into the flat buffer run
-while chunk j+1 is on the wire (4x H200, TP2, 512 MiB buckets: 16-32 MiB chunks were slower than
-one transfer -- each NCCL op costs host time -- and 64 MiB no faster). How (``MRL_WEIGHT_SYNC_GATHER``):
-
-- ``p2p`` (default): each other rank packs its shards of a chunk (one ``_foreach_copy_``) and sends
-  them; the sender posts every receive of the bucket first, then copies its own shards straight from
-  its params into the flat buffer while they arrive (column-parallel rows are contiguous there;
-  row-parallel ones are staged in its own slot of the gather buffer), then, per chunk, waits for it
-  and copies it out. The sender never copies its own shards through the transfer.
-- ``gather`` / ``allgather``: every rank packs its shards, one ``gather`` (``all_gather_into_tensor``)
-  per chunk, pipelined with the copies of the previous chunk. ``gather`` with one chunk is the
-  previous executor's path; ``allgather`` also sends the sender's shards out, on the links its
-  broadcast uses (4x H200: sync/raw 1.58, against 1.16 for p2p and 1.29 for gather).
+nothing. Each other rank packs its shards of a (group, dtype) batch (one ``_foreach_copy_``) and sends
+them point to point; the sender posts every receive of the bucket first, then copies its own shards
+straight from its params into the flat buffer while they arrive (column-parallel rows are contiguous
+there; row-parallel ones are staged in its own slot of the gather buffer), then waits for the others'
+and copies them out. The sender never copies its own shards through the transfer. A batch can be split
+into chunks of whole params (``chunk_bytes``), so the sender's copies of chunk j run while chunk j+1 is
+on the wire; by default a batch is one transfer, since every transfer costs host time.
 
 Per bucket a rank replays at most: one batched copy of the sender's local bytes, per chunk one pack
 (senders of shards) and one or two batched copies out (contiguous same-dtype copies, which CUDA fuses
@@ -35,7 +28,7 @@ params keep their storage (``build_steps`` returns them, so the owner can check)
 
 Gather-buffer layout of a (group, dtype) batch: chunk j (params ``[s_j, e_j)`` of the packed shard
 order) at ``ws * s_j``, rank k's part of it at ``ws * s_j + k * (e_j - s_j)`` (exactly what
-``gather`` / ``all_gather_into_tensor`` of the chunk write).
+a receive per rank of the chunk writes).
 
 In-place buckets (``Bucket.inplace``, planned from ``placement``): the sender's params already hold
 the bucket's bytes back to back (megatron's DDP parameter buffer, params in the sync dtype whose HF
@@ -50,7 +43,6 @@ of the per-tensor path.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -61,9 +53,6 @@ from mrl.models.bridge import ParamMap
 from mrl.weight_sync.planner import Bucket, Placement, PlannedParam
 
 _ALIGN = 64  # bytes: start of each gather region (any dtype view stays aligned)
-CHUNK_ENV, MODE_ENV = "MRL_WEIGHT_SYNC_CHUNK_MB", "MRL_WEIGHT_SYNC_GATHER"
-DEFAULT_CHUNK_BYTES = 0  # one transfer per (group, dtype) and bucket
-MODES = ("p2p", "gather", "allgather")
 
 
 @dataclass(frozen=True)
@@ -196,18 +185,17 @@ class _Strided:
 
 @dataclass
 class GatherOp:
-    """One chunk of one (group, dtype) batch: this rank's pack and transfer and, on the sender, the
-    chunk's copies into the flat buffer once it has arrived."""
+    """One chunk of one (group, dtype) batch: this rank's pack and send or, on the sender, its receives
+    and the chunk's copies into the flat buffer once it has arrived."""
 
-    mode: str
     group: dist.ProcessGroup
     ranks: list[int]
     """Global ranks of the group's ranks (rank 0 receives)."""
     pack: Copies
-    """This rank's shards of the chunk into ``inp`` (the p2p receiver packs nothing here)."""
+    """This rank's shards of the chunk into ``inp`` (the receiver packs nothing here)."""
     inp: torch.Tensor | None
     out: torch.Tensor | None
-    """The chunk's region of the gather output, ``[ws * chunk]`` (receiver; every rank for allgather)."""
+    """The chunk's region of the gather output, ``[ws * chunk]`` (receiver only)."""
     copy_out: Copies
     """Receiver: the chunk's bytes into the flat buffer."""
     tag: int
@@ -218,16 +206,11 @@ class GatherOp:
         """Pack and launch the transfer (async); the works to wait on."""
         self.pack.run()
         ws = len(self.ranks)
-        if self.mode == "p2p":
-            if not self.receiver:
-                return [dist.isend(self.inp, dst=self.ranks[0], group=self.group, tag=self.tag)]
-            n = self.out.numel() // ws
-            return [dist.irecv(self.out[k * n:(k + 1) * n], src=self.ranks[k], group=self.group, tag=self.tag)
-                    for k in range(1, ws)]
-        if self.mode == "gather":
-            outs = list(self.out.split(self.out.numel() // ws)) if self.receiver else None
-            return [dist.gather(self.inp, outs, dst=self.ranks[0], group=self.group, async_op=True)]
-        return [dist.all_gather_into_tensor(self.out, self.inp, group=self.group, async_op=True)]
+        if not self.receiver:
+            return [dist.isend(self.inp, dst=self.ranks[0], group=self.group, tag=self.tag)]
+        n = self.out.numel() // ws
+        return [dist.irecv(self.out[k * n:(k + 1) * n], src=self.ranks[k], group=self.group, tag=self.tag)
+                for k in range(1, ws)]
 
     def finish(self, works: list) -> None:
         for w in works:
@@ -241,10 +224,10 @@ class BucketStep:
 
     bucket: Bucket
     shard_in: Copies
-    """Sender (p2p): its own row-parallel shards into its slot of the gather buffer."""
+    """Sender: its own row-parallel shards into its slot of the gather buffer."""
     gathers: list[GatherOp]
     copy_out: Copies
-    """Sender: the bytes it holds itself (replicated params; p2p: its own column-parallel shards) into
+    """Sender: the bytes it holds itself (replicated params, its own column-parallel shards) into
     the flat buffer. The gathered bytes are copied out per chunk (``GatherOp.copy_out``)."""
     flat: torch.Tensor | None
     """uint8 view of the bucket's bytes (sender only), in one of the reused send buffers."""
@@ -257,7 +240,7 @@ class BucketStep:
 
     def fill(self) -> None:
         # the receives first: the shards are on the wire while the sender copies its own bytes
-        posted = {id(op): op.start() for op in self.gathers if op.mode == "p2p" and op.receiver}
+        posted = {id(op): op.start() for op in self.gathers if op.receiver}
         self.shard_in.run()
         self.copy_out.run()
         last, sent = None, []
@@ -290,7 +273,7 @@ class _Batch:
     chunks: list = field(default_factory=list)
     """Element ranges ``(start, end)`` of the packed shard order, whole params each."""
     out: torch.Tensor | None = None
-    """The gather output (receiver; every rank for allgather), chunk-major (module docstring)."""
+    """The gather output (receiver only), chunk-major (module docstring)."""
 
     def split(self, chunk_elems: int) -> None:
         self.chunks = []
@@ -358,17 +341,16 @@ def _hf_offsets(bucket: Bucket) -> dict[str, list[int]]:
 @dataclass
 class _SenderCopies:
     own_in: Copies
-    """p2p: the sender's own row-parallel shards into its slot of the gather buffer."""
+    """The sender's own row-parallel shards into its slot of the gather buffer."""
     local: Copies
     """Into the flat buffer, from the sender's own params."""
     per_chunk: dict
     """(batch index, chunk) -> Copies into the flat buffer, from the gather buffer."""
 
 
-def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Tensor, *, own_direct: bool
-              ) -> _SenderCopies:
-    """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order.
-    ``own_direct``: the sender's own shards come from its params (p2p), not through the gather buffer."""
+def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Tensor) -> _SenderCopies:
+    """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order. The
+    sender's own shards come from its params, not through the gather buffer."""
     offsets = _hf_offsets(bucket)
     local_ranges, own_in = _Flat1D(), Copies()
     ranges = {(i, j): _Flat1D() for i, b in enumerate(batches) for j in range(len(b.chunks))}
@@ -399,8 +381,7 @@ def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.T
         if lp.partition_dim == 1:  # row-parallel: full[:, k*c:(k+1)*c] is rank k's shard
             c = cols // ws
             at = b.slot(j, 0) + within_chunk
-            if own_direct:
-                own_in.add(b.out[at:at + mine.numel()], mine)
+            own_in.add(b.out[at:at + mine.numel()], mine)
             for r in runs:  # dst [k, row, :] = hf[row, k*c:(k+1)*c]; src [k, row, :] = shard k's row
                 strided[i, j].add(flat, flat.storage_offset() + hf_off[r.hf] + r.hf_row * cols, (c, cols, 1),
                                   b.out, b.out.storage_offset() + at + r.full_row * c, (chunk_len, c, 1),
@@ -419,7 +400,7 @@ def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.T
                 k, within = divmod(loc, chunk[s])
                 take = min(rows, chunk[s] - within)
                 src_el, dst_el = (shard_prefix[s] + within) * cols, hf_off[r.hf] + hf_row * cols
-                if own_direct and k == 0:
+                if k == 0:
                     local_ranges.add(mine, src_el, dst_el, take * cols)
                 else:
                     ranges[i, j].add(b.out, b.slot(j, k) + within_chunk + src_el, dst_el, take * cols)
@@ -434,29 +415,12 @@ def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.T
     return _SenderCopies(own_in, local, per_chunk)
 
 
-def gather_mode(mode: str | None = None) -> str:
-    """How shards reach the sender: ``mode``, else ``MRL_WEIGHT_SYNC_GATHER``, else p2p (also on gloo,
-    whose gather is ~3x slower than its send/recv)."""
-    mode = mode or os.environ.get(MODE_ENV) or "p2p"
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV}={mode!r}: one of {MODES}")
-    return mode
-
-
-def chunk_bytes_default() -> int:
-    v = os.environ.get(CHUNK_ENV)
-    return DEFAULT_CHUNK_BYTES if v is None else int(float(v) * (1 << 20))
-
-
 def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[str, ParamMap], *, rank: int,
                 dp_rank: int, edp_rank: int, dtype: torch.dtype, device: torch.device,
-                num_send_buffers: int = 2, chunk_bytes: int | None = None, mode: str | None = None
-                ) -> tuple[list[BucketStep], list[torch.Tensor]]:
+                num_send_buffers: int = 2, chunk_bytes: int = 0) -> tuple[list[BucketStep], list[torch.Tensor]]:
     """This rank's steps for ``order`` (every bucket touching its stage, in the global order), and the
     local params the steps read (their storage must not move while the steps are used).
-    ``chunk_bytes`` (default ``MRL_WEIGHT_SYNC_CHUNK_MB``, else 0: one chunk per batch) and
-    ``mode`` (``gather_mode``): how the shards travel."""
-    chunk_bytes = chunk_bytes_default() if chunk_bytes is None else chunk_bytes
+    ``chunk_bytes``: split each (group, dtype) batch into transfers of about this size (0: one per batch)."""
     elem = torch.empty((), dtype=dtype).element_size()
     plans, gin_bytes, gout_bytes, flat_bytes = [], 0, 0, 0
     for bucket in order:
@@ -469,7 +433,7 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             b.split(chunk_bytes // item)
             b.in_byte, b.out_byte = gin, gout
             gin = _align(gin + b.numel * item)
-            if b.group.rank == 0 or gather_mode(mode) == "allgather":
+            if b.group.rank == 0:
                 gout = _align(gout + b.numel * item * b.group.size)
         gin_bytes, gout_bytes = max(gin_bytes, gin), max(gout_bytes, gout)
         view = _inplace_view(bucket, direct, dtype) if bucket.inplace and rank == bucket.sender else None
@@ -483,10 +447,9 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
                  for _ in range(min(num_send_buffers, num_sends))]
     steps, sources, sends = [], [], 0
     for bucket, direct, batches, view in plans:
-        bmode = [gather_mode(mode) for b in batches]
-        for b, m in zip(batches, bmode):
+        for b in batches:
             item = torch.empty((), dtype=b.dtype).element_size()
-            if b.group.rank == 0 or m == "allgather":
+            if b.group.rank == 0:
                 b.out = gout_buf[b.out_byte:b.out_byte + b.numel * item * b.group.size].view(b.dtype)
             sources += [lp.param for lp, _, _, _ in b.items]
         flat, slot, sc = None, None, None
@@ -498,12 +461,11 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             sends += 1
             flat = send_bufs[slot][:bucket.nbytes]
             assert bucket.nbytes % elem == 0
-            own_direct = all(m == "p2p" for m in bmode)
-            sc = _copy_out(bucket, direct, batches, flat.view(dtype), own_direct=own_direct)
+            sc = _copy_out(bucket, direct, batches, flat.view(dtype))
             sources += [lp.param for lp, _, _ in direct]
         gathers, same_group = [], {}
-        for i, (b, m) in enumerate(zip(batches, bmode)):
-            # p2p tag: the chunk and the batch's place among this group's batches (same on every rank of
+        for i, b in enumerate(batches):
+            # tag: the chunk and the batch's place among this group's batches (same on every rank of
             # the group, whatever other groups this rank joins); gloo matches on it, NCCL keeps order
             nth = same_group.setdefault(id(b.group.group), [0])
             nth[0] += 1
@@ -513,14 +475,14 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             gin = gin_buf[b.in_byte:b.in_byte + b.numel * item].view(b.dtype)
             for j, (s, e) in enumerate(b.chunks):
                 pack = Copies()
-                packs = not (receiver and m == "p2p")
+                packs = not receiver
                 if packs:
                     for lp, _, _, o in b.items:
                         if s <= o < e:
                             src = _flat_view(lp.param)
                             pack.add(gin[o:o + src.numel()], src)
                 out = None if b.out is None else b.out[b.slot(j, 0):b.slot(j, 0) + (e - s) * b.group.size]
-                gathers.append(GatherOp(m, b.group.group, ranks, pack, gin[s:e] if packs else None, out,
+                gathers.append(GatherOp(b.group.group, ranks, pack, gin[s:e] if packs else None, out,
                                         sc.per_chunk[i, j] if sc is not None and receiver else Copies(),
                                         tag=j * 16 + nth[0] - 1, receiver=receiver))
         steps.append(BucketStep(bucket, sc.own_in if sc else Copies(), gathers, sc.local if sc else Copies(),

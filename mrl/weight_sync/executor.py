@@ -107,8 +107,9 @@ class DistributedWeightSync:
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
                  master_address: str = "127.0.0.1", group_prefix: str = "mrl", timeout_s: float = 300.0,
-                 fault: SyncFault | None = None):
+                 fault: SyncFault | None = None, chunk_bytes: int = 0):
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
+        self.chunk_bytes = chunk_bytes  # shard transfers split into chunks of this size (copy_plan.build_steps)
         self.fault = fault
         self.master_address = master_address
         self.maps = maps_by_name(bridge, padded_vocab)
@@ -260,7 +261,8 @@ class DistributedWeightSync:
             self._steps = None  # drop the old buffers first
             steps, sources = build_steps(self._order, self.local, self.maps, rank=self.layout.world_rank,
                                          dp_rank=self.layout.dp.rank, edp_rank=self.layout.edp.rank,
-                                         dtype=_TORCH_DTYPES[self.dtype], device=compat.DEVICE)
+                                         dtype=_TORCH_DTYPES[self.dtype], device=compat.DEVICE,
+                                         chunk_bytes=self.chunk_bytes)
             self._steps, self._sources = steps, (sources, list(map(torch.Tensor.data_ptr, sources)))
         return self._steps
 

@@ -1,8 +1,8 @@
 """The executor's static copy plan writes, bit for bit, the bytes of the per-tensor path (gather the
 full tensor, ``split_full``, cast, concatenate) for every bucket, in TP1 / TP2 (expert-TP2) / EP2 /
 TP2xEP2 / PP2 layouts over gloo -- on first use, when replayed after the weights changed in place,
-and after a param's storage moved (the plan is rebuilt) -- with the shards sent point to point (one
-transfer per group, and in several chunks per bucket), gathered and all-gathered in chunks. Then
+and after a param's storage moved (the plan is rebuilt) -- with the shards sent point to point, one
+transfer per group and in several chunks per bucket. Then
 with the params in megatron's DDP parameter buffer (as the trainer holds them): the in-place buckets
 are views of that buffer (no copy) with the same bytes, and copies again once the params moved.
 
@@ -37,13 +37,13 @@ def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]][:3]
     checked = {(row["config"], row["dtype"], row["phase"]) for row in rows if row["config"] != "ddp"}
-    assert checked == {(f"{m}/{c}", d, p) for m, c in CONFIGS for d in ("float32", "bfloat16")
+    assert checked == {(f"chunk/{c}", d, p) for c in CHUNK_KIB for d in ("float32", "bfloat16")
                        for p in ("first", "changed", "moved")}
     if name in ("tp2", "tp2ep2"):  # TP shards travel (EP2, PP2 gather nothing): in chunks where asked
         most = {}
         for row in rows:
             most[row["config"]] = max(most.get(row["config"], 0), row["max_transfers"])
-        assert most["p2p/8"] > most["p2p/0"] >= 1, most
+        assert most["chunk/8"] > most["chunk/0"] >= 1, most
     buckets = {row["bucket"] for row in rows}
     assert len(buckets) >= 4  # several buckets per sender: both send buffers are used
     ddp = [row for row in rows if row["config"] == "ddp"]
@@ -65,9 +65,9 @@ def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
         row["nbytes"] for row in ddp if row["phase"] == "first" and row["dtype"] == "float32"), "the experts at least go in place"
 
 
-# how the shards travel (copy_plan.MODE_ENV) and their chunk size in KiB (CHUNK_ENV; 0 = one chunk per group):
-# 8 KiB chunks split each 48 KiB bucket into several transfers
-CONFIGS = [("p2p", 8), ("p2p", 0), ("gather", 8), ("allgather", 8)]
+# chunk size of the shard transfers in KiB (0 = one transfer per group and bucket): 8 KiB chunks split
+# each 48 KiB bucket into several transfers
+CHUNK_KIB = [8, 0]
 
 
 def _reference(ex, bucket, dtype):
@@ -115,7 +115,6 @@ def main() -> None:
     from mrl.jobs.common import add_layout_args, load_model
     from mrl.megatron.optim import wrap_ddp
     from mrl.megatron.parallel import destroy
-    from mrl.weight_sync.copy_plan import CHUNK_ENV, MODE_ENV
     from mrl.weight_sync.executor import DistributedWeightSync
 
     ap = argparse.ArgumentParser()
@@ -126,17 +125,15 @@ def main() -> None:
         faulthandler.dump_traceback_later(int(os.environ["MRL_DUMP_AFTER"]), exit=True)
     m = load_model(a)
     rows: list[dict] = []
-    for mode, chunk_kib in CONFIGS:
-        os.environ[MODE_ENV], os.environ[CHUNK_ENV] = mode, str(chunk_kib / 1024)
+    for chunk_kib in CHUNK_KIB:
         for dtype in ("float32", "bfloat16"):
             ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                       engines=[], bucket_bytes=48 << 10, dtype=dtype)
+                                       engines=[], bucket_bytes=48 << 10, dtype=dtype, chunk_bytes=chunk_kib << 10)
             phase_rows: list[dict] = []
             _phases(ex, getattr(torch, dtype), phase_rows)
             chunks = max((len(st.gathers) for st in ex.steps()), default=0)
-            rows += [dict(r, config=f"{mode}/{chunk_kib}", max_transfers=chunks) for r in phase_rows]
+            rows += [dict(r, config=f"chunk/{chunk_kib}", max_transfers=chunks) for r in phase_rows]
             ex.release_buffers()
-    os.environ.pop(MODE_ENV), os.environ.pop(CHUNK_ENV)
     model = m.model
     for dtype in ("float32", "bfloat16"):  # the params in a fresh DDP buffer (the trainer's), planned in place
         ddp = wrap_ddp(model, m.cfg)

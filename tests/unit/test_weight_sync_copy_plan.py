@@ -76,14 +76,12 @@ def _tp_shards(pm, full: torch.Tensor, dim: int, ws: int) -> list[torch.Tensor]:
     return [torch.cat([s.chunk(ws, 0)[k] for s in segs], 0).contiguous() for k in range(ws)]
 
 
-@pytest.mark.parametrize("own_direct", [True, False])
 @pytest.mark.parametrize("chunk_kib", [0, 4, 16])
-def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, own_direct, chunk_kib):
+def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, chunk_kib):
     """The sender's side of a TP2 bucket, without a process group: rank k's part of chunk j is put at
-    ``_Batch.slot(j, k)`` of the gather buffer by hand (what gather / all_gather_into_tensor / the p2p
-    receives write); the sender's own shards come from its params (``own_direct``, p2p: column-parallel
-    rows straight into the flat buffer, row-parallel ones through its slot) or from the buffer. The
-    flat buffers hold exactly the per-tensor path's bytes, for one chunk per batch and for several."""
+    ``_Batch.slot(j, k)`` of the gather buffer by hand (what the receives write); the sender's own shards
+    come from its params (column-parallel rows straight into the flat buffer, row-parallel ones through
+    its slot). The flat buffers hold exactly the per-tensor path's bytes, for one chunk per batch and for several."""
     from mrl.megatron.parallel import GroupInfo
     from mrl.weight_sync.copy_plan import _copy_out, _participation
 
@@ -111,13 +109,13 @@ def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, own_direct, c
             b.split(chunk_kib * 256)  # fp32 elements
             chunked += len(b.chunks) > 1
             b.out = torch.full((b.numel * ws,), float("nan"))
-            for lp, _, _, o in b.items:  # every rank's shard at its slot (rank 0's too unless own_direct)
+            for lp, _, _, o in b.items:  # every rank's shard at its slot (rank 0's comes from its params)
                 j = b.chunk_of(o)
-                for k in range(1 if own_direct else 0, ws):
+                for k in range(1, ws):
                     at = b.slot(j, k) + o - b.chunks[j][0]
                     b.out[at:at + lp.param.numel()] = shards[lp.name][k].view(-1)
         flat = torch.full((bucket.nbytes // 4,), float("nan"))
-        sc = _copy_out(bucket, direct, batches, flat, own_direct=own_direct)
+        sc = _copy_out(bucket, direct, batches, flat)
         sc.own_in.run()
         sc.local.run()
         for key in sorted(sc.per_chunk):
@@ -125,8 +123,6 @@ def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, own_direct, c
         want = torch.cat([split_full(maps[p.mcore_name], fulls[p.mcore_name])[t.name].reshape(-1)
                           for p in bucket.params for t in p.tensors])
         assert torch.equal(flat, want), bucket.index
-        if own_direct:  # nothing of the sender's own column-parallel shards goes through the buffer
-            assert len(sc.local) >= sum(1 for b in batches for lp, *_ in b.items if lp.partition_dim == 0)
-        else:
-            assert not sc.own_in
+        # nothing of the sender's own column-parallel shards goes through the buffer
+        assert len(sc.local) >= sum(1 for b in batches for lp, *_ in b.items if lp.partition_dim == 0)
     assert chunked if chunk_kib else not chunked
