@@ -50,6 +50,10 @@ def ensure_model(cfg: Config) -> str:
 
         print(f"[mrl] writing tiny model preset '{cfg.model.tiny_preset.value}' to {path}", flush=True)
         make_tiny_model(path, cfg.model.tiny_preset)
+    elif cfg.model.make_tiny_if_missing:
+        from mrl.models.tiny import check_preset
+
+        check_preset(path, cfg.model.tiny_preset)
     return path
 
 
@@ -68,7 +72,7 @@ def check_model(cfg: Config) -> int:
             "--export", os.path.join(cfg.run_dir, "export_hf")]
     if p.etp is not None:
         args += ["--etp", str(p.etp)]
-    from mrl.jobs import torchrun
+    from mrl.process import torchrun
 
     return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg), capture=False).returncode
 
@@ -77,7 +81,7 @@ def train(cfg: Config) -> int:
     """The RL loop (mrl/train.py) on the trainer ranks; engines are started by rank 0."""
     from omegaconf import OmegaConf
 
-    from mrl.jobs import torchrun
+    from mrl.process import torchrun
 
     path = ensure_model(cfg)
     if cfg.model.hf_path != path:

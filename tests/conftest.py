@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 
-from mrl.jobs import torchrun
+from mrl.process import torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

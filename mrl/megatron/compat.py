@@ -365,7 +365,7 @@ def checkpoint_writer_dies_with_rank() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from mrl.jobs import die_with_parent
+    from mrl.process import die_with_parent
 
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return

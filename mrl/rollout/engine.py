@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl.jobs import die_with_parent
+from mrl.process import die_with_parent
 from mrl.rollout import cpu_mode, gpu_mode
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
 

@@ -22,7 +22,7 @@ def probe_hits(ckpt_dir, tmp_path_factory):
     # DDP + DistributedOptimizer steps through megatron's schedules
     for name, nproc, args in [("tp2ep2etp2", 4, ["--tp", "2", "--ep", "2", "--etp", "2"]), ("pp2", 2, ["--pp", "2"])]:
         f = out / f"{name}.json"
-        r = run_torchrun("mrl.jobs.compat_probe", ["--hf", ckpt_dir["stress_a"], "--out", str(f), *args], nproc)
+        r = run_torchrun("tests.jobs.compat_probe", ["--hf", ckpt_dir["stress_a"], "--out", str(f), *args], nproc)
         assert r.returncode == 0, r.stderr[-4000:]
         rep = read_json(f)
         applied = rep["applied"]

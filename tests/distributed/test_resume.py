@@ -19,7 +19,7 @@ def test_resume_is_bit_identical(ckpt_dir, tmp_path):
     for args in (["--out", str(tmp_path / "a")],
                  ["--stop-after", "2", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "b1")],
                  ["--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b2")]):
-        r = run_torchrun("mrl.jobs.resume_check", base + args, 2, timeout=400)
+        r = run_torchrun("tests.jobs.resume_check", base + args, 2, timeout=400)
         assert r.returncode == 0, r.stderr[-4000:]
     a, b1, b2 = _rows(tmp_path / "a"), _rows(tmp_path / "b1"), _rows(tmp_path / "b2")
     for rank in range(2):

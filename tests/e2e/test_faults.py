@@ -43,7 +43,7 @@ def _finish(proc: subprocess.Popen, run, timeout: float = 900) -> tuple[int, str
     try:
         proc.wait(timeout=timeout)
     finally:
-        if proc.poll() is None:  # Ctrl-C: the launcher kills its whole tree (mrl.jobs.torchrun)
+        if proc.poll() is None:  # Ctrl-C: the launcher kills its whole tree (mrl.process.torchrun)
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=30)

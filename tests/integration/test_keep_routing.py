@@ -75,7 +75,7 @@ def ahead(ckpt_dir, tmp_path_factory):
 
 
 def _run(ahead, samples, out, nproc, args):
-    r = run_torchrun("mrl.jobs.replay_check", ["--hf", ahead, "--input", str(samples), "--out", str(out),
+    r = run_torchrun("tests.jobs.replay_check", ["--hf", ahead, "--input", str(samples), "--out", str(out),
                                                "--micro-batches", "2", "--pack-len", str(PACK_LEN), *args],
                      nproc, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -73,7 +73,7 @@ def megatron_scores(ckpt_dir, engine_samples, tmp_path_factory):
     out = {}
     for name, nproc, args in [("tp1", 1, []), ("tp2", 2, ["--tp", "2"])]:
         f = d / f"{name}.json"
-        r = run_torchrun("mrl.jobs.score", ["--hf", ckpt_dir["tiny"], "--input", str(d / "in.json"),
+        r = run_torchrun("tests.jobs.score", ["--hf", ckpt_dir["tiny"], "--input", str(d / "in.json"),
                                             "--out", str(f), *args], nproc)
         assert r.returncode == 0, r.stderr[-3000:]
         out[name] = json.loads(f.read_text())["results"]

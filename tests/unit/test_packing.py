@@ -191,7 +191,7 @@ def test_policy_rl_step_is_the_same_packed_or_not(ckpt_dir, gloo_world):
     """The trainer's own step (``Policy.rl_step``: replayed routes, Keep Sampling Mask, GRPO loss, optimizer)
     from the same weights on the same batch: packing changes float rounding only."""
     from mrl.config.load import compose
-    from mrl.jobs.resume_check import synthetic_batch
+    from tests.jobs.resume_check import synthetic_batch
     from mrl.megatron.parallel import init_parallel
     from mrl.megatron.policy import Policy
 

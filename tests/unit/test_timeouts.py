@@ -214,7 +214,7 @@ if __name__ == "__main__":
 def test_launcher_summary_names_dead_rank_signal_and_checkpoint(tmp_path):
     from types import SimpleNamespace
 
-    from mrl.jobs import _resume_hint, failure_summary
+    from mrl.process import failure_summary, resume_hint
 
     killed = SimpleNamespace(exitcode=-9, pid=42, timestamp=2.0, signal_name=lambda: "SIGKILL")
     raised = SimpleNamespace(exitcode=1, pid=41, timestamp=1.0, signal_name=lambda: "")
@@ -225,11 +225,11 @@ def test_launcher_summary_names_dead_rank_signal_and_checkpoint(tmp_path):
         "rank 1 (pid 42) was killed by SIGKILL.")  # first failure first; nobody left to stop
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"run_dir: {tmp_path}\ntrain:\n  resume: true\n")
-    assert "No checkpoint in" in _resume_hint("mrl.train", [str(cfg)])
+    assert "No checkpoint in" in resume_hint("mrl.train", [str(cfg)])
     for step in (2, 10, 4):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_10" / "loop_state.pkl").touch()  # complete
     (tmp_path / "checkpoints" / "step_2" / "loop_state.pkl").touch()  # step_4: written half-way, ignored
-    assert _resume_hint("mrl.train", [str(cfg)]).strip() == (
+    assert resume_hint("mrl.train", [str(cfg)]).strip() == (
         f"Last checkpoint: {tmp_path}/checkpoints/step_10 -- rerun the same command to resume from it.")
-    assert _resume_hint("mrl.jobs.check_model", [str(cfg)]) == ""
+    assert resume_hint("mrl.jobs.check_model", [str(cfg)]) == ""

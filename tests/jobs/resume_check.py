@@ -1,6 +1,6 @@
 """Resume check: RL steps after a checkpoint + restart are bit-identical to an uninterrupted run.
 
-    torchrun --nproc-per-node 2 -m mrl.jobs.resume_check --hf DIR --parallel ep2 --steps 4 --out a.json
+    torchrun --nproc-per-node 2 -m tests.jobs.resume_check --hf DIR --parallel ep2 --steps 4 --out a.json
     torchrun ... --steps 4 --stop-after 2 --ckpt CK --out b1.json      # saves after step 2
     torchrun ... --steps 4 --resume CK --out b2.json                   # loads, runs steps 3-4
 

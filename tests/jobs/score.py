@@ -1,6 +1,6 @@
 """Trainer-side scoring: per-token logprobs and the experts megatron's router picks, for given sequences.
 
-    torchrun --nproc-per-node 2 -m mrl.jobs.score --hf DIR --tp 2 --input seqs.json --out scores.json
+    torchrun --nproc-per-node 2 -m tests.jobs.score --hf DIR --tp 2 --input seqs.json --out scores.json
 
 ``seqs.json``: ``{"sequences": [[token ids], ...]}``. Output per sequence: ``logprobs`` (log p of
 token t given tokens < t, for t >= 1, over the real vocabulary) and ``routes`` (``[T, moe_layers, K]``

@@ -1,7 +1,7 @@
 """Run the megatron paths mrl uses (build, load, SP/EP/PP fwd+bwd via the schedules, DDP,
 DistributedOptimizer step) and report which CPU compat shims and megatron call sites were hit.
 
-    torchrun --nproc-per-node 4 -m mrl.jobs.compat_probe --hf DIR --tp 2 --ep 2 --etp 2 --out hits.json
+    torchrun --nproc-per-node 4 -m tests.jobs.compat_probe --hf DIR --tp 2 --ep 2 --etp 2 --out hits.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Keep Routing check: replay engine-recorded experts in any layout, and report what the routers did.
 
-    torchrun --nproc-per-node 2 -m mrl.jobs.replay_check --hf DIR --tp 2 --input samples.json \\
+    torchrun --nproc-per-node 2 -m tests.jobs.replay_check --hf DIR --tp 2 --input samples.json \\
         --micro-batches 2 --recompute --pack-len 32 --out DIR
 
 ``samples.json``: ``{"sequences": [[ids]], "routes": [[[[expert]*K]*L]*(n-1)]}`` (engine records, dense

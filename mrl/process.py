@@ -1,0 +1,125 @@
+"""Process helpers: the local torchrun launcher, parent-death signals and killing a process tree.
+
+When a rank started by ``torchrun`` dies, torchrun stops the others and the launcher ends with one line naming the rank and
+how it died, after torchrun's own report; for ``mrl.train`` also the checkpoint a rerun resumes from:
+
+    [mrl] mrl.train failed: rank 1 (pid 4242) was killed by SIGKILL; torchrun stopped the other ranks.
+          Last checkpoint: runs/x/checkpoints/step_2 -- rerun the same command to resume from it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+
+def die_with_parent() -> None:
+    """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+
+
+# torchrun's agent, run in-process so that its ChildFailedError (which ranks failed, and how) is ours to report
+_AGENT = "import sys; from mrl.process import agent_main; sys.exit(agent_main(sys.argv[1:]))"
+
+
+def torchrun(module: str, args: list[str], nproc: int, *, timeout: float | None = None, capture: bool = True,
+             cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m module`` on ``nproc`` local ranks. A timeout or Ctrl-C kills the launcher and every
+    process under it: no orphaned ranks keep ports or cores."""
+    if os.environ.get("PET_NNODES"):  # a Slurm trainer node: torchrun reads the multi-node rendezvous
+        # (PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR/PORT) from the environment
+        cmd = [sys.executable, "-c", _AGENT, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-c", _AGENT, "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
+    if not capture:
+        print("[mrl] torchrun " + " ".join(cmd[3:]), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # timeout, Ctrl-C: take the workers down with the launcher
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        if isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+            raise TimeoutError(f"{module} timed out after {timeout}s:\n{(err or '')[-3000:]}")
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL torchrun's agent and every process under it: the workers run in sessions of their own (torch
+    elastic starts them so), so killing the agent's process group alone would leave them running."""
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+
+
+def agent_main(argv: list[str]) -> int:
+    """``torchrun argv...``; on a failed rank, torchrun's report and then a summary line (stderr), exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        module = args.training_script if args.module else os.path.basename(args.training_script)
+        try:
+            world = int(args.nproc_per_node) * int(str(args.nnodes).split(":")[-1])
+        except ValueError:  # "gpu", "auto", ...
+            world = None
+        print(f"[mrl] {failure_summary(module, e.failures, world)}"
+              f"{resume_hint(module, args.training_script_args)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def failure_summary(module: str, failures: dict, world_size: int | None = None) -> str:
+    """One sentence from torchrun's ``{global rank: ProcessFailure}``, first failure first."""
+    ranks = sorted(failures, key=lambda r: (failures[r].timestamp, r))
+    parts = []
+    for r in ranks:
+        f = failures[r]
+        if f.exitcode < 0:
+            parts.append(f"rank {r} (pid {f.pid}) was killed by {f.signal_name()}")
+        else:
+            parts.append(f"rank {r} (pid {f.pid}) exited with code {f.exitcode} (its error is above)")
+    rest = "; torchrun stopped the other ranks" if world_size is None or len(failures) < world_size else ""
+    return f"{module} failed: {'; '.join(parts)}{rest}."
+
+
+def resume_hint(module: str, args: list[str]) -> str:
+    """For ``mrl.train <run_dir>/config.yaml``: where a rerun resumes (its ``_latest_checkpoint``)."""
+    if module != "mrl.train" or not args or not os.path.isfile(args[0]):
+        return ""
+    import yaml
+
+    with open(args[0]) as f:
+        cfg = yaml.safe_load(f)
+    root = os.path.join(cfg["run_dir"], "checkpoints")
+    done = sorted((d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                   if os.path.isfile(os.path.join(root, d, "loop_state.pkl"))), key=lambda d: int(d.split("_")[-1]))
+    if not done:
+        return f"\n      No checkpoint in {root} yet (train.save_every): a rerun starts from the beginning."
+    if not cfg.get("train", {}).get("resume", True):
+        return f"\n      Last checkpoint: {os.path.join(root, done[-1])} (train.resume=false: a rerun ignores it)."
+    return f"\n      Last checkpoint: {os.path.join(root, done[-1])} -- rerun the same command to resume from it."

@@ -1,0 +1,1 @@
+"""Per-rank workers of the tests, started by torchrun (``python -m tests.jobs.<name>``)."""
