@@ -1,6 +1,6 @@
 """``mrl`` command line: each sub-command is a Hydra app over ``conf/``.
 
-    mrl train [overrides...]              the RL loop (tiny model, CPU engine, add_mod task by default)
+    mrl train [overrides...]              the RL loop (tiny model, CPU engine, copy_last task by default)
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
     mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
@@ -77,8 +77,8 @@ def check_model(cfg: Config) -> int:
     return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg), capture=False).returncode
 
 
-def train(cfg: Config) -> int:
-    """The RL loop (mrl/train.py) on the trainer ranks; engines are started by rank 0."""
+def train(cfg: Config, module: str = "mrl.train") -> int:
+    """The RL loop (``module``: mrl/train.py) on the trainer ranks; engines are started by rank 0."""
     from omegaconf import OmegaConf
 
     from mrl.process import torchrun
@@ -93,7 +93,7 @@ def train(cfg: Config) -> int:
     resolved = os.path.join(cfg.run_dir, "config.yaml")
     with open(resolved, "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    return torchrun("mrl.train", [resolved], trainer_world_size(cfg), capture=False).returncode
+    return torchrun(module, [resolved], trainer_world_size(cfg), capture=False).returncode
 
 
 def make_tiny(argv: list[str]) -> int:

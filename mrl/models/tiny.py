@@ -148,3 +148,16 @@ def make_tiny_model(out_dir: str, preset: TinyPreset = TinyPreset.tiny, seed: in
     tok = build_tokenizer(cfg.vocab_size)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir
+
+
+def check_preset(path: str, preset: TinyPreset) -> None:
+    """A checkpoint already at ``path`` must be of ``preset``'s architecture: ``model.tiny_preset`` names
+    the family the run expects, and an old directory of another family would otherwise be trained as is."""
+    from mrl.models.bridge import read_config_json
+
+    have = read_config_json(path).get("architectures") or []
+    want = FAMILIES[TinyPreset(preset)][1]
+    if want not in have:
+        raise ValueError(f"model.hf_path={path} holds a {have} checkpoint but model.tiny_preset="
+                         f"{TinyPreset(preset).value} is {want}: point model.hf_path elsewhere or delete it")
+

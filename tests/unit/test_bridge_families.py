@@ -1,0 +1,139 @@
+"""Bridges of the families beyond Qwen3 (GLM-4.5, ...): mapping coverage and exact inverse on the tiny
+checkpoints, config translation, the real models' shapes, and bad input failing before anything loads."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mrl.models import UnsupportedModelError, get_bridge
+from mrl.models.bridge import full_from_parts, split_full
+from mrl.models.checkpoint import CheckpointError, HFCheckpoint
+
+FAMILIES = ["glm4_moe"]
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_mapping_covers_every_hf_tensor_once_and_inverts_exactly(ckpt_dir, preset):
+    bridge = get_bridge(ckpt_dir[preset])
+    vp = bridge.padded_vocab(128, 2)
+    ckpt = HFCheckpoint(ckpt_dir[preset])
+    assert bridge.hf_tensor_shapes(vp) == ckpt.shapes
+    rows_used: dict[str, int] = {}
+    hf = load_file(os.path.join(ckpt_dir[preset], "model.safetensors"))
+    back = {}
+    for pm in bridge.param_maps(vp):
+        for seg in pm.segments:
+            for p in seg:
+                if p.hf_name:
+                    rows_used[p.hf_name] = rows_used.get(p.hf_name, 0) + p.num_rows
+        full = full_from_parts(pm, hf)
+        assert tuple(full.shape) == pm.shape
+        back.update(split_full(pm, full))
+    assert rows_used == {k: v[0] for k, v in ckpt.shapes.items()}
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_glm4_moe_config_translation(ckpt_dir):
+    b = get_bridge(ckpt_dir["glm4_moe"])
+    kw = b.transformer_config_kwargs()
+    assert kw["moe_layer_freq"] == [0, 1, 1]  # first_k_dense_replace=1
+    assert kw["kv_channels"] == 24 and kw["num_query_groups"] == 2
+    assert kw["moe_router_score_function"] == "sigmoid" and kw["moe_router_enable_expert_bias"] is True
+    assert kw["moe_router_bias_update_rate"] == 0.0  # the bias stays the checkpoint's
+    assert kw["moe_router_topk_scaling_factor"] == 2.5
+    assert kw["moe_router_num_groups"] is None and kw["moe_router_group_topk"] is None  # n_group=1
+    assert kw["moe_shared_expert_intermediate_size"] == 32
+    assert kw["add_qkv_bias"] is True and kw["add_bias_linear"] is False and kw["qk_layernorm"] is True
+    g = b.gpt_model_kwargs(512)
+    assert g["rotary_percent"] == 0.5 and g["rotary_base"] == 500000.0
+    shapes = b.hf_tensor_shapes(512)
+    assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (8,)
+    assert shapes["model.layers.0.self_attn.q_proj.bias"] == (96,)
+    assert "model.layers.0.mlp.gate.weight" not in shapes  # the dense layer
+    pm = next(p for p in b.param_maps(512) if p.mcore_name == "decoder.layers.0.self_attention.linear_qkv.bias")
+    assert [(p.hf_name.split(".")[-2], p.start, p.stop) for p in pm.segments[0]] == [
+        ("q_proj", 0, 48), ("k_proj", 0, 24), ("v_proj", 0, 24), ("q_proj", 48, 96), ("k_proj", 24, 48),
+        ("v_proj", 24, 48)]
+
+
+# GLM-4.5-Air's config.json (public), the shapes a cluster user loads
+GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                 num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                 n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=1.0,
+                 n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False,
+                 attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                 max_position_embeddings=131072, tie_word_embeddings=False)
+
+
+def _write_config(tmp_path, name, arch, **kw):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": [arch], **kw}))
+    return str(d)
+
+
+def test_glm45_air_shapes(tmp_path):
+    b = get_bridge(_write_config(tmp_path, "air", "Glm4MoeForCausalLM", model_type="glm4_moe", **GLM45_AIR))
+    kw = b.transformer_config_kwargs()
+    assert kw["moe_layer_freq"] == [0] + [1] * 45 and kw["kv_channels"] == 128
+    assert kw["moe_shared_expert_intermediate_size"] == 1408 and kw["qk_layernorm"] is False
+    assert b.gpt_model_kwargs(151552)["rotary_percent"] == 0.5
+    shapes = b.hf_tensor_shapes(b.padded_vocab(128, 8))
+    assert shapes["model.layers.1.mlp.experts.127.gate_proj.weight"] == (1408, 4096)
+    assert shapes["model.layers.1.mlp.shared_experts.down_proj.weight"] == (4096, 1408)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (96 * 128, 4096)
+    assert "model.layers.0.self_attn.q_norm.weight" not in shapes
+    assert sum(1 for k in shapes if k.endswith("e_score_correction_bias")) == 45
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(n_group=3, topk_group=1), "n_group=3"),
+    (dict(n_group=4, topk_group=2, num_experts_per_tok=8), "topk_group=2"),
+    (dict(n_group=2, topk_group=4), "topk_group=4"),
+    (dict(norm_topk_prob=False), "norm_topk_prob"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                           "original_max_position_embeddings": 512}), "rope_scaling type 'yarn'"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_glm4_moe_bad_config_names_the_field(ckpt_dir, tmp_path, change, field):
+    dst = tmp_path / "bad"
+    shutil.copytree(ckpt_dir["glm4_moe"], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=field.replace("(", r"\(")):
+        get_bridge(str(dst))
+
+
+def test_checkpoint_of_another_family_names_the_tensors(ckpt_dir, tmp_path):
+    """GLM's config.json over Qwen3-MoE tensors (and the reverse): the tensor check fails before loading."""
+    dst = tmp_path / "mixed"
+    shutil.copytree(ckpt_dir["glm4_moe"], dst)
+    shutil.copy(os.path.join(ckpt_dir["stress_a"], "model.safetensors"), dst / "model.safetensors")
+    b = get_bridge(str(dst))
+    with pytest.raises(CheckpointError, match=r"missing tensors: .*e_score_correction_bias"):
+        HFCheckpoint(str(dst)).check_against(b.hf_tensor_shapes(512))
+
+
+def test_missing_score_correction_bias_is_named(ckpt_dir, tmp_path):
+    dst = tmp_path / "nobias"
+    shutil.copytree(ckpt_dir["glm4_moe"], dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    del sd["model.layers.2.mlp.gate.e_score_correction_bias"]
+    save_file(sd, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: \['model.layers.2.mlp.gate.e_score_correction_bias'\]"):
+        HFCheckpoint(str(dst)).check_against(get_bridge(str(dst)).hf_tensor_shapes(512))
+
+
+def test_tiny_preset_of_another_family_is_refused(ckpt_dir):
+    """``model=glm4_moe_tiny`` with ``model.hf_path`` at an existing Qwen3-MoE checkpoint."""
+    from mrl.models.tiny import check_preset
+
+    with pytest.raises(ValueError, match=r"model.hf_path=.*Qwen3MoeForCausalLM.*model.tiny_preset=glm4_moe"):
+        check_preset(ckpt_dir["tiny"], "glm4_moe")
+    check_preset(ckpt_dir["glm4_moe"], "glm4_moe")
+    check_preset(ckpt_dir["stress_a"], "tiny")  # same family
