@@ -224,6 +224,8 @@ class Engine:
             del env[k]
         env.update(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.port > 55535:  # SGLang 0.5.14 refuses to start when its gRPC port (--port + 10000) passes 65535
+            env.setdefault("SGLANG_GRPC_PORT", str(self.port - 10000))
         cmd = self.command()
         log = open(self.log_path, "ab")
         log.write(self.secrets.redact("$ " + " ".join(cmd) + "\n").encode())
