@@ -72,11 +72,53 @@ def device_name() -> str:
     return "CPU (gloo)"
 
 
-def dump(result: dict, path: str | None) -> None:
+REPORTS = os.path.join(HERE, "reports")
+
+
+def slug(device: str) -> str:
+    """``2x NVIDIA H200`` -> ``2xH200``, ``CPU (gloo)`` -> ``cpu``: the hardware part of a report's name."""
+    if device.startswith("CPU"):
+        return f"cpu{os.cpu_count()}core"
+    n, _, name = device.partition("x ")
+    return f"{n}x{name.split()[-1]}"
+
+
+def environment() -> dict:
+    """Hardware and versions of this run, recorded in every report."""
+    import platform
+    from datetime import datetime, timezone
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for pkg in ("torch", "megatron-core", "sglang", "transformers"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    commit = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   cpu)
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device_name(),
+            "cpu": cpu, "cpu_cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "versions": versions,
+            "mrl_commit": commit.stdout.strip() or None, "command": " ".join([os.path.basename(sys.argv[0]),
+                                                                            *sys.argv[1:]])}
+
+
+def dump(result: dict, path: str | None, *, name: str) -> str:
+    """Print ``result`` and write it, with ``environment()``, as a report: ``path``, or by default
+    ``bench/reports/<date>_<name>.json``. Results carry every repetition, not only their summary."""
+    result = {"environment": environment(), **result}
     print(json.dumps(result))
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+    if path is None:
+        os.makedirs(REPORTS, exist_ok=True)
+        path = os.path.join(REPORTS, f"{result['environment']['date'][:10]}_{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"[bench] report: {path}", file=sys.stderr)
+    return path
 
 
 # -- inside workers (megatron imported) ------------------------------------------------------------

@@ -18,7 +18,7 @@ from mrl.megatron import compat
 from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from mrl.weight_sync.copy_plan import BucketStep
-from mrl.weight_sync.executor import DistributedWeightSync
+from mrl.weight_sync.distributed import DistributedWeightSync
 from mrl.jobs.sync_weights import parse_engines
 from _bench_common import timed
 
@@ -128,7 +128,7 @@ def bench(bucket_mb: float) -> dict:
            "senders": len(sync.plan.groups), "buckets": len(sync.plan.buckets),
            "inplace_bytes": sum(b.nbytes for b in sync.plan.buckets if b.inplace),
            "all_sync_s": sync_s, "all_raw_s": raw_s}
-    del buf
+    buf = None  # free it before the next bucket size (raw() reads it through the closure)
     sync.close()
     return out
 

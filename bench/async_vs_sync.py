@@ -1,6 +1,6 @@
 """Async (overlap) vs sync RL loop throughput on long-tailed response lengths, in one run.
 
-    .venv/bin/python bench/async_vs_sync.py [--steps 40] [--rounds 3] [--out docs/results/async_vs_sync_cpu.json]
+    .venv/bin/python bench/async_vs_sync.py [--steps 40] [--rounds 3] [--out REPORT.json]   # default: bench/reports/<date>_async_vs_sync_cpu.json
 
 A JSONL prompt set whose per-sample budgets are long-tailed (``LENGTH_MIX``: most 8 tokens, 5% run to
 256; ``ignore_eos``, so lengths are exactly the budgets) is trained with the real loop in both modes:
@@ -26,6 +26,8 @@ import random
 import subprocess
 import sys
 import tempfile
+
+from _bench_common import dump
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
@@ -156,7 +158,7 @@ def main() -> int:
     for o in overs:
         for k, n in o["staleness_hist"].items():
             stale[k] = stale.get(k, 0) + n
-    out = {"hardware": "2-core x86 CPU box, 1 SGLang CPU engine + 1 trainer rank (tiny model, fp32)",
+    out = {"setup": "1 SGLang CPU engine + 1 trainer rank (tiny model, fp32)",
            "engine_batch": a.engine_batch, "max_inflight_groups": a.inflight,
            "overlap_sync_every_n_steps": a.sync_every, "steps": a.steps,
            "budget_mix": {b: budgets.count(b) for b in sorted(set(budgets))}, "rounds": rounds,
@@ -181,9 +183,7 @@ def main() -> int:
           f"{ratios[len(ratios) // 2]:.2f} max {ratios[-1]:.2f}; generation only / sync: "
           f"{out['generation_only_over_sync']:.2f}x; overlap reaches {out['overlap_over_generation_only']:.0%} of "
           f"generation only; staleness (versions behind, samples): {stale}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    dump(out, a.out, name="async_vs_sync_cpu")
     return 0
 
 

@@ -25,7 +25,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from _bench_common import device_name, dump, make_model, run_layouts
+from _bench_common import device_name, dump, make_model, run_layouts, slug as _slug
 
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
            "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"]), "pp2": (2, ["--pp", "2"])}
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="profile one step per mode; print the top ops")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     ap.add_argument("--compare", choices=["replay", "packing"], default="replay")
     a = ap.parse_args()
     gpu = a.scale == "gpu"
@@ -61,7 +61,7 @@ def main() -> None:
     if a.compare == "packing":
         _packing_table(rows, dev, preset, dtype, a.micro_batches, batch, seq, reps)
         dump({"bench": "packing", "device": dev, "preset": preset, "dtype": dtype, "micro_batches": a.micro_batches,
-              "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json)
+              "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json, name=f"packing_{_slug(dev)}")
         return
     t = Table(title=f"Keep Routing overhead, {dev}, {preset} ({dtype}), {a.micro_batches} micro-batches x "
                     f"{batch} x {seq} tokens per DP rank, {reps} interleaved reps")
@@ -82,7 +82,7 @@ def main() -> None:
         for p in d.get("profiles", {}).values():
             p.pop("top_cpu"), p.pop("top_device")
     dump({"bench": "replay_overhead", "device": dev, "preset": preset, "dtype": dtype, "micro_batches": a.micro_batches,
-          "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json)
+          "batch": batch, "seq": seq, "reps": reps, "layouts": rows}, a.json, name=f"replay_overhead_{_slug(dev)}")
 
 
 def _packing_table(rows, dev, preset, dtype, micro_batches, batch, seq, reps) -> None:

@@ -27,7 +27,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from _bench_common import device_name, dump, make_model, run_layouts
+from _bench_common import device_name, dump, make_model, run_layouts, slug
 
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
            "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"])}
@@ -49,7 +49,7 @@ def main() -> None:
                     help="steps of one kind in a row per repetition; the median of all but the first is timed")
     ap.add_argument("--fns", default=None, help="step kinds to time (worker's --fns; default all five)")
     ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     a = ap.parse_args()
     gpu = a.scale == "gpu"
     preset = a.preset or ("gpu" if gpu else "tiny")
@@ -87,7 +87,8 @@ def main() -> None:
             print(f"{name} rl_step phases (s, median of {a.phases}, synchronized):",
                   {k: round(v, 4) for k, v in d["rl_step_phases_s"].items()})
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
-          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "block": a.block, "warmup": warmup, "layouts": rows}, a.json)
+          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "block": a.block, "warmup": warmup, "layouts": rows}, a.json,
+         name=f"rl_step_vs_bare_{slug(device_name())}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from _bench_common import device_name, dump, make_model
+from _bench_common import device_name, dump, make_model, slug
 
 
 def hf_forward(path: str, ids: torch.Tensor, dtype: torch.dtype, attn: str):
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--attn", default="sdpa")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     a = ap.parse_args()
     gpu = a.scale == "gpu"
     preset = a.preset or ("gpu" if gpu else "tiny")
@@ -175,7 +175,7 @@ def main() -> None:
                       f"{x['logprob_max_abs_diff']:.2e}", f"{x['kl_hf_mc']:.2e}")
     Console(width=170).print(t)
     dump({"bench": "routing_mismatch", "device": dev, "preset": preset, "batch": b, "seq": s, "attn": a.attn,
-          "results": res}, a.json)
+          "results": res}, a.json, name=f"routing_mismatch_{slug(device_name())}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from _bench_common import dump, slug
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
            "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"]), "pp2": (2, ["--pp", "2"])}
@@ -183,7 +185,7 @@ def main():
                     help="bucket sizes (MiB), each timed on the same loaded model (default: per scale, SCALES)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per layout (0: none)")
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="mrl_sync_bench_")
     hf = make_model(a.scale, root)
@@ -226,10 +228,7 @@ def main():
     result = {"device": dev, "scale": a.scale, "model": model_desc, "receivers": a.receivers, "dtype": dtype,
               "reps": a.reps,
               "rows": [dict(layout=n, procs=k, **d) for n, k, d in rows], "failed": failed, "skipped": skipped}
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    dump(result, a.json, name=f"weight_sync_{slug(dev)}_{a.scale}")
     if failed:
         raise SystemExit(f"failed: {failed}")
 
