@@ -35,9 +35,10 @@ outcome; a test that fails shows as not survived.
 How faults are injected:
 
 - **engines**: SIGKILL to a real SGLang engine's process group from outside the job (mid-rollout), or from
-  inside the weight sync with `MRL_FAULT_KILL_ENGINE_DURING_SYNC=<version>[:<engine>[:<broadcast>]]`
-  (`mrl/weight_sync/transport.py`, off unless set: the engine dies right before the trainer's broadcast
-  number `<broadcast>` of the sync to `<version>`, with the engines paused and the update requests posted);
+  inside the weight sync with `--kill-engine-during-sync <version>[:<engine>[:<broadcast>]]` of the test
+  entry point `tests/jobs/train_with_faults.py`, which installs a push hook (`mrl.weight_sync.sync.PUSH_HOOKS`):
+  the engine dies right before the trainer's broadcast number `<broadcast>` of the sync to `<version>`, with
+  the engines paused and the update requests posted;
   hangs, crashes, 400/503 and malformed replies from the fault-injecting fake server (`tests/fakes/`);
 - **trainer ranks**: SIGKILL to one torchrun worker of `mrl train parallel=ep2`;
 - **hangs of collectives**: two gloo ranks with a 3 s group timeout where one rank never joins or dies.

@@ -25,8 +25,9 @@ from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
 from mrl.config.schema import WeightTransport
 from mrl.rollout.client import EngineClient
-from mrl.weight_sync.executor import EngineEndpoint, SyncFault
-from mrl.weight_sync.transport import EngineSync, make_transport
+from mrl.weight_sync.distributed import SyncFault
+from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.transport import EngineEndpoint
 
 
 def parse_engines(s: str) -> list[EngineEndpoint]:

@@ -74,7 +74,7 @@ def _reference(ex, bucket, dtype):
     """The per-tensor path (the executor before the copy plan): full tensors -> HF tensors -> bytes."""
     from mrl.models.bridge import split_full
 
-    gathered = ex._gather_bucket(bucket)
+    gathered = ex.gather_bucket(bucket)
     if gathered is None:
         return None
     return torch.cat([split_full(pm, full)[t.name].to(dtype).contiguous().view(-1).view(torch.uint8)
@@ -82,7 +82,7 @@ def _reference(ex, bucket, dtype):
 
 
 def _check(ex, dtype, phase, rows):
-    refs = {b.index * 1000 + b.sender: _reference(ex, b, dtype) for b in ex._order}  # collective, global order
+    refs = {b.index * 1000 + b.sender: _reference(ex, b, dtype) for b in ex.order}  # collective, global order
     storages = {lp.param.untyped_storage().data_ptr() for lp in ex.local.values()}
     for step in ex.steps():  # collective too
         step.fill()
@@ -115,7 +115,7 @@ def main() -> None:
     from mrl.jobs.common import add_layout_args, load_model
     from mrl.megatron.optim import wrap_ddp
     from mrl.megatron.parallel import destroy
-    from mrl.weight_sync.executor import DistributedWeightSync
+    from mrl.weight_sync.distributed import DistributedWeightSync
 
     ap = argparse.ArgumentParser()
     add_layout_args(ap)

@@ -24,17 +24,21 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
-FAULT_ENV = "MRL_FAULT_KILL_ENGINE_DURING_SYNC"
+FAULT = "fault injection (kill engine during sync"  # what tests.jobs.train_with_faults prints when it kills
 QUICK = ["train.sft_warmup_steps=0", "train.eval_every=0", "train.prompts_per_step=4"]
 N = 4  # rollout.n_samples_per_prompt of conf/rollout/cpu.yaml
 
 pytestmark = pytest.mark.reliability
 
 
-def _start(run, *overrides, env=None) -> subprocess.Popen:
+def _start(run, *overrides, kill_during_sync: str | None = None) -> subprocess.Popen:
+    """``mrl train``; with ``kill_during_sync`` (``<version>[:<engine>[:<broadcast>]]``) through the test entry
+    point that kills an engine inside that weight sync (``tests/jobs/train_with_faults.py``)."""
     os.makedirs(run, exist_ok=True)
-    return subprocess.Popen([MRL, "train", f"run_dir={run}", *overrides], cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+    cmd = [MRL] if kill_during_sync is None else [
+        sys.executable, "-m", "tests.jobs.train_with_faults", "--kill-engine-during-sync", kill_during_sync]
+    return subprocess.Popen([*cmd, "train", f"run_dir={run}", *overrides], cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"),
                             stdout=open(os.path.join(run, "stdout.txt"), "w"),
                             stderr=open(os.path.join(run, "stderr.txt"), "w"), text=True)
 
@@ -117,7 +121,7 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
 
     - mid-rollout: engine2's process group is SIGKILLed from outside once step 2 is logged; its requests
       go to the others, the next sync finds it dead (refused connection) and drops it;
-    - mid-sync: ``$MRL_FAULT_KILL_ENGINE_DURING_SYNC=5:1`` SIGKILLs engine1 inside the sync to v5, right
+    - mid-sync: ``--kill-engine-during-sync 5:1`` (``tests/jobs/train_with_faults.py``) SIGKILLs engine1 inside the sync to v5, right
       before the trainer's broadcast (engines paused and flushed, groups live, update requests posted):
       the push fails, the sync drops it, rebuilds the groups and pushes again; its in-flight rollouts
       (overlap mode) move to engine0.
@@ -127,11 +131,11 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
     trainer's at every step mean the survivor really holds the trainer's weights."""
     run = tmp_path / "kills"
     proc = _start(run, "rollout.num_engines=3", "train.steps=7", "train.max_staleness=0", "rollout.restart_engines=0",
-                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, env={FAULT_ENV: "5:1"})
+                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, kill_during_sync="5:1")
     t_kill, killed_at = _kill_engine_at_step_2(proc, run, "engine2")
     rc, out, err = _finish(proc, run)
     assert rc == 0, err[-5000:]
-    line = next(x for x in out.splitlines() if FAULT_ENV in x)
+    line = next(x for x in out.splitlines() if FAULT in x)
     assert "before broadcast 0 of weight sync v5" in line
     steps = _steps(run)
     assert [r["step"] for r in steps] == list(range(1, 8))
@@ -150,7 +154,7 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
         details={"killed_during_step": killed_at + 1})
     reliability.record(
         category="fault", name="engine SIGKILLed mid-sync", survived=True, samples=samples,
-        injected=f"{FAULT_ENV}=5:1: SIGKILL 1 of the 2 engines left inside the sync to v5, before the broadcast",
+        injected="kill engine during sync 5:1: SIGKILL 1 of the 2 engines left inside the sync to v5, before the broadcast",
         expected="push fails, engine dropped, groups rebuilt, survivor re-pushed and stamped, run completes",
         message=line.strip().split("): ")[-1],
         details={"sync_seconds_with_fault": round(steps[4]["sync_seconds"], 3),
@@ -171,11 +175,11 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
     run = tmp_path / "buckets"
     proc = _start(run, "rollout.num_engines=2", "train.steps=3", "train.max_staleness=0", "rollout.restart_engines=0",
                   "weight_sync.bucket_mb=0.25", "weight_sync.timeout_s=60",
-                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, env={FAULT_ENV: "2:1:1"})
+                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, kill_during_sync="2:1:1")
     t0 = time.time()
     rc, out, err = _finish(proc, run)
     assert rc == 0, err[-5000:]
-    line = next(x for x in out.splitlines() if FAULT_ENV in x)
+    line = next(x for x in out.splitlines() if FAULT in x)
     assert "before broadcast 1 of weight sync v2" in line, line
     steps = _steps(run)
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -186,7 +190,7 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
     samples = _nothing_lost(steps)
     reliability.record(
         category="fault", name="engine SIGKILLed between two buckets of a sync", survived=True, samples=samples,
-        injected=f"{FAULT_ENV}=2:1:1: SIGKILL engine 1 of 2 before broadcast 1 of 5 (weight_sync.bucket_mb=0.25)",
+        injected="kill engine during sync 2:1:1: SIGKILL engine 1 of 2 before broadcast 1 of 5 (weight_sync.bucket_mb=0.25)",
         expected="the sender tears the broken group down (the survivor's waits fail at once); engine dropped, "
                  "groups rebuilt, survivor re-pushed, run completes",
         message=line.strip().split("): ")[-1],

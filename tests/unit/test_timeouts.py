@@ -120,9 +120,9 @@ def test_weight_update_group_rendezvous_nobody_joins(reliability):
 
     from mrl.megatron.collectives import CollectiveError
     from mrl.rollout.engine import free_port
-    from mrl.weight_sync.executor import EngineEndpoint
+    from mrl.weight_sync.sync import EngineSync
     from mrl.weight_sync.group import create_sender_group
-    from mrl.weight_sync.transport import EngineSync, Transport
+    from mrl.weight_sync.transport import EngineEndpoint, Transport
 
     class Rendezvous(Transport):
         name = "rendezvous"
@@ -225,11 +225,11 @@ def test_launcher_summary_names_dead_rank_signal_and_checkpoint(tmp_path):
         "rank 1 (pid 42) was killed by SIGKILL.")  # first failure first; nobody left to stop
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"run_dir: {tmp_path}\ntrain:\n  resume: true\n")
-    assert "No checkpoint in" in resume_hint("mrl.train", [str(cfg)])
+    assert "No checkpoint in" in resume_hint("mrl.jobs.train", [str(cfg)])
     for step in (2, 10, 4):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_10" / "loop_state.pkl").touch()  # complete
     (tmp_path / "checkpoints" / "step_2" / "loop_state.pkl").touch()  # step_4: written half-way, ignored
-    assert resume_hint("mrl.train", [str(cfg)]).strip() == (
+    assert resume_hint("mrl.jobs.train", [str(cfg)]).strip() == (
         f"Last checkpoint: {tmp_path}/checkpoints/step_10 -- rerun the same command to resume from it.")
     assert resume_hint("mrl.jobs.check_model", [str(cfg)]) == ""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mrl.weight_sync.transport import _dumps, serialize_named_tensors
+from mrl.weight_sync.tensor import pickle_named_tensors, serialize_named_tensors
 
 
 def test_tensor_payload_is_what_sglang_deserializes():
@@ -11,7 +11,7 @@ def test_tensor_payload_is_what_sglang_deserializes():
     from sglang.srt.utils.common import MultiprocessingSerializer
 
     named = [("model.embed_tokens.weight", torch.randn(8, 4)), ("model.norm.weight", torch.ones(4))]
-    back = MultiprocessingSerializer.deserialize(_dumps(named))
+    back = MultiprocessingSerializer.deserialize(pickle_named_tensors(named))
     assert [n for n, _ in back] == [n for n, _ in named]
     for (_, a), (_, b) in zip(named, back):
         assert torch.equal(a, b)
@@ -23,7 +23,7 @@ def test_cpu_tensors_are_refused_before_reaching_a_server():
 
 
 def test_tensor_transport_refuses_without_cuda():
-    from mrl.weight_sync.transport import TensorTransport
+    from mrl.weight_sync.tensor import TensorTransport
 
     with pytest.raises(RuntimeError, match="transport=tensor needs CUDA"):
         TensorTransport(executor=None)

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -47,46 +46,10 @@ from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
 from mrl.weight_sync.http_pipeline import post_pipelined
 from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
+from mrl.weight_sync.transport import (EngineEndpoint, LoopThread, PushStats, Transport, any_rank,
+                                       union_failures)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineEndpoint:
-    url: str
-    tp: int = 1
-    """Engine ranks that join each weight-update group (all GPUs of the server)."""
-
-
-class _LoopThread:
-    """An asyncio loop in a daemon thread, so blocking trainer code can keep HTTP calls in flight."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def submit(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-@dataclass
-class PushStats:
-    seconds: float
-    bytes_sent: int
-    buckets_sent: int
-    bytes_in_place: int = 0
-    """Of ``bytes_sent``, broadcast straight from the params (no copy: ``copy_plan`` in-place buckets)."""
-    failed_engines: dict[str, str] = field(default_factory=dict)
-    """url -> first error, for every engine whose weights may now be partial (union over senders)."""
-    groups_broken: bool = False
-    """A broadcast failed and its group was torn down (on every rank's word): reconnect before the next push."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed_engines
 
 
 @dataclass(frozen=True)
@@ -123,7 +86,7 @@ class DistributedWeightSync:
         self.is_sender = self.group_name is not None
         self.is_controller = me == 0
         self._pg = None
-        self._io = _LoopThread() if self.is_controller else None
+        self._io = LoopThread() if self.is_controller else None
         self._clients = [EngineClient(e.url) for e in engines] if self.is_controller else []
 
     def _replan(self, plan: SyncPlan) -> None:
@@ -131,7 +94,7 @@ class DistributedWeightSync:
         # every bucket touching my stage, in the global order, so group members run their gathers in step
         stage = self.layout.pp.rank
         self._global = sorted(plan.buckets, key=lambda b: (b.index, b.sender))
-        self._order = [b for b in self._global if any(p.stage == stage for p in b.params)]
+        self.order = [b for b in self._global if any(p.stage == stage for p in b.params)]
         self._steps: list[BucketStep] | None = None  # the copy plan, built on the first push
         self._sources: tuple[list[torch.Tensor], list[int]] = ([], [])  # params the plan's views read, data_ptrs
         self._bodies: list[bytes] | None = None  # controller: each bucket's request, in the global order
@@ -225,7 +188,7 @@ class DistributedWeightSync:
         dist.barrier()
 
     # -- one sync --------------------------------------------------------------------------------
-    def _gather_bucket(self, bucket: Bucket) -> list[tuple] | None:
+    def gather_bucket(self, bucket: Bucket) -> list[tuple] | None:
         """Join the gathers this rank belongs to (one all-gather per group and dtype); the bucket's
         sender gets ``(planned param, param map, full tensor)`` per param, in bucket order. The
         per-tensor path: the tensor transport sends tensors one by one, and tests check the copy plan
@@ -259,7 +222,7 @@ class DistributedWeightSync:
         params, ptrs = self._sources
         if self._steps is None or list(map(torch.Tensor.data_ptr, params)) != ptrs:  # ~0.1 us a param
             self._steps = None  # drop the old buffers first
-            steps, sources = build_steps(self._order, self.local, self.maps, rank=self.layout.world_rank,
+            steps, sources = build_steps(self.order, self.local, self.maps, rank=self.layout.world_rank,
                                          dp_rank=self.layout.dp.rank, edp_rank=self.layout.edp.rank,
                                          dtype=_TORCH_DTYPES[self.dtype], device=compat.DEVICE,
                                          chunk_bytes=self.chunk_bytes)
@@ -409,31 +372,6 @@ def _check_answer(url: str, ep: str, answer) -> str:
     return parse_success(body, (url, ep))
 
 
-def union_failures(layout: Layout, failed: dict[str, str]) -> dict[str, str]:
-    """Every rank's {engine url: first error}, merged, on every rank (collective). Without failures
-    (the usual case) one one-element all-reduce, not an object all-gather (pickles, several syncs)."""
-    if layout.world_size == 1:
-        return dict(failed)
-    if not any_rank(layout, bool(failed)):
-        return {}
-    everyone = [None] * layout.world_size
-    dist.all_gather_object(everyone, failed)
-    union: dict[str, str] = {}
-    for f in everyone:
-        for url, err in f.items():
-            union.setdefault(url, err)
-    return union
-
-
-def any_rank(layout: Layout, flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any (collective)."""
-    if layout.world_size == 1:
-        return flag
-    t = torch.tensor([float(flag)], device=compat.DEVICE)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def _numel(t) -> int:
     n = 1
     for d in t.shape:
@@ -457,3 +395,21 @@ def _cut_one_row(meta):
     i = next(i for i, t in enumerate(meta) if len(t.shape) == 2)
     t = meta[i]
     return meta[:i] + [type(t)(t.name, (t.shape[0] - 1,) + tuple(t.shape[1:]), t.dtype)] + meta[i + 1:]
+
+
+class DistributedTransport(Transport):
+    name = "distributed"
+
+    def __init__(self, executor: DistributedWeightSync):
+        self.executor = executor
+
+    def connect(self) -> None:
+        self.executor.connect()
+
+    def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
+        if engines is not None and set(engines) != set(self.executor.engines):
+            raise ValueError("the distributed transport pushes to every engine of its groups at once")
+        return self.executor.push()
+
+    def close(self) -> None:
+        self.executor.close()

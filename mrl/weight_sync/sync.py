@@ -1,0 +1,190 @@
+"""The sync sequence every transport shares, the factory of transports, and the hooks tests use to inject
+faults into a sync.
+
+    transport, disk = make_transport(WeightTransport.distributed, model=..., layout=..., bridge=..., ...)
+    syncer = EngineSync(transport, disk, layout, engines, rebuild=...)
+    syncer.connect()
+    report = syncer.sync("7")      # pause -> flush -> push -> repair through disk -> stamp -> continue
+    syncer.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+
+from mrl.config.schema import WeightTransport
+from mrl.megatron.collectives import CollectiveError, named
+from mrl.megatron.parallel import Layout
+from mrl.models.bridge import ModelBridge
+from mrl.rollout.client import EngineClient
+from mrl.weight_sync.disk import DiskTransport
+from mrl.weight_sync.distributed import DistributedTransport, DistributedWeightSync
+from mrl.weight_sync.tensor import TensorTransport
+from mrl.weight_sync.transport import EngineEndpoint, Transport, run_on
+
+PUSH_HOOKS: list[Callable[[str, list[EngineEndpoint], bool], ContextManager]] = []
+"""Context managers entered around every push, called as ``hook(version, engines, is_controller)``: the
+tests install one to kill an engine inside a sync (``tests/jobs/train_with_faults.py``); empty otherwise."""
+
+
+@dataclass
+class SyncReport:
+    version: str
+    transport: str
+    seconds: float
+    push_seconds: float
+    bytes_sent: int
+    bytes_in_place: int = 0
+    """This rank's bytes broadcast straight from its params (no copy)."""
+    failed_engines: dict[str, str] = field(default_factory=dict)
+    repaired_from_disk: list[str] = field(default_factory=list)
+    dropped_engines: list[str] = field(default_factory=list)
+    """Engines found dead during this sync and removed from the weight-update groups."""
+
+
+class EngineSync:
+    """The sequence for one weight version, whatever the transport:
+    pause(abort) + flush -> push -> engines that failed are reloaded from disk -> stamp -> continue.
+
+    Partial rollouts survive: requests aborted by the pause come back to the rollout manager, which
+    resumes them on the new weights (per-token versions tell the trainer which tokens are stale)."""
+
+    def __init__(self, transport: Transport, disk: Transport, layout: Layout,
+                 engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None):
+        """``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
+        one died mid-sync (its weight-update groups are broken for every member); None = fail instead."""
+        self.transport, self.disk, self.layout, self.engines = transport, disk, layout, engines
+        self.pause_mode, self.rebuild = pause_mode, rebuild
+        self.dropped: list[str] = []
+
+    def connect(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.transport.connect()
+        except (RuntimeError, TimeoutError) as e:  # the store's "1/2 clients joined", or a bare future timeout
+            raise CollectiveError(f"rank {self.layout.world_rank}: creating the weight-update groups with engines "
+                                  f"{[x.url for x in self.engines]} failed after {time.monotonic() - t0:.1f} s "
+                                  f"(limit: weight_sync.timeout_s): {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        except TimeoutError as e:  # the controller's wait for the engines' destroy requests: no message of its own
+            raise CollectiveError(f"rank {self.layout.world_rank}: engines {[x.url for x in self.engines]} did not "
+                                  "answer destroy_weights_update_group within weight_sync.timeout_s") from e
+
+    def sync(self, version: str) -> SyncReport:
+        t0 = time.perf_counter()
+        controller = self.layout.world_rank == 0
+        errs = run_on(self.engines, self._pause) if controller else {}
+        dead = self._dead(errs)  # collective: every rank learns which engines are gone
+        if controller and set(errs) - set(dead):
+            raise RuntimeError(f"weight sync v{version}: could not pause engines: {errs}")
+        if dead:  # died before the sync (mid-rollout): sync the others
+            self._drop(dead, version, errs)
+        try:
+            with contextlib.ExitStack() as hooks:
+                for hook in PUSH_HOOKS:
+                    hooks.enter_context(hook(version, self.engines, controller))
+                stats = self.transport.push(version)
+        except TimeoutError as e:  # the controller's wait for the engines' update requests: no message of its own
+            raise CollectiveError(f"weight sync v{version}: engines {[x.url for x in self.engines]} did not answer "
+                                  "every bucket request within weight_sync.timeout_s per bucket (one stopped "
+                                  "mid-push?)") from e
+        if not stats.ok and ((more := self._dead(stats.failed_engines)) or stats.groups_broken):
+            # died mid-sync, or a broadcast failed: its groups are broken for every member (the sender tore
+            # them down so no engine waits in them); rebuild them without the dead, push again
+            self._drop(more, version, stats.failed_engines)
+            dead += more
+            stats = self.transport.push(version)
+        repaired: list[str] = []
+        if not stats.ok and self.transport is not self.disk:  # never leave an engine on partial weights
+            bad = [e for e in self.engines if e.url in stats.failed_engines]
+            fix = self.disk.push(version, bad)
+            if not fix.ok:
+                raise RuntimeError(f"weight sync v{version}: {stats.failed_engines}; disk repair failed too: "
+                                   f"{fix.failed_engines}")
+            repaired = [e.url for e in bad]
+        elif not stats.ok:
+            raise RuntimeError(f"weight sync v{version} over disk failed: {stats.failed_engines}")
+        if controller:
+            errs = run_on(self.engines, lambda c: self._finish(c, version))
+            if errs:
+                raise RuntimeError(f"weight sync v{version}: could not stamp/continue engines: {errs}")
+        with named(f"the barrier closing weight sync v{version}"):
+            dist.barrier()
+        return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
+                          push_seconds=stats.seconds, bytes_sent=stats.bytes_sent, bytes_in_place=stats.bytes_in_place,
+                          failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
+
+    def add(self, new: list[EngineEndpoint]) -> None:
+        """Engines joining (restarted ones): new channels with every engine; the next ``sync`` pushes to all
+        of them. Collective."""
+        if self.rebuild is None:
+            raise RuntimeError("EngineSync.add needs a rebuild function")
+        self._rechannel(self.engines + list(new))
+
+    def _drop(self, dead: list[str], version: str, why: dict[str, str]) -> None:
+        """New channels for the engines still alive (all of them when ``dead`` is empty: broken groups)."""
+        if self.rebuild is None or len(dead) == len(self.engines):
+            raise RuntimeError(f"weight sync v{version}: " + (f"engines died: {dead}" if dead else
+                               "a broadcast failed and its groups cannot be rebuilt") + f" ({why})")
+        self.dropped += dead
+        self._rechannel([e for e in self.engines if e.url not in dead])
+
+    def _rechannel(self, engines: list[EngineEndpoint]) -> None:
+        """Tear the channels down and build them again for ``engines`` (per-run group names: never reused)."""
+        self.transport.close()
+        self.engines = engines
+        self.transport, self.disk = self.rebuild(engines)
+        self.connect()
+
+    def _dead(self, failed: dict[str, str]) -> list[str]:
+        """Failed engines whose port refuses connections (killed), agreed on by every rank."""
+        import socket
+        from urllib.parse import urlparse
+
+        dead = []
+        if self.layout.world_rank == 0:
+            for url in failed:
+                u = urlparse(url)
+                try:
+                    socket.create_connection((u.hostname, u.port), timeout=3).close()
+                except OSError:
+                    dead.append(url)
+        box = [dead]
+        with named("broadcast of the engines found dead during a weight sync", src=0):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    async def _pause(self, c: EngineClient) -> None:
+        await c.pause(self.pause_mode)
+        await c.flush_cache()
+
+    @staticmethod
+    async def _finish(c: EngineClient, version: str) -> None:
+        await c.update_weight_version(version, abort_all_requests=False)
+        await c.resume()
+
+
+def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge,
+                   padded_vocab: int, engines: list[EngineEndpoint], bucket_bytes: int, export_dir: str | None,
+                   config_src: str, dtype: str = "float32", timeout_s: float = 300.0,
+                   group_prefix: str = "mrl", **executor_kw) -> tuple[Transport, Transport]:
+    """The configured transport and the disk transport that repairs it (the same object for disk)."""
+    disk = DiskTransport(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab, engines=engines,
+                          export_dir=export_dir, config_src=config_src)
+    if kind == WeightTransport.disk:
+        return disk, disk
+    ex = DistributedWeightSync(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab,
+                               engines=engines, bucket_bytes=bucket_bytes, dtype=dtype, timeout_s=timeout_s,
+                               group_prefix=group_prefix, **executor_kw)
+    if kind == WeightTransport.tensor:
+        return TensorTransport(ex), disk
+    return DistributedTransport(ex), disk

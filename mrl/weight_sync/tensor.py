@@ -1,0 +1,75 @@
+"""The tensor transport: colocated engines get each bucket as CUDA IPC handles (``update_weights_from_tensor``).
+
+GPU only: an SGLang server crashes on CPU tensors passed between processes, so this transport refuses to
+start without CUDA and the payload builder refuses CPU tensors.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+from mrl.models.bridge import split_full
+from mrl.rollout.client import EngineClient
+from mrl.weight_sync.distributed import DistributedWeightSync
+from mrl.weight_sync.transport import EngineEndpoint, LoopThread, PushStats, Transport, run_on, union_failures
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer`` format: base64 of a ForkingPickler dump of
+    ``[(name, tensor)]`` -- CUDA tensors pickle as IPC handles (torch.multiprocessing's reductions)."""
+    cpu = [n for n, t in named if not t.is_cuda]
+    if cpu:
+        raise ValueError(f"update_weights_from_tensor takes CUDA tensors only (CPU tensors crash an SGLang "
+                         f"server): {cpu[:3]}")
+    return pickle_named_tensors(named)
+
+
+def pickle_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class TensorTransport(Transport):
+    """Colocated engines: senders gather each bucket (as the distributed transport does) and post
+    it as CUDA IPC handles. No collective with the engines, so any order of requests is safe."""
+
+    name = "tensor"
+
+    def __init__(self, executor: DistributedWeightSync):
+        if not torch.cuda.is_available():
+            raise RuntimeError("weight_sync.transport=tensor needs CUDA (colocated GPUs): SGLang crashes "
+                               "on CPU tensors sent between processes; use transport=distributed or disk")
+        self.executor = executor
+        self._io = LoopThread() if executor.is_sender else None
+        self._clients = [EngineClient(e.url) for e in executor.engines] if executor.is_sender else []
+
+    def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
+        ex = self.executor
+        t0 = time.perf_counter()
+        failed: dict[str, str] = {}
+        sent = nbytes = 0
+        for bucket in ex.order:
+            gathered = ex.gather_bucket(bucket)
+            if gathered is None:
+                continue
+            named = [(name, t.contiguous()) for p, pm, full in gathered for name, t in split_full(pm, full).items()]
+            payload = serialize_named_tensors(named)  # tensors stay alive until every engine answered
+            for url, err in run_on(ex.engines, lambda c: c.update_weights_from_tensor(
+                    [payload] * next(e.tp for e in ex.engines if e.url == c.url)), loop=self._io).items():
+                failed.setdefault(url, err)
+            sent += 1
+            nbytes += sum(t.numel() * t.element_size() for _, t in named)
+        return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
+                         failed_engines=union_failures(ex.layout, failed))
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.close()
