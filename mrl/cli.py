@@ -45,7 +45,8 @@ def ensure_model(cfg: Config) -> str:
     path = cfg.model.hf_path
     if not os.path.isfile(os.path.join(path, "config.json")):
         if not cfg.model.make_tiny_if_missing:
-            raise FileNotFoundError(f"model.hf_path={path}: no config.json there (and model.make_tiny_if_missing=false)")
+            raise FileNotFoundError(f"model.hf_path={path}: no config.json there "
+                                    "(and model.make_tiny_if_missing=false)")
         from mrl.models.tiny import make_tiny_model
 
         print(f"[mrl] writing tiny model preset '{cfg.model.tiny_preset.value}' to {path}", flush=True)
@@ -77,8 +78,8 @@ def check_model(cfg: Config) -> int:
     return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg), capture=False).returncode
 
 
-def train(cfg: Config, module: str = "mrl.train") -> int:
-    """The RL loop (``module``: mrl/train.py) on the trainer ranks; engines are started by rank 0."""
+def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
+    """The RL loop (mrl/train.py, entered through ``module``) on the trainer ranks; rank 0 starts the engines."""
     from omegaconf import OmegaConf
 
     from mrl.process import torchrun

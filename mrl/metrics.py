@@ -1,5 +1,6 @@
-"""What a run shows: a rich progress line, TensorBoard scalars, metrics.jsonl, a PNG of the curves and a
-one-screen summary at the end. Controller (rank 0) only."""
+"""What a run shows: a rich progress bar (a plain line every ``PLAIN_EVERY`` steps when the console is not
+a terminal: logs, CI, Slurm), TensorBoard scalars, metrics.jsonl, a PNG of the curves and a one-screen
+summary at the end. Controller (rank 0) only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from rich.table import Table
 CURVES = [("reward", "train reward (sampled)"), ("eval/accuracy", "eval accuracy (greedy, held out)"),
           ("routing_disagreement", "routing disagreement, replay off"), ("kl_engine_replay_on", "KL engine->train"),
           ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
+PLAIN_EVERY = 10
+"""Steps between progress lines when the console is not a terminal (a live bar only renders on one)."""
 
 
 class MetricsLog:
@@ -30,14 +33,20 @@ class MetricsLog:
                                  TextColumn("{task.description}"), console=self.console, transient=False)
         done = max((r["step"] for r in self.history), default=0)
         self.task = self._bar.add_task("", total=total, completed=done)
-        self._bar.start()
+        self.total = total
+        self.plain = not self.console.is_terminal
+        if not self.plain:
+            self._bar.start()
 
     def scalar(self, key: str, value: float, step: int) -> None:
         self.tb.add_scalar(key, value, step)
         self._record({"step": step, key: value})
 
-    def progress(self, text: str) -> None:
+    def progress(self, text: str, step: int | None = None, total: int | None = None) -> None:
+        """The bar's text; without a terminal a line, every ``PLAIN_EVERY`` steps of ``total`` if given."""
         self._bar.update(self.task, description=text)
+        if self.plain and (step is None or step % PLAIN_EVERY == 0 or step == total):
+            print(f"[mrl] {text}", flush=True)
 
     def step(self, step: int, metrics: dict[str, float], staleness: Counter | None = None,
              extra: dict | None = None) -> None:
@@ -55,6 +64,8 @@ class MetricsLog:
                 f"dis {metrics.get('routing_disagreement', float('nan')):.3f}  "
                 f"sync {metrics.get('sync_seconds', 0):.2f}s  v{int(metrics.get('version', 0))}")
         self._bar.update(self.task, completed=step, description=desc)
+        if self.plain and (step % PLAIN_EVERY == 0 or step == self.total):
+            print(f"[mrl] step {step}/{self.total}  {desc}  step {metrics.get('step_seconds', 0):.2f}s", flush=True)
 
     def _record(self, row: dict) -> None:
         self.history.append(row)
@@ -66,7 +77,8 @@ class MetricsLog:
         return [p[0] for p in pts], [p[1] for p in pts]
 
     def close(self, cfg) -> None:
-        self._bar.stop()
+        if not self.plain:
+            self._bar.stop()
         self.tb.close()
         self.jsonl.close()
         self.plot(os.path.join(self.run_dir, "curves.png"))

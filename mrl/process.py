@@ -1,9 +1,10 @@
 """Process helpers: the local torchrun launcher, parent-death signals and killing a process tree.
 
-When a rank started by ``torchrun`` dies, torchrun stops the others and the launcher ends with one line naming the rank and
-how it died, after torchrun's own report; for ``mrl.train`` also the checkpoint a rerun resumes from:
+When a rank started by ``torchrun`` dies, torchrun stops the others and the launcher ends with one line
+naming the rank and how it died, after torchrun's own report; for the RL loop also the checkpoint a rerun
+resumes from:
 
-    [mrl] mrl.train failed: rank 1 (pid 4242) was killed by SIGKILL; torchrun stopped the other ranks.
+    [mrl] mrl.jobs.train failed: rank 1 (pid 4242) was killed by SIGKILL; torchrun stopped the other ranks.
           Last checkpoint: runs/x/checkpoints/step_2 -- rerun the same command to resume from it.
 """
 
@@ -107,9 +108,12 @@ def failure_summary(module: str, failures: dict, world_size: int | None = None) 
     return f"{module} failed: {'; '.join(parts)}{rest}."
 
 
+TRAIN_MODULES = ("mrl.jobs.train", "mrl.train")  # rank entry points of the RL loop
+
+
 def resume_hint(module: str, args: list[str]) -> str:
-    """For ``mrl.train <run_dir>/config.yaml``: where a rerun resumes (its ``_latest_checkpoint``)."""
-    if module != "mrl.train" or not args or not os.path.isfile(args[0]):
+    """For the loop's ``<run_dir>/config.yaml``: where a rerun resumes (its ``_latest_checkpoint``)."""
+    if module not in TRAIN_MODULES or not args or not os.path.isfile(args[0]):
         return ""
     import yaml
 

@@ -1,7 +1,10 @@
 """The RL loop, one process per trainer rank (``mrl train`` starts them with torchrun).
 
-    rank 0 (controller)                              every rank
-    ───────────────────                              ──────────
+    loop = Loop(cfg)      # model, optimizer, checkpoint to resume, rank 0's engines and rollout process
+    loop.run()            # warm start, then per step: take batch, train, maybe sync, log, maybe checkpoint
+
+    rank 0 (``Controller``)                          every rank
+    ───────────────────────                          ──────────
     engines (started here, or attached by URL)
     rollout process: prompts -> groups -> rewards -> buffer
     take a batch (staleness bound) -> advantages ──▶ RL step: replayed routes, policy loss, optimizer
@@ -37,8 +40,8 @@ from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
 from mrl.rollout.restart import EngineRestarter
 from mrl.routing.replay import check_routes
-from mrl.weight_sync.executor import EngineEndpoint
-from mrl.weight_sync.transport import EngineSync, make_transport
+from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.transport import EngineEndpoint
 
 
 @dataclass
@@ -78,31 +81,38 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
 
 
 class Controller:
-    """Rank 0 only: the engines (started here, or attached by URL) and the rollout process that feeds
-    the buffer from them (``mrl.rollout.service``: producer, rewards, buffer, evaluation)."""
+    """Rank 0's duties: the metrics log, the engines (started here, or attached by URL) and the rollout
+    process that feeds the buffer from them (``mrl.rollout.service``: producer, rewards, buffer,
+    evaluation). The other ranks hold an ``OtherRank`` with the same methods, doing nothing."""
 
-    def __init__(self, cfg: Config, hf_path: str, policy: Policy, state: LoopState):
+    def __init__(self, cfg: Config, state: LoopState):
+        self.cfg = cfg
+        self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history)
+        self.engines = []
+        self.restarter: EngineRestarter | None = None
+        self.rollout = None
+
+    def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint]:
+        """Start or find the engines, then the rollout process; the endpoints the weight sync serves."""
         from mrl.rollout.service import start_rollout
 
-        self.cfg = cfg
-        r = cfg.rollout
-        self.engines = []
+        r = self.cfg.rollout
         urls = list(r.engine_urls) or self._discover(r)
         if not urls:
             from mrl.rollout.engine import engines_from_config
 
-            self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(cfg.run_dir, "engines"))
+            self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"))
             for e in self.engines:
                 e.start()
             for e in self.engines:
                 e.wait_healthy()
             urls = [e.url for e in self.engines]
-        self.endpoints = [EngineEndpoint(u, r.engine_tp) for u in urls]
-        self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(cfg) else None
+        self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(self.cfg) else None
         self.codec = policy.codec
-        self.rollout = start_rollout(cfg, hf_path, urls, policy.codec, {
+        self.rollout = start_rollout(self.cfg, hf_path, urls, policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "buffered": state.buffered,
             "prompt_index": state.prompt_index})
+        return [EngineEndpoint(u, r.engine_tp) for u in urls]
 
     @staticmethod
     def _discover(r) -> list[str]:
@@ -146,26 +156,116 @@ class Controller:
                         self.rollout.allow(1)
         return out
 
-    def start(self, first_credits: int) -> None:
+    def next_batch(self, version: int) -> tuple[RLBatch, float, dict]:
+        """The step's batch with its advantages, loss normalizer and reward figures."""
+        return build_batch(self.take_batch(version), self.cfg, self.cfg.train.replay)
+
+    def start_producing(self, first_credits: int, step: int) -> None:
         self.rollout.start_producing(first_credits)
+        self.maybe_evaluate(step, first=True)
 
-    def evaluate(self, n: int) -> float:
-        """Greedy accuracy on held-out prompts."""
-        return self.rollout.evaluate(n)
+    def maybe_evaluate(self, step: int, first: bool = False) -> None:
+        """Greedy accuracy on held-out prompts every ``train.eval_every`` steps."""
+        t = self.cfg.train
+        if t.eval_every and (first or step % t.eval_every == 0):
+            self.log.scalar("eval/accuracy", self.rollout.evaluate(t.eval_prompts), step)
 
-    def metrics(self) -> tuple[dict, dict, dict]:
-        """(per-step scalars, staleness histogram, per-engine requests served) from the rollout side."""
+    def warm_start_progress(self, step: int, nll: float) -> None:
+        self.log.scalar("sft/nll", nll, step)
+        total = self.cfg.train.sft_warmup_steps
+        self.log.progress(f"warm start {step + 1}/{total}  nll {nll:.3f}", step + 1, total)
+
+    def joining_engines(self) -> list[EngineEndpoint]:
+        """Restarted engines that are healthy now: they join at this sync."""
+        return [EngineEndpoint(e.url, self.cfg.rollout.engine_tp) for e in self.restarter.take_ready()]
+
+    def drain(self) -> int:
+        """Abort the engines' in-flight requests and hold new ones (resumed after the sync); how many."""
+        return self.rollout.drain(self.cfg.weight_sync.timeout_s)
+
+    def undrain(self) -> None:
+        self.rollout.undrain()
+
+    def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
+        """Joined engines take rollouts now (they hold this version); dropped ones get replacements."""
+        if self.restarter is None:
+            return {}
+        urls = {e.url for e in alive}
+        for ep in joining:
+            if ep.url in urls:
+                self.rollout.add_engine(ep.url)
+        self.restarter.replace(dropped)
+        return {"engines_restarted": float(self.restarter.restarted),
+                "engines_restart_failed": float(len(self.restarter.failed))}
+
+    def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
+        """The step's metrics with the rollout side's counters, then maybe an evaluation."""
         st = self.rollout.stats()
-        return ({"dropped_stale": st["dropped_stale"], "buffered": st["buffered"],
+        m = m | {"dropped_stale": st["dropped_stale"], "buffered": st["buffered"],
                  **{f"rollout/{k}": v for k, v in st["counts"].items()},
                  **{f"rollout/{k}": st[k] for k in ("samples_failed", "samples_submitted", "samples_completed",
-                                                    "engine_failures", "retries")}}, st["staleness"],
-                st["served_by_engine"])
+                                                    "engine_failures", "retries")}}
+        self.log.step(step, m, staleness=Counter({int(k): v for k, v in st["staleness"].items()}),
+                      extra={"rollout/served_by_engine": st["served_by_engine"], "wall_seconds": wall_seconds})
+        self.maybe_evaluate(step)
+
+    def allow(self, n: int) -> None:
+        """Sync mode: let the producer generate the next batch."""
+        self.rollout.allow(n)
+
+    def save_loop_state(self, path: str, state: LoopState) -> None:
+        state.prompt_index, state.buffered = self.rollout.state()
+        state.history = self.log.history
+        with open(os.path.join(path, "loop_state.pkl.tmp"), "wb") as f:
+            pickle.dump(state, f)
+        os.replace(os.path.join(path, "loop_state.pkl.tmp"), os.path.join(path, "loop_state.pkl"))
 
     def close(self) -> None:
-        self.rollout.stop()
+        if self.rollout is not None:
+            self.rollout.stop()
         for e in (self.restarter.engines if self.restarter else self.engines):
             e.stop()
+        self.log.close(self.cfg)
+
+
+class OtherRank:
+    """Ranks > 0: the controller's duties belong to rank 0; the loop calls the same methods here."""
+
+    def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> None:
+        return None
+
+    def next_batch(self, version: int) -> None:
+        return None
+
+    def joining_engines(self) -> None:
+        return None
+
+    def drain(self) -> int:
+        return 0
+
+    def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
+        return {}
+
+    def start_producing(self, first_credits: int, step: int) -> None:
+        pass
+
+    def warm_start_progress(self, step: int, nll: float) -> None:
+        pass
+
+    def undrain(self) -> None:
+        pass
+
+    def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
+        pass
+
+    def allow(self, n: int) -> None:
+        pass
+
+    def save_loop_state(self, path: str, state: LoopState) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def restarts_engines(cfg: Config) -> bool:
@@ -181,7 +281,7 @@ def _broadcast(obj, src: int = 0, what: str = "a loop object"):
     return box[0]
 
 
-def _sft_warmup(cfg: Config, policy: Policy, hf_path: str, log: MetricsLog | None) -> None:
+def _sft_warmup(cfg: Config, policy: Policy, hf_path: str, duties: Controller | OtherRank) -> None:
     """Supervised warm start on (prompt, reference answer + EOS), same Megatron trainer."""
     from tokenizers import Tokenizer
 
@@ -198,9 +298,7 @@ def _sft_warmup(cfg: Config, policy: Policy, hf_path: str, log: MetricsLog | Non
         p_ids = [tok.encode(p.text).ids for p in prompts]
         tokens = [p + tok.encode(p_.answer).ids + [eos] for p, p_ in zip(p_ids, prompts)]
         nll = policy.sft_step(tokens, [len(p) for p in p_ids], t.sft_lr)
-        if log is not None:
-            log.scalar("sft/nll", nll, step)
-            log.progress(f"warm start {step + 1}/{t.sft_warmup_steps}  nll {nll:.3f}")
+        duties.warm_start_progress(step, nll)
 
 
 def _checkpoint_dir(cfg: Config) -> str:
@@ -225,133 +323,146 @@ def _keep_off_engine_cores(cfg: Config) -> None:
             os.sched_setaffinity(0, rest)
 
 
-def main(cfg: Config) -> int:
-    hf_path = cfg.model.hf_path
-    _keep_off_engine_cores(cfg)
-    layout = init_parallel(cfg.parallel, seed=cfg.seed)
-    rank0 = layout.world_rank == 0
-    t = cfg.train
-    policy = Policy(cfg, layout, hf_path)
-    hc = policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
-    check_tokenizer(hf_path, vocab_size=policy.bridge.vocab_size, special_ids={
-        k: getattr(hc, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
-    state = LoopState()
-    ckpt = _latest_checkpoint(cfg) if t.resume else None
-    if ckpt:
-        policy.load(ckpt)
-        with open(os.path.join(ckpt, "loop_state.pkl"), "rb") as f:
-            state = pickle.load(f)
-    preempted = {"flag": False}
-    signal.signal(signal.SIGUSR1, lambda *_: preempted.update(flag=True))  # Slurm: checkpoint + requeue
+class Loop:
+    """The RL loop on one trainer rank. Rank 0's extra work (engines, rollout process, metrics) sits
+    behind ``self.duties``; every rank runs the same steps and collectives."""
 
-    log = MetricsLog(cfg.run_dir, total=t.steps, history=state.history) if rank0 else None
-    if state.step == 0 and t.sft_warmup_steps:
-        _sft_warmup(cfg, policy, hf_path, log)
-    if state.step == 0:
-        policy.capture_reference()  # KL reference (algo.kl_coef > 0): the policy RL starts from
-    ctl = Controller(cfg, hf_path, policy, state) if rank0 else None
-    endpoints = _broadcast(ctl.endpoints if rank0 else None)
-    def channels(engines):  # also rebuilt without an engine that died (per-run group names: never reused)
+    def __init__(self, cfg: Config):
+        self.cfg, t = cfg, cfg.train
+        self.hf_path = cfg.model.hf_path
+        _keep_off_engine_cores(cfg)
+        self.layout = init_parallel(cfg.parallel, seed=cfg.seed)
+        self.policy = Policy(cfg, self.layout, self.hf_path)
+        hc = self.policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
+        check_tokenizer(self.hf_path, vocab_size=self.policy.bridge.vocab_size, special_ids={
+            k: getattr(hc, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        self.state = LoopState()
+        ckpt = _latest_checkpoint(cfg) if t.resume else None
+        if ckpt:
+            self.policy.load(ckpt)
+            with open(os.path.join(ckpt, "loop_state.pkl"), "rb") as f:
+                self.state = pickle.load(f)
+        self.step, self.version = self.state.step, self.state.version
+        self.preempted = False
+        signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
+        self.duties = Controller(cfg, self.state) if self.layout.world_rank == 0 else OtherRank()
+        self.syncer: EngineSync | None = None
+
+    def run(self) -> int:
+        t = self.cfg.train
+        self.warm_start()
+        self.connect_engines()
+        t_loop = time.monotonic()
+        try:
+            while self.step < t.steps:
+                t0 = time.perf_counter()
+                batch, normalizer, info = self.take_batch()
+                m = {"wait_seconds": time.perf_counter() - t0} | self.train_step(batch, normalizer) | info
+                self.step += 1
+                if self.step % self.cfg.weight_sync.every_n_steps == 0:
+                    m |= self.sync_weights()
+                m |= {"step_seconds": time.perf_counter() - t0, "version": self.version}
+                self.duties.log_step(self.step, m, time.monotonic() - t_loop)
+                if self.maybe_checkpoint():
+                    break
+                if t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
+                    self.duties.allow(t.prompts_per_step)
+        finally:
+            self.close()
+        return 0
+
+    def warm_start(self) -> None:
+        """A fresh run: the supervised warm start, then the KL reference is the policy RL starts from."""
+        if self.state.step == 0 and self.cfg.train.sft_warmup_steps:
+            _sft_warmup(self.cfg, self.policy, self.hf_path, self.duties)
+        if self.state.step == 0:
+            self.policy.capture_reference()  # algo.kl_coef > 0 only
+
+    def connect_engines(self) -> None:
+        """Engines and rollout process (rank 0), the weight-update channels, the engines brought level with
+        the trainer's weights, then generation starts."""
+        t = self.cfg.train
+        endpoints = _broadcast(self.duties.start_engines(self.hf_path, self.policy, self.state))
+        self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels)
+        self.syncer.connect()
+        if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
+            self.version += 1
+            self.syncer.sync(str(self.version))
+        self.duties.start_producing(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step,
+                                    self.state.step)
+
+    def _channels(self, engines: list[EngineEndpoint]):
+        """Transport + disk repair for ``engines``; also rebuilt without an engine that died (per-run group
+        names: never reused)."""
+        ws = self.cfg.weight_sync
         return make_transport(
-            cfg.weight_sync.transport, model=policy.model, layout=layout, bridge=policy.bridge,
-            padded_vocab=policy.padded_vocab, engines=engines, bucket_bytes=int(cfg.weight_sync.bucket_mb * (1 << 20)),
-            export_dir=cfg.weight_sync.export_dir or os.path.join(cfg.run_dir, "weights"), config_src=hf_path,
-            timeout_s=cfg.weight_sync.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"),
-            dtype=cfg.rollout.engine_dtype)
+            ws.transport, model=self.policy.model, layout=self.layout, bridge=self.policy.bridge,
+            padded_vocab=self.policy.padded_vocab, engines=engines, bucket_bytes=int(ws.bucket_mb * (1 << 20)),
+            export_dir=ws.export_dir or os.path.join(self.cfg.run_dir, "weights"), config_src=self.hf_path,
+            timeout_s=ws.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"),
+            dtype=self.cfg.rollout.engine_dtype)
 
-    syncer = EngineSync(*channels(endpoints), layout, endpoints, rebuild=channels)
-    syncer.connect()
-    version = state.version
-    if state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
-        version += 1
-        syncer.sync(str(version))
-    if rank0:
-        ctl.start(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step)
-        if t.eval_every:
-            log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), state.step)
+    def take_batch(self) -> tuple[RLBatch, float, dict]:
+        """Rank 0 takes ``train.prompts_per_step`` groups within the staleness bound; every rank gets them."""
+        return _broadcast(self.duties.next_batch(self.version), what=f"the step-{self.step + 1} batch")
 
-    step = state.step
-    t_loop = time.monotonic()
-    try:
-        while step < t.steps:
-            t0 = time.perf_counter()
-            payload = None
-            if rank0:
-                groups = ctl.take_batch(version)
-                batch, normalizer, info = build_batch(groups, cfg, t.replay)
-                payload = (batch, normalizer, info)
-            batch, normalizer, info = _broadcast(payload, what=f"the step-{step + 1} batch")
-            t_gen = time.perf_counter() - t0
-            m = {}
-            if t.replay and t.routing_metrics_every and step % t.routing_metrics_every == 0:
-                m |= policy.routing_metrics(batch)  # before the update: the weights the samples are judged by
-            t_train = time.perf_counter()
-            m |= policy.rl_step(batch, normalizer)
-            m["train_seconds"] = time.perf_counter() - t_train
-            step += 1
-            m |= info
-            if step % cfg.weight_sync.every_n_steps == 0:
-                version += 1
-                joining = _broadcast([EngineEndpoint(e.url, cfg.rollout.engine_tp) for e in ctl.restarter.take_ready()]
-                                     if rank0 else None, what="the engines joining at this sync") \
-                    if restarts_engines(cfg) else []
-                t_drain = time.perf_counter()
-                drained = ctl.rollout.drain(cfg.weight_sync.timeout_s) if rank0 else 0
-                m["drain_seconds"] = time.perf_counter() - t_drain
-                try:
-                    if joining:  # restarted engines: new groups with them; this sync gives them the weights
-                        syncer.add(joining)
-                    rep = syncer.sync(str(version))
-                finally:
-                    if rank0:
-                        ctl.rollout.undrain()
-                if rank0 and ctl.restarter is not None:
-                    alive = {e.url for e in syncer.engines}
-                    for ep in joining:
-                        if ep.url in alive:  # holds the weights of this version: rollouts may use it now
-                            ctl.rollout.add_engine(ep.url)
-                    ctl.restarter.replace(rep.dropped_engines)
-                    m |= {"engines_restarted": float(ctl.restarter.restarted),
-                          "engines_restart_failed": float(len(ctl.restarter.failed))}
-                m["sync_aborted_requests"] = float(drained)
-                if rep.bytes_sent:  # rank 0's buckets: the share sent straight from its params (no copy)
-                    m["sync_in_place_fraction"] = rep.bytes_in_place / rep.bytes_sent
-                m |= {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
-                      "engines_alive": float(len(syncer.engines)), "engines_dropped": float(len(syncer.dropped))}
-            m |= {"wait_seconds": t_gen, "step_seconds": time.perf_counter() - t0, "version": version}
-            if rank0:
-                rm, staleness, served = ctl.metrics()
-                m |= rm
-                log.step(step, m, staleness=Counter({int(k): v for k, v in staleness.items()}),
-                         extra={"rollout/served_by_engine": served, "wall_seconds": time.monotonic() - t_loop})
-                if t.eval_every and step % t.eval_every == 0:
-                    log.scalar("eval/accuracy", ctl.evaluate(t.eval_prompts), step)
-            stop = _broadcast(preempted["flag"] or (t.stop_after is not None and step >= t.stop_after))
-            if stop or (t.save_every and step % t.save_every == 0) or step == t.steps:
-                _save(cfg, policy, ctl, LoopState(step=step, version=version), log)
-            if stop:
-                break
-            if rank0 and t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
-                ctl.rollout.allow(t.prompts_per_step)
-    finally:
-        syncer.close()
-        if rank0:
-            ctl.close()
-            log.close(cfg)
+    def train_step(self, batch: RLBatch, normalizer: float) -> dict:
+        """Routing metrics (on the weights the samples are judged by), then the RL step."""
+        t, m = self.cfg.train, {}
+        if t.replay and t.routing_metrics_every and self.step % t.routing_metrics_every == 0:
+            m |= self.policy.routing_metrics(batch)
+        t0 = time.perf_counter()
+        m |= self.policy.rl_step(batch, normalizer)
+        return m | {"train_seconds": time.perf_counter() - t0}
+
+    def sync_weights(self) -> dict:
+        """The next weight version to the engines: restarted engines join, in-flight requests are drained
+        around the push (they resume on the new weights), dead engines are dropped and replaced."""
+        self.version += 1
+        joining = _broadcast(self.duties.joining_engines(), what="the engines joining at this sync") \
+            if restarts_engines(self.cfg) else []
+        t0 = time.perf_counter()
+        drained = self.duties.drain()
+        m = {"drain_seconds": time.perf_counter() - t0}
+        try:
+            if joining:  # restarted engines: new groups with them; this sync gives them the weights
+                self.syncer.add(joining)
+            rep = self.syncer.sync(str(self.version))
+        finally:
+            self.duties.undrain()
+        m |= self.duties.after_sync(self.syncer.engines, joining, rep.dropped_engines)
+        m["sync_aborted_requests"] = float(drained)
+        if rep.bytes_sent:  # rank 0's buckets: the share sent straight from its params (no copy)
+            m["sync_in_place_fraction"] = rep.bytes_in_place / rep.bytes_sent
+        return m | {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
+                    "engines_alive": float(len(self.syncer.engines)),
+                    "engines_dropped": float(len(self.syncer.dropped))}
+
+    def maybe_checkpoint(self) -> bool:
+        """Checkpoint every ``train.save_every`` steps, at the end, and before stopping (SIGUSR1,
+        ``train.stop_after``); whether to stop."""
+        t = self.cfg.train
+        stop = _broadcast(self.preempted or (t.stop_after is not None and self.step >= t.stop_after))
+        if stop or (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
+            path = os.path.join(_checkpoint_dir(self.cfg), f"step_{self.step}")
+            self.policy.save(path)
+            self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
+            dist.barrier()
+        return stop
+
+    def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close()
+        self.duties.close()
+
+    def _on_usr1(self, *_) -> None:
+        self.preempted = True
+
+
+def main(cfg: Config) -> int:
+    code = Loop(cfg).run()
     destroy()
-    return 0
-
-
-def _save(cfg: Config, policy: Policy, ctl: Controller | None, state: LoopState, log: MetricsLog | None) -> None:
-    path = os.path.join(_checkpoint_dir(cfg), f"step_{state.step}")
-    policy.save(path)
-    if ctl is not None:
-        state.prompt_index, state.buffered = ctl.rollout.state()
-        state.history = log.history
-        with open(os.path.join(path, "loop_state.pkl.tmp"), "wb") as f:
-            pickle.dump(state, f)
-        os.replace(os.path.join(path, "loop_state.pkl.tmp"), os.path.join(path, "loop_state.pkl"))
-    dist.barrier()
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""Keep the console for mrl's own lines: library warnings and log records go to the run's log file.
+
+    route_library_output(run_dir, rank)    # before megatron/transformers are imported, and again after
+
+megatron-core, transformers and torch warn on import and while building a model (deprecations, optional
+packages not installed, DDP bucket layouts); a user needs them when something breaks, not on every run.
+Library warnings and the root logger go to ``<run_dir>/logs/rank<r>.log`` only; mrl's own warnings (a
+config option without effect) stay on the console. Libraries that install console handlers of their own
+on import (transformers) are routed to the file again by the second call. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+LIBRARIES = ("py.warnings", "megatron", "transformers", "torch", "urllib3")
+MRL_DIR = os.path.dirname(os.path.abspath(__file__))
+# compat's TorchFunctionMode forwards megatron's own tensor calls, so torch attributes the warnings they
+# raise (a non-leaf ``.grad`` read) to compat.py: they are megatron's
+FORWARDERS = (os.path.join(MRL_DIR, "megatron", "compat.py"),)
+_console_showwarning = warnings.showwarning
+
+
+def _showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+    path = os.path.abspath(filename)
+    if path.startswith(MRL_DIR + os.sep) and path not in FORWARDERS:
+        _console_showwarning(message, category, filename, lineno, file, line)
+    else:
+        logging.getLogger("py.warnings").warning(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "logs", f"rank{rank}.log")
+
+
+def route_library_output(run_dir: str, rank: int) -> str:
+    """Send warnings and every library logger to this rank's log file; the path. Idempotent."""
+    path = log_path(run_dir, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    root = logging.getLogger()
+    handler = next((h for h in root.handlers if getattr(h, "baseFilename", None) == os.path.abspath(path)), None)
+    if handler is None:
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    warnings.showwarning = _showwarning
+    for name in LIBRARIES:
+        lg = logging.getLogger(name)
+        lg.handlers[:] = []
+        lg.propagate = True
+    return path

@@ -1,0 +1,29 @@
+"""Trainer rank entry point (``mrl train`` starts one per rank with torchrun):
+
+    python -m mrl.jobs.train <run_dir>/config.yaml
+
+Library warnings go to ``<run_dir>/logs/rank<r>.log`` before megatron, transformers and torch are imported
+(they warn on import), then the loop runs (``mrl.train``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from mrl.config.load import load_resolved
+from mrl.console import route_library_output
+
+
+def main(config_path: str) -> int:
+    cfg = load_resolved(config_path)
+    rank = int(os.environ.get("RANK", "0"))
+    route_library_output(cfg.run_dir, rank)
+    from mrl.train import main as run_loop  # after the routing: importing megatron warns
+
+    route_library_output(cfg.run_dir, rank)  # again: transformers installs its own console handler on import
+    return run_loop(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
