@@ -197,6 +197,7 @@ if layout.world_rank == 0:
                "off_min_s": min(times["off"]), "on_min_s": min(times["on"]),
                "ratio_median": med["on"] / med["off"], "ratio_min": min(times["on"]) / min(times["off"]),
                "tokens_per_step": a.micro_batches * a.batch * a.seq * dp, "dp": dp,
-               "moe_layers_local": len(rs.moe_columns), "cpu_s_median": {k: statistics.median(v) for k, v in cpu_s.items()},
+               "moe_layers_local": len(rs.moe_columns),
+               "cpu_s_median": {k: statistics.median(v) for k, v in cpu_s.items()},
                "profiles": profiles, **stats, **merged}, open(a.out, "w"))
 destroy()

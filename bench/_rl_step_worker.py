@@ -44,7 +44,8 @@ ap.add_argument("--seq", type=int, default=64, help="longest sequence; lengths a
 ap.add_argument("--micro-batch-size", type=int, default=2)
 ap.add_argument("--reps", type=int, default=6)
 ap.add_argument("--warmup", type=int, default=2)
-ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step (loop default: on)")
+ap.add_argument("--packing", choices=["on", "off"], default="on",
+                help="train.packing of the RL step (loop default: on)")
 ap.add_argument("--phases", type=int, default=0,
                 help="after the timing: this many more rl_steps with each phase timed (CUDA synchronized around it)")
 ap.add_argument("--fns", default="rl_step,rl_fb,bare_fb,bare_step,ce_fb",
@@ -281,7 +282,8 @@ if layout.world_rank == 0:
         out[key + "_min"] = mins[fast] / mins[slow]  # ratio of the fastest steps
         out[key + "_paired"] = paired(fast, slow)  # per repetition, same batch: its spread
     out |= {"real_tokens": real_tokens, "padded_tokens": padded / a.reps,
-            "micro_batches_per_rank": len(case.bare_mbs), "micro_batch_build_s": statistics.median(mb_s), "dp": layout.dp.size, "reps": a.reps,
-            "warmup": a.warmup, "block": a.block, "rl_step_phases_s": phases, "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}
+            "micro_batches_per_rank": len(case.bare_mbs), "micro_batch_build_s": statistics.median(mb_s),
+            "dp": layout.dp.size, "reps": a.reps, "warmup": a.warmup, "block": a.block, "rl_step_phases_s": phases,
+            "last_rl_metrics": {k: float(v) for k, v in metrics.items()}}
     json.dump(out, open(a.out, "w"))
 destroy()

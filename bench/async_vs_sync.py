@@ -1,6 +1,8 @@
 """Async (overlap) vs sync RL loop throughput on long-tailed response lengths, in one run.
 
-    .venv/bin/python bench/async_vs_sync.py [--steps 40] [--rounds 3] [--out REPORT.json]   # default: bench/reports/<date>_async_vs_sync_cpu.json
+    .venv/bin/python bench/async_vs_sync.py [--steps 40] [--rounds 3] [--out REPORT.json]
+
+(the report goes to bench/reports/<date>_async_vs_sync_cpu.json without --out)
 
 A JSONL prompt set whose per-sample budgets are long-tailed (``LENGTH_MIX``: most 8 tokens, 5% run to
 256; ``ignore_eos``, so lengths are exactly the budgets) is trained with the real loop in both modes:
@@ -60,8 +62,10 @@ def write_prompts(path: str, n: int, group_size: int = 4, seed: int = 0) -> list
 
 def overrides(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
               inflight: int, client_process: bool = True, sync_every: int = 1) -> list[str]:
-    args = [f"train.mode={mode}", f"weight_sync.every_n_steps={sync_every if mode == 'overlap' else 1}", f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
-            "train.eval_every=0", "train.sft_warmup_steps=0", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
+    args = [f"train.mode={mode}", f"weight_sync.every_n_steps={sync_every if mode == 'overlap' else 1}",
+            f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
+            "train.eval_every=0", "train.sft_warmup_steps=0", "train.prompts_per_step=8",
+            "rollout.n_samples_per_prompt=4",
             "rollout.ignore_eos=true", "train.max_staleness=4", "train.stale_policy=keep",
             f"train.max_inflight_groups={inflight}", "train.routing_metrics_every=0",
             f"rollout.max_running_requests={engine_batch}", "+rollout.server_args.max_total_tokens=16384", *EXTRA,
@@ -73,7 +77,8 @@ def ceiling(prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cp
     """The overlap run's rollout side alone (``_generation_ceiling.py``): no training, no pauses, no syncs."""
     out = os.path.join(run_dir, "ceiling.json")
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "_generation_ceiling.py"), "--steps", str(steps),
-                        "--out", out, *overrides("overlap", prompts, run_dir, steps, engine_batch, engine_cpus, inflight)],
+                        "--out", out,
+                        *overrides("overlap", prompts, run_dir, steps, engine_batch, engine_cpus, inflight)],
                        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"generation ceiling failed:\n{p.stderr[-3000:]}")

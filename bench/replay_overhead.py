@@ -70,7 +70,8 @@ def main() -> None:
         t.add_column(c)
     for name, d in rows.items():
         t.add_row(name, f"{1e3 * d['off_median_s']:.1f}", f"{1e3 * d['on_median_s']:.1f}", f"{d['ratio_median']:.3f}",
-                  f"{d['ratio_min']:.3f}", "{off:.2f}, {on:.2f}".format(**d["cpu_s_median"]), f"{d.get('max_abs_logprob_diff_replay_vs_natural', float('nan')):.2g}",
+                  f"{d['ratio_min']:.3f}", "{off:.2f}, {on:.2f}".format(**d["cpu_s_median"]),
+                  f"{d.get('max_abs_logprob_diff_replay_vs_natural', float('nan')):.2g}",
                   f"{d.get('max_abs_logprob_diff_shifted_routes', float('nan')):.2g}")
     Console(width=160).print(t)
     for name, d in rows.items():

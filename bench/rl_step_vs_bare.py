@@ -64,7 +64,8 @@ def main() -> None:
     rows = run_layouts("_rl_step_worker.py", layouts, LAYOUTS, tmp,
                        ["--hf", hf, "--dtype", dtype, "--samples", str(samples), "--seq", str(seq),
                         "--micro-batch-size", str(mbs), "--reps", str(reps), "--warmup", str(warmup),
-                        "--packing", a.packing, "--phases", str(a.phases), "--block", str(a.block), *(["--fns", a.fns] if a.fns else [])])
+                        "--packing", a.packing, "--phases", str(a.phases), "--block", str(a.block),
+                        *(["--fns", a.fns] if a.fns else [])])
     dev = device_name()
     t = Table(title=f"RL step vs bare fwd/bwd, {dev}, {preset} ({dtype}), {samples} samples <= {seq} tokens, "
                     f"micro-batch {mbs}, packing {a.packing}, {reps} interleaved reps"
@@ -87,7 +88,8 @@ def main() -> None:
             print(f"{name} rl_step phases (s, median of {a.phases}, synchronized):",
                   {k: round(v, 4) for k, v in d["rl_step_phases_s"].items()})
     dump({"bench": "rl_step_vs_bare", "device": dev, "preset": preset, "dtype": dtype, "samples": samples, "seq": seq,
-          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "block": a.block, "warmup": warmup, "layouts": rows}, a.json,
+          "micro_batch_size": mbs, "packing": a.packing, "reps": reps, "block": a.block, "warmup": warmup,
+          "layouts": rows}, a.json,
          name=f"rl_step_vs_bare_{slug(device_name())}")
 
 

@@ -158,7 +158,8 @@ def main() -> None:
     ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(compat.DEVICE)
     res = {d: run(hf, d, ids, a.attn) for d in a.dtypes}
     dev = device_name().replace(f"{torch.cuda.device_count()}x ", "1x ") if gpu else "CPU"
-    t = Table(title=f"routing: transformers ({a.attn}) vs Megatron (local spec), {preset}, {b} x {s} random tokens, {dev}")
+    t = Table(title=f"routing: transformers ({a.attn}) vs Megatron (local spec), {preset}, {b} x {s} random tokens, "
+                    f"{dev}")
     for c in ("dtype", "Megatron routing", "decisions differ", "worst layer", "tokens differ (>=1 layer)",
               "mean |lp diff|", "max |lp diff|", "KL(hf||mc)"):
         t.add_column(c)

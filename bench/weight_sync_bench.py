@@ -10,7 +10,8 @@ raw baseline broadcasts each sender's total bytes as one buffer over the same gr
 receiver, posted by trainer rank 0, listing the groups in one order; see weight_receiver.py for the
 NCCL deadlock that per-sender requests caused). The trainer ranks hold their params in megatron's
 DDP parameter buffer, as in training, so buckets of params stored back to back in HF form go out
-without a copy ("in place %"; the variant ``+MRL_BENCH_NO_DDP=1`` copies every bucket). Sync and raw repetitions are interleaved after one
+without a copy ("in place %"; the variant ``+MRL_BENCH_NO_DDP=1`` copies every bucket). Sync and raw
+repetitions are interleaved after one
 warm-up of each. Each layout has a time limit (--timeout): past it the workers and the receivers dump
 every thread's stack into the printed logs, and the next layout runs. Two more columns say where the
 time goes: the copy plan alone (gathers and copies of every bucket, no broadcast) and the sync with the
@@ -210,14 +211,16 @@ def main():
     dev = (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if a.scale == "gpu"
            else "CPU (gloo)")
     t = Table(title=f"weight sync vs raw broadcast, {dev}, {model_desc}, {a.receivers} receiver(s)")
-    for c in ("trainer layout", "procs", "senders", "bucket MiB", "buckets", "MiB", "in place %", "sync s (min)", "raw s (min)", "sync/raw",
+    for c in ("trainer layout", "procs", "senders", "bucket MiB", "buckets", "MiB", "in place %", "sync s (min)",
+              "raw s (min)", "sync/raw",
               "sync/raw (median)", "sync GiB/s", "raw GiB/s", "receiver bcast GiB/s", "fill only s",
               "sync w/o fill s", "sync/raw serial"):
         t.add_column(c)
     for name, n, d in rows:
         gib = d["bytes"] / 2**30
         rb = d.get("raw_receiver_broadcast_s")
-        t.add_row(name, str(n), str(d["senders"]), f"{d['bucket_mb']:g}", str(d["buckets"]), f"{d['bytes'] / 2**20:.1f}",
+        t.add_row(name, str(n), str(d["senders"]), f"{d['bucket_mb']:g}", str(d["buckets"]),
+                  f"{d['bytes'] / 2**20:.1f}",
                   f"{100 * d['inplace_bytes'] / d['bytes']:.0f}",
                   f"{d['sync_s']:.4f}", f"{d['raw_s']:.4f}", f"{d['sync_s'] / d['raw_s']:.2f}",
                   f"{d['sync_median_s'] / d['raw_median_s']:.2f}", f"{gib / d['sync_s']:.2f}",

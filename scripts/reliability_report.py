@@ -107,7 +107,8 @@ def hardware() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     mem = next((int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
-    return f"{os.cpu_count()} CPU cores ({cpu}), {mem / (1 << 20):.0f} GiB RAM, {platform.system()} {platform.release()}"
+    return (f"{os.cpu_count()} CPU cores ({cpu}), {mem / (1 << 20):.0f} GiB RAM, "
+            f"{platform.system()} {platform.release()}")
 
 
 def render(recs: list[dict], outcomes: dict[str, dict], suite: dict | None) -> str:

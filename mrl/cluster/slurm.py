@@ -60,7 +60,8 @@ def submit(script: str, *, env: dict | None = None, cwd: str | None = None) -> s
     """``sbatch --parsable script``; returns the job id."""
     proc = _call(["sbatch", "--parsable", script], env=env, cwd=cwd)
     if proc.returncode:
-        raise SlurmError(f"sbatch {script} failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        raise SlurmError(f"sbatch {script} failed (exit {proc.returncode}): "
+                         f"{proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout.strip().split(";")[0]
 
 

@@ -5,8 +5,9 @@
 
 Sequence (rank 0 is the controller): pause(abort) + flush every engine -> every sender streams its
 buckets -> engines that rejected a bucket or lost the broadcast are reloaded through the disk path
-(safetensors export + update_weights_from_disk) -> stamp ``weight_version`` -> continue. Then verify: engine logprobs of a probe sequence
-(teacher-forced, ``logprob_start_len=0``) against Megatron's, and the version each engine reports.
+(safetensors export + update_weights_from_disk) -> stamp ``weight_version`` -> continue. Then verify:
+engine logprobs of a probe sequence (teacher-forced, ``logprob_start_len=0``) against Megatron's, and the
+version each engine reports.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from mrl.megatron.weights import load_hf_into
 from mrl.models import get_bridge
 from mrl.models.checkpoint import HFCheckpoint, check_trainer_checkpoint
 from mrl.routing.codec import RoutesCodec
-from mrl.routing.replay import RankSlice, ReplayDriver, ReplayMode, align_routes, routing_disagreement, stage_moe_columns
+from mrl.routing.replay import (RankSlice, ReplayDriver, ReplayMode, align_routes, routing_disagreement,
+                                stage_moe_columns)
 from mrl.routing.sampling_mask import SupportSpec, support_tensor, top_logprobs_to_request
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -160,7 +160,8 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
     )
 
 
-def parse_generate(body: Any, ctx: tuple[str, str], *, expect_logprobs: bool = False) -> GenerateOutput | list[GenerateOutput]:
+def parse_generate(body: Any, ctx: tuple[str, str], *,
+                   expect_logprobs: bool = False) -> GenerateOutput | list[GenerateOutput]:
     """One object for a single request; a list for batch input or ``n > 1``."""
     if isinstance(body, list):
         return [parse_generate_item(b, ctx, expect_logprobs=expect_logprobs) for b in body]

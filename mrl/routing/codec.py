@@ -52,7 +52,8 @@ class RoutesCodec:
             raise RoutesError(f"routed_experts is not valid base64: {e}") from e
         per_row = self.num_layers * self.top_k
         if len(raw) % (4 * per_row):
-            raise RoutesError(f"routed_experts has {len(raw)} bytes, not a multiple of 4*{self.num_layers}*{self.top_k}")
+            raise RoutesError(f"routed_experts has {len(raw)} bytes, "
+                              f"not a multiple of 4*{self.num_layers}*{self.top_k}")
         ids_TLK = np.frombuffer(raw, dtype="<i4").reshape(-1, self.num_layers, self.top_k)
         want = self.expected_rows(prompt_len, response_len)
         if ids_TLK.shape[0] != want:

@@ -158,7 +158,8 @@ class DistributedWeightSync:
             def calls():
                 return [lambda c, r=r, g=g: c.init_weights_update_group(
                     master_address=self.master_address, master_port=ports[r], rank_offset=offsets[c.url],
-                    world_size=world, group_name=g, backend=compat.BACKEND) for r, g in sorted(self.plan.groups.items())]
+                    world_size=world, group_name=g, backend=compat.BACKEND)
+                for r, g in sorted(self.plan.groups.items())]
 
             fut = self._post_in_order(calls)
         if self.is_sender:

@@ -28,7 +28,8 @@ CASES = [
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("preset,nproc,args", CASES, ids=lambda v: "_".join(map(str, v)) if isinstance(v, list) else str(v))
+@pytest.mark.parametrize("preset,nproc,args", CASES,
+                         ids=lambda v: "_".join(map(str, v)) if isinstance(v, list) else str(v))
 def test_megatron_matches_transformers_and_exports_bit_exact(ckpt_dir, tmp_path, preset, nproc, args):
     out = tmp_path / "report.json"
     r = run_torchrun("mrl.jobs.check_model", ["--hf", ckpt_dir[preset], "--out", str(out), *args], nproc)

@@ -62,7 +62,8 @@ def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
     # every 3rd param moved to storage of its own: the buckets holding one are copied again
     assert any(not row["view"] for row in inplace if row["phase"] == "moved")
     assert sum(row["nbytes"] for row in inplace if row["phase"] == "first") > 0.4 * sum(
-        row["nbytes"] for row in ddp if row["phase"] == "first" and row["dtype"] == "float32"), "the experts at least go in place"
+        row["nbytes"] for row in ddp if row["phase"] == "first" and row["dtype"] == "float32"), \
+        "the experts at least go in place"
 
 
 # chunk size of the shard transfers in KiB (0 = one transfer per group and bucket): 8 KiB chunks split

@@ -86,7 +86,8 @@ def _samples(last: dict, steps: int) -> dict:
     stale (counted) or is still buffered; ``lost`` is what is none of these, plus samples that failed."""
     trained = steps * 4 * N
     dropped = last["dropped_stale"] * N
-    lost = last["rollout/groups_buffered"] * N - trained - dropped - last["buffered"] * N + last["rollout/samples_failed"]
+    lost = (last["rollout/groups_buffered"] * N - trained - dropped - last["buffered"] * N
+            + last["rollout/samples_failed"])
     return {"generated": last["rollout/samples_completed"], "trained": trained, "dropped": dropped,
             "failed": last["rollout/samples_failed"], "retried": last["rollout/retries"], "lost": lost}
 
@@ -121,10 +122,10 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
 
     - mid-rollout: engine2's process group is SIGKILLed from outside once step 2 is logged; its requests
       go to the others, the next sync finds it dead (refused connection) and drops it;
-    - mid-sync: ``--kill-engine-during-sync 5:1`` (``tests/jobs/train_with_faults.py``) SIGKILLs engine1 inside the sync to v5, right
-      before the trainer's broadcast (engines paused and flushed, groups live, update requests posted):
-      the push fails, the sync drops it, rebuilds the groups and pushes again; its in-flight rollouts
-      (overlap mode) move to engine0.
+    - mid-sync: ``--kill-engine-during-sync 5:1`` (``tests/jobs/train_with_faults.py``) SIGKILLs engine1
+      inside the sync to v5, right before the trainer's broadcast (engines paused and flushed, groups live,
+      update requests posted): the push fails, the sync drops it, rebuilds the groups and pushes again; its
+      in-flight rollouts (overlap mode) move to engine0.
 
     ``max_staleness=0``: every trained token comes from an engine stamped with the trainer's current
     version, and rewards by length move the weights every step -- so engine logprobs equal to the
@@ -154,7 +155,8 @@ def test_engines_killed_mid_rollout_and_mid_sync_are_survived(tmp_path, reliabil
         details={"killed_during_step": killed_at + 1})
     reliability.record(
         category="fault", name="engine SIGKILLed mid-sync", survived=True, samples=samples,
-        injected="kill engine during sync 5:1: SIGKILL 1 of the 2 engines left inside the sync to v5, before the broadcast",
+        injected="kill engine during sync 5:1: SIGKILL 1 of the 2 engines left inside the sync to v5, "
+                 "before the broadcast",
         expected="push fails, engine dropped, groups rebuilt, survivor re-pushed and stamped, run completes",
         message=line.strip().split("): ")[-1],
         details={"sync_seconds_with_fault": round(steps[4]["sync_seconds"], 3),
@@ -190,7 +192,8 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
     samples = _nothing_lost(steps)
     reliability.record(
         category="fault", name="engine SIGKILLed between two buckets of a sync", survived=True, samples=samples,
-        injected="kill engine during sync 2:1:1: SIGKILL engine 1 of 2 before broadcast 1 of 5 (weight_sync.bucket_mb=0.25)",
+        injected="kill engine during sync 2:1:1: SIGKILL engine 1 of 2 before broadcast 1 of 5 "
+                 "(weight_sync.bucket_mb=0.25)",
         expected="the sender tears the broken group down (the survivor's waits fail at once); engine dropped, "
                  "groups rebuilt, survivor re-pushed, run completes",
         message=line.strip().split("): ")[-1],
@@ -229,7 +232,8 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
                  "weights pushed) and serves rollouts; run completes",
         message=f"dropped at the sync of step {dropped + 1}, replacement joined at the sync of step {rejoined + 1}",
         details={"killed_during_step": killed_at + 1,
-                 "seconds_from_drop_to_rejoin": round(steps[rejoined]["wall_seconds"] - steps[dropped]["wall_seconds"], 1),
+                 "seconds_from_drop_to_rejoin": round(
+                     steps[rejoined]["wall_seconds"] - steps[dropped]["wall_seconds"], 1),
                  "requests_served_by_replacement": served[replacement],
                  "run_seconds_after_kill": round(time.time() - t_kill, 1)})
 
@@ -262,7 +266,7 @@ def _alive(p: psutil.Process) -> bool:
 def _rank_pid(proc, rank: int) -> int:
     for p in _descendants(proc):
         try:
-            if "mrl.train" in _cmdline(p) and p.environ().get("RANK") == str(rank):
+            if "mrl.jobs.train" in _cmdline(p) and p.environ().get("RANK") == str(rank):
                 return p.pid
         except psutil.Error:
             continue
@@ -289,7 +293,7 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     rc, _, err = _finish(proc, run, timeout=120)
     exit_s = time.time() - t_kill
     assert rc != 0 and exit_s < 60, (rc, exit_s)
-    line = next(x for x in err.splitlines() if x.startswith("[mrl] mrl.train failed"))
+    line = next(x for x in err.splitlines() if x.startswith("[mrl] mrl.jobs.train failed"))
     assert f"rank {victim_rank} (pid {victim}) was killed by SIGKILL" in line, line
     newest = max((d for d in os.listdir(run / "checkpoints") if (run / "checkpoints" / d / "loop_state.pkl").exists()),
                  key=lambda d: int(d.split("_")[1]))
@@ -311,7 +315,8 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     assert (run / "checkpoints" / "step_4" / "loop_state.pkl").exists()
     reliability.record(
         category="fault", name=f"trainer rank {victim_rank} SIGKILLed", survived=True,
-        message=(line + " " + err.split("[mrl] mrl.train failed")[1].split("\n")[1].strip()).replace(str(run), "<run_dir>"),
+        message=(line + " " + err.split("[mrl] mrl.jobs.train failed")[1].split("\n")[1].strip()).replace(
+            str(run), "<run_dir>"),
         injected=f"SIGKILL to trainer rank {victim_rank} of 2 (parallel=ep2) after checkpoint step_2",
         expected="job exits non-zero naming rank and signal, no engine or rollout process left, the same "
                  "command resumes",

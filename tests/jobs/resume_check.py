@@ -17,7 +17,6 @@ import json
 import sys
 
 import numpy as np
-import torch
 
 from mrl.config.load import compose
 from mrl.megatron.parallel import destroy, init_parallel

@@ -39,4 +39,5 @@ def test_dockerfile_readme_and_pyproject_agree():
     for dist in ("sglang", "torch", "transformers", "megatron-core"):
         assert pins[dist] in readme, f"docker/README.md does not mention {dist} {pins[dist]}"
     # the node entry and the config tree travel into the image
-    assert {"COPY mrl/ mrl/", "COPY conf/ conf/", "COPY scripts/ scripts/"} <= set(read("docker/Dockerfile").splitlines())
+    copies = {"COPY mrl/ mrl/", "COPY conf/ conf/", "COPY scripts/ scripts/"}
+    assert copies <= set(read("docker/Dockerfile").splitlines())

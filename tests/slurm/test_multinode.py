@@ -17,7 +17,8 @@ from tests.slurm.presets import GPU_RUN
 HERE = os.path.dirname(os.path.abspath(__file__))
 # rank 0 waits for every engine announcement (as the trainer attaching through rollout.engine_url_dir does)
 TRAINER = r'''
-echo "trainer host=$FAKE_HOST rank=$PET_NODE_RANK/$PET_NNODES nproc=$PET_NPROC_PER_NODE master=$PET_MASTER_ADDR:$PET_MASTER_PORT"
+echo "trainer host=$FAKE_HOST rank=$PET_NODE_RANK/$PET_NNODES nproc=$PET_NPROC_PER_NODE" \
+  "master=$PET_MASTER_ADDR:$PET_MASTER_PORT"
 if [[ $PET_NODE_RANK == 0 ]]; then
   want=$(( NUM_ROLLOUT_NODES * ENGINES_PER_NODE ))
   for _ in $(seq 100); do (( $(ls "$RUN_DIR"/engines/*.url 2>/dev/null | wc -l) >= want )) && break; sleep 0.1; done

@@ -113,7 +113,8 @@ def test_hf_checkpoint_not_matching_its_config(ckpt_dir, tmp_path, reliability):
         b = get_bridge(str(bad))
         HFCheckpoint(str(bad)).check_against(b.hf_tensor_shapes(b.padded_vocab(128, 1)))
     msg = str(e.value)
-    assert "missing tensors: ['model.norm.weight']" in msg and "model.layers.0.self_attn.o_proj.weight has [64, 32]" in msg
+    assert "missing tensors: ['model.norm.weight']" in msg
+    assert "model.layers.0.self_attn.o_proj.weight has [64, 32]" in msg
     reliability.record(category="bad_input", name="HF checkpoint not matching its config.json", survived=True,
                        injected="model.hf_path with one tensor missing and one mis-shaped",
                        expected="refused before loading, naming each tensor",

@@ -169,8 +169,10 @@ def test_tiny_model_is_deterministic_and_has_tokenizer(ckpt_dir, tmp_path):
 @pytest.mark.parametrize("te,local", [
     ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
     ("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", "decoder.layers.2.pre_mlp_layernorm.weight"),
-    ("decoder.layers.1.mlp.experts.linear_fc1.weight7", "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"),
-    ("decoder.layers.1.mlp.experts.linear_fc2.weight0", "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"),
+    ("decoder.layers.1.mlp.experts.linear_fc1.weight7",
+     "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"),
+    ("decoder.layers.1.mlp.experts.linear_fc2.weight0",
+     "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"),
     ("decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"),
     ("decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.self_attention.linear_qkv.weight"),
 ])

@@ -29,7 +29,8 @@ def test_gpu_command():
     assert "--device" not in cmd and "--enable-memory-saver" in cmd and cmd[cmd.index("--ep-size") + 1] == "8"
 
 
-@pytest.mark.parametrize("kw,field", [(dict(ep=2), "rollout.engine_ep"), (dict(memory_saver=True), "rollout.memory_saver"),
+@pytest.mark.parametrize("kw,field", [(dict(ep=2), "rollout.engine_ep"),
+                                      (dict(memory_saver=True), "rollout.memory_saver"),
                                       (dict(dp=2, cpu_mode=False), "rollout.engine_dp")])
 def test_invalid_engine_layouts_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):

@@ -66,7 +66,8 @@ SMALL = [(p, *lay) for p in ("tiny", "stress_a", "stress_b")
 @pytest.mark.parametrize("preset,tp,pp,ep,etp,world", SMALL)
 def test_small_checkpoints_plan(ckpt_dir, preset, tp, pp, ep, etp, world):
     bridge = get_bridge(ckpt_dir[preset])
-    _check(bridge, TrainerLayout(tp=tp, pp=pp, ep=ep, etp=etp, world_size=world), bucket_bytes=64 << 10, dtype="float32")
+    _check(bridge, TrainerLayout(tp=tp, pp=pp, ep=ep, etp=etp, world_size=world), bucket_bytes=64 << 10,
+           dtype="float32")
 
 
 @pytest.mark.parametrize("first,last,want", [(2, None, (2, 1)), (None, 2, (1, 2)), (1, None, (1, 2))])
