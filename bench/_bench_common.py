@@ -2,7 +2,7 @@
 
     python bench/_bench_common.py make-model DIR [--preset gpu|tiny|stress_a]   # write a checkpoint
 
-The ``gpu`` preset is megatron.md §13's model: Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8,
+The ``gpu`` preset: Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8,
 norm_topk_prob, vocab 32768, ~490M parameters, transformers' own random init (std 0.02, norms 1),
 saved in bf16 with per-expert names.
 """

@@ -310,12 +310,12 @@ class Policy:
         return {k: _mean([m[k] for m in box if k in m]) for k in keys}
 
     # -- checkpoints -----------------------------------------------------------------------------
-    # megatron.md #13/#14: only this sharding type saves and reloads torch-Adam state (any layout)
+    # only this sharding type saves and reloads torch-Adam state, in any layout
     _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
     def _sharded(self, is_loading: bool) -> dict:
         model_sd = self.module.sharded_state_dict(metadata=self._CKPT_META)
-        if is_loading:  # megatron.md #10: a fresh torch-Adam state has no entries to load into
+        if is_loading:  # a fresh torch-Adam state has no entries to load into (megatron asserts it is not empty)
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                     opt._init_optimizer_states_with_dummy_values()

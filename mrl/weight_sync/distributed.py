@@ -117,11 +117,10 @@ class DistributedWeightSync:
 
     def _min_inplace_bytes(self) -> int:
         """Shortest run of params sent in place rather than copied into a bucket with others. Each bucket
-        costs a request and a broadcast: ~1 ms on gloo (2-core box), where a copy runs at ~5 GB/s and
-        cannot overlap the broadcasts (one at a time), so runs from 8 MiB up win. On GPU a copy is ~free
-        and overlaps the previous bucket's broadcast, while each bucket costs ~0.3 ms: only runs that fill a
-        whole bucket go in place (4x H200, TP1 at EP1, one run per layer: 9 buckets in place read 1.25x
-        raw against 1.19 for 4 copied buckets)."""
+        costs a request and a broadcast. On gloo a copy cannot overlap the broadcasts (one at a time), so
+        runs worth about a millisecond of copying (8 MiB) win. On GPU a copy is nearly free and overlaps
+        the previous bucket's broadcast, so only runs that fill a whole bucket go in place: shorter ones
+        would only add buckets (docs/weight_sync.md)."""
         b = self._planning["bucket_bytes"]
         return b if compat.HAS_CUDA else min(b // 4, 8 << 20)
 
