@@ -32,6 +32,7 @@ class TinyPreset(str, enum.Enum):
     stress_a = "stress_a"  # head_dim*heads != hidden, rope 1e6, one dense layer, vocab 500 (padded)
     stress_b = "stress_b"  # MoE every 2nd layer, norm_topk_prob off, tied embeddings, 16 experts top-4
     glm4_moe = "glm4_moe"  # GLM-4.5: first layer dense, shared expert, sigmoid + bias, partial rotary, qkv bias
+    deepseek_v3 = "deepseek_v3"  # DeepSeek-V3: MLA, YaRN, group-limited sigmoid routing, shared expert, first dense
 
 
 def _fail(key: str, msg: str) -> None:

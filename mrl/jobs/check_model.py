@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
     exported = export_hf(model, layout, bridge, vocab_p)
     if layout.world_rank == 0:
-        want = {k: ckpt.read(k) for k in ckpt.shapes}
+        skipped = set(bridge.skipped_hf_tensors(ckpt.shapes))  # not part of the model (MTP layers)
+        want = {k: ckpt.read(k) for k in ckpt.shapes if k not in skipped}
         same_keys = set(exported) == set(want)
         # bf16 runs compare against the checkpoint cast to bf16: the cast is deterministic, so the
         # round trip must still be bit-exact in the trainer's dtype
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                       wall_s=round(time.perf_counter() - t0, 2))
         ok = ok and bool(exact)
         if a.export:
-            save_hf(exported, a.export, config_src=a.hf)
+            save_hf(exported, a.export, config_src=a.hf, engine_config=bridge.engine_config())
         report["pass"] = ok
         print(json.dumps(report, indent=1), flush=True)
         if a.out:

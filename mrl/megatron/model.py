@@ -22,8 +22,9 @@ from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.router_replay import RouterReplay
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 class SPTorchNorm:
@@ -44,6 +45,19 @@ class QKTorchNorm:
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
         return norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+
+
+class MLALocalAttention(DotProductAttention):
+    """megatron's local (non-TE) core attention for multi-latent attention: MLA passes the query/key and
+    value head dims (``k_channels``, ``v_channels``), which only TE's attention takes. The local kernel
+    needs neither: its scale comes as ``softmax_scale`` and its output width is ``kv_channels`` per head,
+    which the bridge sets to ``v_head_dim``."""
+
+    def __init__(self, config: TransformerConfig, *args, k_channels: int | None = None,
+                 v_channels: int | None = None, **kwargs):
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"MLA: kv_channels={config.kv_channels} must equal v_head_dim={v_channels}")
+        super().__init__(config, *args, **kwargs)
 
 
 # All fusions off: they are CUDA kernels, or TE-only, and the router fusion would silently skip
@@ -89,7 +103,8 @@ def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: 
         perform_initialization=False,  # weights come from the HF checkpoint
     )
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    # multi-latent attention (DeepSeek-V3) has its own config class (latent ranks, head dims, yarn)
+    return (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(**kw)
 
 
 def layer_spec(cfg: TransformerConfig):
@@ -101,7 +116,12 @@ def layer_spec(cfg: TransformerConfig):
     for ls in spec.layer_specs:
         attn = ls.submodules.self_attention
         attn_sub = attn.submodules
-        if cfg.qk_layernorm:
+        if cfg.multi_latent_attention:
+            # MLA's q/kv norms act on the latents, which sequence parallelism splits like the hidden
+            # states: their grads are all-reduced over TP as the layer norms' are
+            attn_sub = dataclasses.replace(attn_sub, q_layernorm=SPTorchNorm, kv_layernorm=SPTorchNorm,
+                                           core_attention=MLALocalAttention)
+        elif cfg.qk_layernorm:
             attn_sub = dataclasses.replace(attn_sub, q_layernorm=QKTorchNorm, k_layernorm=QKTorchNorm)
         sub = dataclasses.replace(ls.submodules, input_layernorm=SPTorchNorm, pre_mlp_layernorm=SPTorchNorm,
                                   self_attention=dataclasses.replace(attn, submodules=attn_sub))

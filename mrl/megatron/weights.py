@@ -108,7 +108,11 @@ def read_shard(ckpt: HFCheckpoint, pm: ParamMap, group: GroupInfo | None, partit
 def load_hf_into(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, ckpt: HFCheckpoint,
                  padded_vocab: int) -> int:
     """Fill every local param of ``model`` from the HF checkpoint; returns how many were loaded."""
-    ckpt.check_against(bridge.hf_tensor_shapes(padded_vocab))
+    skipped = bridge.skipped_hf_tensors(ckpt.shapes)
+    if skipped and layout.world_rank == 0:
+        print(f"[mrl] {ckpt.path}: {len(skipped)} tensors are not part of the trained model and are skipped: "
+              f"{skipped[:3]}{' ...' if len(skipped) > 3 else ''}", flush=True)
+    ckpt.check_against(bridge.hf_tensor_shapes(padded_vocab), skip=skipped)
     maps = maps_by_name(bridge, padded_vocab)
     n = 0
     for lp in local_params(model, layout):

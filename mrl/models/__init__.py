@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from mrl.models.bridge import ModelBridge, UnsupportedModelError, read_config_json
+from mrl.models.deepseek_v3 import DeepseekV3Bridge
 from mrl.models.glm4_moe import Glm4MoeBridge
 from mrl.models.qwen3_moe import Qwen3MoeBridge
 
 # A new family = one file with a ModelBridge subclass + one entry here (docs/models.md).
 BRIDGES: dict[str, type[ModelBridge]] = {
-    arch: cls for cls in (Qwen3MoeBridge, Glm4MoeBridge) for arch in cls.architectures}
+    arch: cls for cls in (Qwen3MoeBridge, Glm4MoeBridge, DeepseekV3Bridge) for arch in cls.architectures}
 
 
 def get_bridge(path: str) -> ModelBridge:

@@ -146,6 +146,16 @@ class ModelBridge(ABC):
         """Per layer 1 (MoE) or 0 (dense): megatron's ``moe_layer_freq`` list, and which layers of an
         engine's routed-experts record are kept."""
 
+    def engine_config(self) -> dict[str, Any]:
+        """config.json keys an inference engine needs beyond what transformers' config class keeps;
+        exported checkpoints get those that are missing."""
+        return {}
+
+    def skipped_hf_tensors(self, names) -> list[str]:
+        """Checkpoint tensors that are not part of the trained model and are skipped on import (named in
+        a log line), e.g. DeepSeek-V3's multi-token-prediction layers."""
+        return []
+
     @property
     def tied_embeddings(self) -> bool:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))

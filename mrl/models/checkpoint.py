@@ -100,9 +100,10 @@ class HFCheckpoint:
             return sl[r0:r1]
         return sl[r0:r1] if cols is None else sl[r0:r1, cols[0]:cols[1]]
 
-    def check_against(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """Raise CheckpointError naming every missing, unexpected or mis-shaped tensor."""
-        have = self._shapes
+    def check_against(self, expected: dict[str, tuple[int, ...]], skip=()) -> None:
+        """Raise CheckpointError naming every missing, unexpected or mis-shaped tensor (``skip``: tensors
+        the model does not use, e.g. multi-token-prediction layers)."""
+        have = {k: v for k, v in self._shapes.items() if k not in set(skip)}
         missing = sorted(set(expected) - set(have))
         extra = sorted(set(have) - set(expected))
         bad = sorted(n for n in set(expected) & set(have) if tuple(expected[n]) != tuple(have[n]))
@@ -117,8 +118,10 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: checkpoint does not match config.json: " + "; ".join(problems))
 
 
-def save_hf(tensors: dict[str, torch.Tensor], path: str, config_src: str | None = None) -> None:
-    """Write per-expert-named tensors as ``model.safetensors`` (+ copy config/tokenizer files)."""
+def save_hf(tensors: dict[str, torch.Tensor], path: str, config_src: str | None = None,
+            engine_config: dict | None = None) -> None:
+    """Write per-expert-named tensors as ``model.safetensors`` (+ copy config/tokenizer files; the keys of
+    ``engine_config`` missing from config.json are added: what SGLang reads beyond transformers)."""
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
@@ -129,6 +132,14 @@ def save_hf(tensors: dict[str, torch.Tensor], path: str, config_src: str | None 
             src = os.path.join(config_src, fn)
             if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, fn)):
                 shutil.copy(src, os.path.join(path, fn))
+    if engine_config:
+        cfg_file = os.path.join(path, "config.json")
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+        missing = {k: v for k, v in engine_config.items() if k not in cfg}
+        if missing:
+            with open(cfg_file, "w") as f:
+                json.dump({**cfg, **missing}, f, indent=2)
 
 
 def check_tokenizer(path: str, *, vocab_size: int, special_ids: dict[str, int | list[int] | None]) -> None:

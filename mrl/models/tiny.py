@@ -43,6 +43,18 @@ PRESETS: dict[TinyPreset, dict] = {
         norm_topk_prob=True, use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
         rms_norm_eps=1e-5),
+    TinyPreset.deepseek_v3: dict(
+        vocab_size=500, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+        # YaRN as in DeepSeek-V3 (factor 40 there); SGLang's CPU rope supports only this kind
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        # what SGLang reads beyond transformers' config class (real DeepSeek-V3 configs carry them)
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid"),
 }
 
 # preset -> (transformers config class, model class, architecture)
@@ -50,6 +62,7 @@ _QWEN3 = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
 FAMILIES: dict[TinyPreset, tuple[str, str]] = {
     TinyPreset.tiny: _QWEN3, TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
     TinyPreset.glm4_moe: ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    TinyPreset.deepseek_v3: ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 _STRESS = (TinyPreset.stress_a, TinyPreset.stress_b)
 

@@ -1,4 +1,4 @@
-"""Model families beyond Qwen3 against transformers (gloo, fp32), each in TP1, TP2+SP, EP2, TP2xEP2 and
+"""Model families beyond Qwen3 (GLM-4.5, DeepSeek-V3) against transformers (gloo, fp32), each in TP1, TP2+SP, EP2, TP2xEP2 and
 PP2 (uneven 2+1) within one 2-process launch (``family_parity_job``): logits and next-token logprobs
 within 1e-4, every router picks transformers' experts for every token (the score-correction bias and
 group limits included), and HF -> Megatron -> HF is bit-exact."""
@@ -9,7 +9,7 @@ from tests.conftest import read_json, run_torchrun
 
 LAYOUTS = ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"]
 # HF tensors of each family's tiny checkpoint (every one must come back from the export)
-TENSORS = {"glm4_moe": 97}
+TENSORS = {"glm4_moe": 97, "deepseek_v3": 91}
 
 
 @pytest.mark.dist

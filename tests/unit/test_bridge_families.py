@@ -1,4 +1,4 @@
-"""Bridges of the families beyond Qwen3 (GLM-4.5, ...): mapping coverage and exact inverse on the tiny
+"""Bridges of the families beyond Qwen3 (GLM-4.5, DeepSeek-V3): mapping coverage and exact inverse on the tiny
 checkpoints, config translation, the real models' shapes, and bad input failing before anything loads."""
 
 import json
@@ -13,7 +13,7 @@ from mrl.models import UnsupportedModelError, get_bridge
 from mrl.models.bridge import full_from_parts, split_full
 from mrl.models.checkpoint import CheckpointError, HFCheckpoint
 
-FAMILIES = ["glm4_moe"]
+FAMILIES = ["glm4_moe", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -137,3 +137,77 @@ def test_tiny_preset_of_another_family_is_refused(ckpt_dir):
         check_preset(ckpt_dir["tiny"], "glm4_moe")
     check_preset(ckpt_dir["glm4_moe"], "glm4_moe")
     check_preset(ckpt_dir["stress_a"], "tiny")  # same family
+
+
+def test_deepseek_v3_config_translation(ckpt_dir):
+    b = get_bridge(ckpt_dir["deepseek_v3"])
+    kw = b.transformer_config_kwargs()
+    assert kw["multi_latent_attention"] is True and kw["moe_layer_freq"] == [0, 1, 1]
+    assert (kw["q_lora_rank"], kw["kv_lora_rank"], kw["qk_head_dim"], kw["qk_pos_emb_head_dim"],
+            kw["v_head_dim"]) == (32, 16, 16, 8, 16)
+    assert kw["moe_router_num_groups"] == 2 and kw["moe_router_group_topk"] == 1
+    assert kw["moe_router_score_function"] == "sigmoid" and kw["moe_router_topk_scaling_factor"] == 2.5
+    assert (kw["rope_type"], kw["rotary_scaling_factor"], kw["original_max_position_embeddings"]) == ("yarn", 4.0, 512)
+    assert (kw["mscale"], kw["mscale_all_dim"], kw["beta_fast"], kw["beta_slow"]) == (1.0, 1.0, 32.0, 1.0)
+    shapes = b.hf_tensor_shapes(512)
+    assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (16 + 8, 64)
+    assert shapes["model.layers.0.self_attn.kv_b_proj.weight"] == (4 * (16 + 16), 16)
+    assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (4 * (16 + 8), 32)
+    with open(os.path.join(ckpt_dir["deepseek_v3"], "config.json")) as f:
+        raw = json.load(f)
+    assert {k: raw[k] for k in b.engine_config()} == b.engine_config()  # what SGLang reads is in the file
+
+
+# DeepSeek-V3's config.json (public); Kimi-K2 differs in 384 experts and 64 heads
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=2.5,
+                   n_group=8, topk_group=4, first_k_dense_replace=3, norm_topk_prob=True, moe_layer_freq=1,
+                   topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=1,
+                   max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                   rope_theta=10000)
+
+
+def test_deepseek_v3_shapes_and_mtp_layer_skipped(tmp_path):
+    b = get_bridge(_write_config(tmp_path, "v3", "DeepseekV3ForCausalLM", model_type="deepseek_v3", **DEEPSEEK_V3))
+    kw = b.transformer_config_kwargs()
+    assert kw["moe_layer_freq"] == [0] * 3 + [1] * 58
+    assert (kw["moe_router_num_groups"], kw["moe_router_group_topk"], kw["rotary_scaling_factor"]) == (8, 4, 40.0)
+    shapes = b.hf_tensor_shapes(b.padded_vocab(128, 8))
+    assert shapes["model.layers.3.mlp.experts.255.down_proj.weight"] == (7168, 2048)
+    assert shapes["model.layers.60.self_attn.kv_a_proj_with_mqa.weight"] == (576, 7168)
+    assert not any(k.startswith("model.layers.61.") for k in shapes)
+    mtp = ["model.layers.61.eh_proj.weight", "model.layers.61.mlp.experts.0.up_proj.weight"]
+    assert b.skipped_hf_tensors(mtp + ["model.layers.60.input_layernorm.weight"]) == sorted(mtp)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(n_group=3), "n_group=3"),  # does not divide 8 experts
+    (dict(topk_group=2), "topk_group=2"),  # HF's top-2 group score vs megatron's top-(k / topk_group)
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "rope_scaling type 'linear'"),
+    (dict(attention_bias=True), "attention_bias=true"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    (dict(topk_method="group_limited_greedy"), "topk_method='group_limited_greedy'"),
+    (dict(rope_interleave=False), "rope_interleave=false"),
+])
+def test_deepseek_v3_bad_config_names_the_field(ckpt_dir, tmp_path, change, field):
+    dst = tmp_path / "bad"
+    shutil.copytree(ckpt_dir["deepseek_v3"], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=field):
+        get_bridge(str(dst))
+
+
+def test_missing_mla_tensor_is_named(ckpt_dir, tmp_path):
+    dst = tmp_path / "nokvb"
+    shutil.copytree(ckpt_dir["deepseek_v3"], dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    del sd["model.layers.1.self_attn.kv_b_proj.weight"]
+    save_file(sd, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: \['model.layers.1.self_attn.kv_b_proj.weight'\]"):
+        HFCheckpoint(str(dst)).check_against(get_bridge(str(dst)).hf_tensor_shapes(512))
