@@ -1,7 +1,9 @@
-"""The RL loop, one process per trainer rank (``mrl train`` starts them with torchrun).
+"""The RL loop, one process per trainer rank (``mrl train`` starts them with torchrun, entering through
+``mrl.jobs.train``).
 
-    loop = Loop(cfg)      # model, optimizer, checkpoint to resume, rank 0's engines and rollout process
-    loop.run()            # warm start, then per step: take batch, train, maybe sync, log, maybe checkpoint
+    loop = Loop(cfg)      # model, optimizer, the checkpoint to resume from, rank 0's metrics log
+    loop.run()            # warm start, engines + rollout process, then per step:
+                          # take batch, train step, maybe sync weights, log, maybe checkpoint
 
     rank 0 (``Controller``)                          every rank
     ───────────────────────                          ──────────
