@@ -49,6 +49,6 @@ peaks = [None] * layout.world_size
 dist.all_gather_object(peaks, rss)
 if layout.world_rank == 0:
     json.dump({"min_ms": 1e3 * min(times), "median_ms": 1e3 * statistics.median(times),
-               "peak_rss_mb_max_rank": max(peaks), "peak_rss_mb_sum": sum(peaks),
+               "step_ms": [1e3 * t for t in times], "peak_rss_mb_max_rank": max(peaks), "peak_rss_mb_sum": sum(peaks),
                "tokens_per_step": a.batch * a.seq if dp > 1 else mb * a.seq}, open(a.out, "w"))
 destroy()

@@ -17,6 +17,8 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
+from _bench_common import device_name, dump, slug
+
 LAYOUTS = [
     ("TP1", 1, []),
     ("TP2+SP", 2, ["--tp", "2"]),
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     a = ap.parse_args()
     from mrl.config.schema import TinyPreset
     from mrl.models.tiny import make_tiny_model
@@ -58,6 +61,9 @@ def main() -> None:
         t.add_row(name, str(n), f"{d['min_ms']:.1f}", f"{d['median_ms']:.1f}", f"{d['min_ms'] / base:.2f}",
                   f"{d['peak_rss_mb_max_rank']:.0f}", f"{d['peak_rss_mb_sum']:.0f}")
     Console(width=150).print(t)
+    dump({"bench": "fwd_bwd_layouts", "device": device_name(), "preset": a.preset, "batch": a.batch, "seq": a.seq,
+          "steps": a.steps, "layouts": [dict(layout=name, procs=n, **d) for name, n, d in rows]}, a.json,
+         name=f"fwd_bwd_layouts_{slug(device_name())}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from _bench_common import dump
+
 from mrl.models import get_bridge
 from mrl.models.tiny import make_tiny_model
 from mrl.rollout.client import EngineClient
@@ -51,6 +53,7 @@ def main():
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="mrl_rollout_bench_")
     model = make_tiny_model(os.path.join(tmp, "tiny"))
@@ -79,6 +82,9 @@ def main():
     c.print(t)
     c.print(f"routes bytes/token: SGLang wire (base64 int32, all layers) {wire:.1f} -> mrl codec "
             f"(uint8, MoE layers) {compact} ({wire / compact:.1f}x smaller)")
+    dump({"bench": "rollout_throughput", "groups": a.groups, "n": a.n, "new_tokens": a.new,
+          "engines": {"1": {"seconds": t1, "tokens_per_s": one}, "2": {"seconds": t2, "tokens_per_s": two}},
+          "routes_bytes_per_token": {"sglang_wire": wire, "mrl_codec": compact}}, a.json, name="rollout_throughput_cpu")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from _bench_common import dump
+
 from mrl.routing.sampling_mask import support_from_top_logprobs
 
 TOP_KS = (5, 20, 50)
@@ -96,6 +98,7 @@ def measure_on_engine():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", action="store_true", help="also measure on a real tiny SGLang CPU engine")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
     a = ap.parse_args()
     rows = computed_rows() + (measure_on_engine() if a.engine else [])
     t = Table(title="bytes per response token: top logprobs (top_logprobs_num = top_k, top_p 0.95) vs routes")
@@ -106,6 +109,9 @@ def main():
         t.add_row(name, src, str(k), f"{wire:.0f}", f"{kept:.0f}", f"{rwire:.0f}", str(rcompact),
                   f"{wire / rwire:.2f}")
     Console(width=160).print(t)
+    keys = ("model", "source", "top_k", "top_logprobs_wire", "kept_ids_int32", "routes_wire", "routes_compact")
+    dump({"bench": "sampling_mask_payload", "bytes_per_token": [dict(zip(keys, r)) for r in rows]}, a.json,
+         name="sampling_mask_payload")
 
 
 if __name__ == "__main__":
