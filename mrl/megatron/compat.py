@@ -310,6 +310,16 @@ def _enter_cuda_to_cpu_mode() -> None:
           "transformer/utils.py:39", "utils.py:1332").applied = True
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
+    # torch 2.11 runs autograd's backward without the caller's torch-function modes, and megatron's
+    # activation recompute re-runs the forward there (e.g. the causal mask at transformer/utils.py:39)
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for fn in (mrandom.CheckpointFunction, mrandom.CheckpointWithoutOutputFunction):
+        def backward(ctx, *args, _backward=fn.backward):
+            with CudaToCpuMode():
+                return _backward(ctx, *args)
+
+        fn.backward = staticmethod(backward)
 
 
 # ----------------------------------------------------------------------------------------------
