@@ -136,6 +136,29 @@ def sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
     return output
 
 
+def extend_given_kv(q, k, v, layer, forward_batch):
+    """Prefill attention over the ``k`` / ``v`` the model passes (per head), not over the KV cache.
+
+    For MLA models (DeepSeek-V3) SGLang prefills through an MHA path that hands the backend per-head keys
+    and values with ``save_kv_cache=False`` while the cache holds the compressed latents
+    (``deepseek_common/attention_forward_methods/forward_mha.py``); SGLang 0.5.14's torch_native
+    ``forward_extend`` attends over the cache regardless, i.e. over the latents: wrong output (the
+    tiny DeepSeek-V3's shapes hide it). That path runs only without a cached prefix."""
+    if bool((forward_batch.extend_prefix_lens != 0).any()):
+        raise NotImplementedError("MLA prefill over given k/v with a cached prefix")
+    heads, dk, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+    q, k, v = q.view(-1, heads, dk), k.view(-1, layer.tp_k_head_num, dk), v.view(-1, layer.tp_v_head_num, dv)
+    out = q.new_empty((q.shape[0], heads, dv))
+    start = 0
+    for n in forward_batch.extend_seq_lens.tolist():
+        sl = slice(start, start + n)
+        out[sl] = scaled_dot_product_attention(
+            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True, scale=layer.scaling,
+            enable_gqa=heads != layer.tp_k_head_num).transpose(0, 1)
+        start += n
+    return out.reshape(q.shape[0], heads * dv)
+
+
 def install(module=None) -> None:
     """Route SGLang's ``TorchNativeAttnBackend`` through the batched functions (idempotent)."""
     if module is None:
@@ -155,5 +178,14 @@ def install(module=None) -> None:
 
     cls._run_sdpa_forward_extend = _extend
     cls._run_sdpa_forward_decode = _decode
+    loop_forward_extend = cls.forward_extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
+        mla_cache = hasattr(self.token_to_kv_pool, "kv_lora_rank")  # MLATokenToKVPool: latents, not k/v
+        if save_kv_cache or not mla_cache or k is None or v is None or layer.is_cross_attention:
+            return loop_forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+        return extend_given_kv(q, k, v, layer, forward_batch)
+
+    cls.forward_extend = forward_extend
     cls._mrl_batched = True
     print(INSTALLED_MARK, file=sys.stderr, flush=True)
