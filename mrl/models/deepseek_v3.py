@@ -5,12 +5,13 @@ for the selection only, ``routed_scaling_factor``, group-limited top-k (``n_grou
 -> ``moe_router_num_groups`` / ``moe_router_group_topk``), one shared expert, first dense layers.
 Attention is multi-latent (megatron's ``MLATransformerConfig``, ``multi_latent_attention``):
 
-| HF | megatron | |
-|---|---|---|
-| ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` | ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` | ``q_lora_rank`` null: ``q_proj`` -> ``linear_q_proj`` |
-| ``kv_a_proj_with_mqa`` [kv_lora + rope, H] | ``linear_kv_down_proj`` | same row order: latent, then the shared rope key |
-| ``kv_a_layernorm`` / ``kv_b_proj`` [heads * (nope + v), kv_lora] | ``kv_layernorm`` / ``linear_kv_up_proj`` | per head [nope; v] in both |
-| ``qk_nope_head_dim`` / ``qk_rope_head_dim`` / ``v_head_dim`` | ``qk_head_dim`` / ``qk_pos_emb_head_dim`` / ``v_head_dim`` | megatron's ``qk_head_dim`` is the no-rope part |
+- ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` -> ``linear_q_down_proj`` / ``q_layernorm`` /
+  ``linear_q_up_proj`` (``q_lora_rank`` null: ``q_proj`` -> ``linear_q_proj``);
+- ``kv_a_proj_with_mqa`` [kv_lora + rope, H] -> ``linear_kv_down_proj`` (same rows: latent, then the
+  shared rope key); ``kv_a_layernorm`` -> ``kv_layernorm``; ``kv_b_proj`` [heads * (nope + v), kv_lora]
+  -> ``linear_kv_up_proj`` (per head [nope; v] in both);
+- ``qk_nope_head_dim`` / ``qk_rope_head_dim`` / ``v_head_dim`` -> ``qk_head_dim`` (megatron's is the
+  no-rope part) / ``qk_pos_emb_head_dim`` / ``v_head_dim``.
 
 All copies: the rope part of DeepSeek checkpoints is stored interleaved (``rope_interleave``:
 transformers de-interleaves q/k at run time), and megatron's MLA rope de-interleaves the same way
@@ -37,11 +38,9 @@ class DeepseekV3Bridge(Glm4MoeBridge):
     family = "DeepSeek-V3 (DeepseekV3ForCausalLM)"
 
     # -- config ---------------------------------------------------------------------------------
-    def config_problems(self) -> list[str]:
+    def attention_problems(self) -> list[str]:
         c = self.hf_config
         problems = []
-        if getattr(c, "hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={c.hidden_act!r} (only 'silu' is mapped)")
         if getattr(c, "attention_bias", False):
             problems.append("attention_bias=true (DeepSeek-V3 has no attention biases; not mapped)")
         if not getattr(c, "rope_interleave", True):
@@ -63,13 +62,17 @@ class DeepseekV3Bridge(Glm4MoeBridge):
                 problems.append(f"{key} missing or 0 (multi-latent attention needs it)")
         if getattr(c, "qk_rope_head_dim", 0) and c.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim={c.qk_rope_head_dim} is odd (rope rotates pairs)")
+        return problems
+
+    def router_problems(self) -> list[str]:
+        c = self.hf_config
+        problems = []
         # DeepSeek-V2-style routers (softmax, "greedy" / "group_limited_greedy") are another model
         if getattr(c, "scoring_func", "sigmoid") != "sigmoid":
             problems.append(f"scoring_func={c.scoring_func!r} (mapped: 'sigmoid')")
         if getattr(c, "topk_method", "noaux_tc") != "noaux_tc":
             problems.append(f"topk_method={c.topk_method!r} (mapped: 'noaux_tc')")
-        problems += self.router_problems()
-        return problems
+        return problems + super().router_problems()
 
     def engine_config(self) -> dict[str, Any]:
         """config.json keys SGLang reads that transformers' DeepseekV3Config does not keep: every layer from

@@ -36,11 +36,13 @@ class Glm4MoeBridge(Qwen3MoeBridge):
         problems = []
         if getattr(c, "hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={c.hidden_act!r} (only 'silu' is mapped)")
+        return problems + self.attention_problems() + self.router_problems()
+
+    def attention_problems(self) -> list[str]:
         rope_type = self._rope().get("rope_type", "default")
         if rope_type != "default":
-            problems.append(f"rope_scaling type {rope_type!r} (only 'default' rope is mapped for this family)")
-        problems += self.router_problems()
-        return problems
+            return [f"rope_scaling type {rope_type!r} (only 'default' rope is mapped for this family)"]
+        return []
 
     def router_problems(self) -> list[str]:
         c = self.hf_config

@@ -166,13 +166,16 @@ class Qwen3MoeBridge(ModelBridge):
         maps = [copy(m + "mlp.router.weight", h + "mlp.gate.weight", (self.num_experts, H))]
         for e in range(self.num_experts):
             he, me = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-            maps.append(concat(me + "linear_fc1.weight", [(he + "gate_proj.weight", inter), (he + "up_proj.weight", inter)], H))
+            maps.append(concat(me + "linear_fc1.weight",
+                               [(he + "gate_proj.weight", inter), (he + "up_proj.weight", inter)], H))
             maps.append(copy(me + "linear_fc2.weight", he + "down_proj.weight", (H, inter)))
         return maps
 
-    def dense_mlp_maps(self, h: str, m: str, hf: str = "mlp.", mc: str = "mlp.", inter: int | None = None) -> list[ParamMap]:
+    def dense_mlp_maps(self, h: str, m: str, hf: str = "mlp.", mc: str = "mlp.",
+                       inter: int | None = None) -> list[ParamMap]:
         """SwiGLU MLP ``h + hf`` (gate/up/down) -> ``m + mc`` (linear_fc1 = [gate; up], linear_fc2)."""
         H = self.hf_config.hidden_size
         inter = self.hf_config.intermediate_size if inter is None else inter
-        return [concat(m + mc + "linear_fc1.weight", [(h + hf + "gate_proj.weight", inter), (h + hf + "up_proj.weight", inter)], H),
+        return [concat(m + mc + "linear_fc1.weight",
+                       [(h + hf + "gate_proj.weight", inter), (h + hf + "up_proj.weight", inter)], H),
                 copy(m + mc + "linear_fc2.weight", h + hf + "down_proj.weight", (H, inter))]

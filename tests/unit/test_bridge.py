@@ -1,4 +1,5 @@
-"""Qwen3-MoE bridge: config translation, mapping coverage, exact inverse, bad checkpoints."""
+"""Bridges: mapping coverage and exact inverse (every family's tiny checkpoint), Qwen3-MoE config
+translation, bad checkpoints."""
 
 import json
 import os
@@ -12,7 +13,7 @@ from mrl.models import UnsupportedModelError, get_bridge
 from mrl.models.bridge import full_from_parts, split_full
 from mrl.models.checkpoint import CheckpointError, HFCheckpoint
 
-PRESETS = ["tiny", "stress_a", "stress_b"]
+PRESETS = ["tiny", "stress_a", "stress_b", "glm4_moe", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
