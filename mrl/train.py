@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
-from mrl.buffer import Group
+from mrl.rollout.buffer import Group
 from mrl.config.load import load_resolved
 from mrl.config.schema import BadRoutes, Config, LoopMode
 from mrl.megatron.collectives import named

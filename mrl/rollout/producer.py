@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from concurrent.futures import Future
 
-from mrl.buffer import Group, RolloutBuffer
+from mrl.rollout.buffer import Group, RolloutBuffer
 from mrl.data import Prompt, PromptSource
 from mrl.data.prompt import budget_error
 from mrl.reward.scorer import RewardScorer

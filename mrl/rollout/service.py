@@ -161,7 +161,7 @@ class LocalRollout:
     def __init__(self, cfg, hf_path: str, urls: list[str], codec, state):
         from tokenizers import Tokenizer
 
-        from mrl.buffer import RolloutBuffer
+        from mrl.rollout.buffer import RolloutBuffer
         from mrl.config.schema import LoopMode, StalePolicy
         from mrl.data import build_prompt_source
         from mrl.reward.scorer import RewardScorer
