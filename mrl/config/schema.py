@@ -723,6 +723,9 @@ class Config:
             _fail("rollout.engine_dtype", f"{r.engine_dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
         if r.engine_dtype is None:
             r.engine_dtype = "float32" if r.cpu_mode else _ENGINE_DTYPES[self.model.dtype]
+        if not r.cpu_mode and r.engine_dtype == "float32":
+            _fail("rollout.engine_dtype", "float32 on GPU engines: SGLang's GPU kernels (rmsnorm) take bfloat16 or "
+                  "float16 only; set model.dtype=bf16 (the engine follows it) or rollout.engine_dtype=bfloat16")
         if self.train.sampling_mask and not self.rollout.cpu_mode:
             if self.rollout.sampling_backend == "flashinfer":
                 _fail("rollout.sampling_backend", "=flashinfer with train.sampling_mask=true: the mask rebuilds the "

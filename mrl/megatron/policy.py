@@ -285,7 +285,7 @@ class Policy:
                         advantages=[0.0] * len(tokens), routes=None)
         mbs, _ = self._micro_batches(batch, False)
         total = sum(float(mb.data["mask"].sum()) for mb in mbs)
-        box = torch.tensor([total], dtype=torch.float64)
+        box = torch.tensor([total], dtype=torch.float64, device=compat.DEVICE)  # NCCL reduces device tensors only
         dist.all_reduce(box, group=self.layout.dp.group)
 
         def loss_fn(lp, mb):

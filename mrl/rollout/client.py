@@ -287,12 +287,22 @@ class EngineClient:
             raise EngineProtocolError(self.url, "/server_info", "no 'version' key")
         return _without_keys(data)
 
-    async def check_version(self, supported: tuple[str, ...] = ("0.5.10",)) -> str:
-        """Version gate: the client speaks 0.5.10's API (routes start_len ignored, flush rules, 404s)."""
+    async def check_version(self, supported: tuple[str, ...] = ("0.5.10", "0.5.14")) -> str:
+        """Version gate: the client speaks these releases' API (0.5.14 live in the tests, 0.5.10 through
+        the recorded replies the fake server serves)."""
         v = str((await self.server_info())["version"])
         if v not in supported:
             raise EngineError(self.url, "/server_info", f"SGLang {v} is not one of the verified versions {supported}")
         return v
+
+    async def weight_checksums(self) -> list[dict[str, str]]:
+        """Per TP rank, the hash of every parameter the engine holds, under its own names and layout
+        (``/weights_checker``, action ``checksum``: ``sglang.srt.managers.mm_utils.tensor_hash``)."""
+        _, data, _ = await self._call("POST", "/weights_checker", json={"action": "checksum"},
+                                      timeout=self.timeouts.control, admin=True)
+        if not isinstance(data, dict) or not isinstance(data.get("ranks"), list):
+            raise EngineProtocolError(self.url, "/weights_checker", "no 'ranks' list")
+        return [r["checksums"] for r in data["ranks"]]
 
     async def health(self, timeout: float = 20.0) -> bool:
         if self.paused:

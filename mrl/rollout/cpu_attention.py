@@ -71,7 +71,8 @@ def sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
     if fallback is not None and (seq_lens.shape[0] == 1 or
                                  _unsupported(encoder_lens, is_cross_attn, sliding_window_size)):
         return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                        encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                        encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn,
                         sliding_window_size=sliding_window_size)
     if _unsupported(encoder_lens, is_cross_attn, sliding_window_size):
         raise NotImplementedError("batched CPU attention: cross attention and sliding windows take SGLang's loop")
@@ -96,8 +97,8 @@ def sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
         if fallback is None:
             raise NotImplementedError("batched CPU attention: cross attention and sliding windows take SGLang's loop")
         return fallback(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
-                        extend_seq_lens, encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
-                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+                        extend_seq_lens, encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
+                        causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
     one = extend_seq_lens == 1
     if bool(one.any()) and not bool(one.all()):
         # a mixed batch (--enable-mixed-chunk: decoding sequences ride along with a prefill): the one-token

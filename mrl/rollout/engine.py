@@ -84,7 +84,8 @@ _RESERVED_SERVER_ARGS = ("api_key", "admin_api_key", "config")
 
 
 def server_args_to_cli(args: dict[str, Any]) -> list[str]:
-    """``{"enable_dp_attention": True, "mem_fraction_static": 0.8}`` -> ``--enable-dp-attention --mem-fraction-static 0.8``."""
+    """``{"enable_dp_attention": True, "mem_fraction_static": 0.8}`` ->
+    ``--enable-dp-attention --mem-fraction-static 0.8``."""
     out: list[str] = []
     for k, v in args.items():
         flag = "--" + k.replace("_", "-")

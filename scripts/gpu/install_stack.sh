@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a network-less GPU host: assemble the parts made by fetch_parts.sh (stashed in STASH as part.aa,
 # part.ab, ...) and install SGLang 0.5.14, megatron-core and Transformer Engine into TARGET, next to the
-# host's own torch. Afterwards: source TARGET/env.sh (PYTHONPATH, NCCL_CUMEM_ENABLE=0).
+# host's own torch. Afterwards: source TARGET/env.sh (PYTHONPATH, NCCL_CUMEM_ENABLE=0). Transformer Engine goes
+# to TARGET/te, on the path only with `source TARGET/env.sh te`: megatron picks its TE spec whenever TE imports,
+# so leaving it off the path runs the local spec on the same host.
 # Usage: scripts/gpu/install_stack.sh STASH TARGET [SHA256]
 set -euo pipefail
 S=${1:?stash}; T=${2:?target}; want=${3:-}
@@ -23,20 +25,22 @@ printf 'def dep_version_check(pkg, hint=None):\n    pass\n' > "$T/transformers/d
 if ls "$W"/te/*.whl >/dev/null 2>&1; then
   if ! ls "$W"/te/transformer_engine_torch-*.whl >/dev/null 2>&1 && ls "$W"/te/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
     echo "[install] building Transformer Engine's torch extension against the host's torch"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T" "$W"/te/transformer_engine_cu13-*.whl
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T/te" "$W"/te/transformer_engine_cu13-*.whl
     (cd "$W/te" && tar xzf transformer_engine_torch-*.tar.gz && cd transformer_engine_torch-*/ &&
-      PYTHONPATH="$T" NVTE_CUDA_ARCHS=90 MAX_JOBS=$(nproc) NVTE_FRAMEWORK=pytorch \
+      PYTHONPATH="$T/te:$T" NVTE_CUDA_ARCHS=90 MAX_JOBS=$(nproc) NVTE_FRAMEWORK=pytorch \
       "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$W/te" .)
   fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T" "$W"/te/*.whl
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$T/te" "$W"/te/*.whl
 fi
 cat > "$T/env.sh" <<EOF
+# source env.sh [te]: the stack on the path; with "te", Transformer Engine too
 export PYTHONPATH=$T:\${PYTHONPATH:-}
+[ "\${1:-}" = te ] && export PYTHONPATH=$T/te:\$PYTHONPATH
 # SGLang's NCCL weight-update group fails with "Cuda failure 'invalid argument'" on cuMem-backed buffers
 export NCCL_CUMEM_ENABLE=0
 EOF
 rm -rf "$W"
-PYTHONPATH="$T" "$PY" - <<'PY'
+PYTHONPATH="$T/te:$T" "$PY" - <<'PY'
 import importlib
 for m in ("sglang", "sgl_kernel", "megatron.core", "hydra", "omegaconf", "transformers"):
     mod = importlib.import_module(m)

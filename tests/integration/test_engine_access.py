@@ -1,4 +1,4 @@
-"""Access control of real SGLang 0.5.10 engines started by mrl (the session's engines run with keys).
+"""Access control of real SGLang engines started by mrl (the session's engines run with keys).
 
 - /generate and every weight-update and flow-control endpoint refuse a request without a key, with a
   wrong key, and with the other key (401); the right key gets through (to a validation error here: every
@@ -15,6 +15,7 @@ import logging
 
 import httpx
 import pytest
+import sglang
 
 from mrl.rollout.client import EngineClient
 from mrl.rollout.secrets import REDACTED, EngineSecrets
@@ -91,8 +92,8 @@ def test_keys_appear_in_no_log_or_command_line(engines, keys, caplog, capfd):
     with caplog.at_level(logging.DEBUG):
         info = asyncio.run(go(url))
     raw = httpx.get(url + "/server_info", headers={"Authorization": f"Bearer {keys.api_key}"}, timeout=30).json()
-    assert raw["admin_api_key"] == keys.admin_api_key  # 0.5.10 hands the admin key to api-key holders...
-    assert "api_key" not in info and info["version"] == "0.5.10"  # ...mrl's client drops it (internal_states too)
+    assert raw["admin_api_key"] == keys.admin_api_key  # SGLang hands the admin key to api-key holders...
+    assert "api_key" not in info and info["version"] == sglang.__version__  # ...mrl's client drops it
     out = capfd.readouterr()
     texts = {"client log": caplog.text, "stdout": out.out, "stderr": out.err, "server_info": repr(info)}
     for e in engines.values():

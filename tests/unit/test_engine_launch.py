@@ -80,10 +80,11 @@ def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path
 def test_gpu_engines_sample_with_the_backend_the_mask_rebuilds():
     from mrl.config.load import compose
 
-    assert compose(["rollout=gpu", "train.sampling_mask=true"]).rollout.sampling_backend == "pytorch"
-    assert compose(["rollout=gpu"]).rollout.sampling_backend is None
+    gpu = ["rollout=gpu", "model.dtype=bf16"]
+    assert compose(gpu + ["train.sampling_mask=true"]).rollout.sampling_backend == "pytorch"
+    assert compose(gpu).rollout.sampling_backend is None
     with pytest.raises(ValueError, match="rollout.sampling_backend"):
-        compose(["rollout=gpu", "train.sampling_mask=true", "rollout.sampling_backend=flashinfer"])
+        compose(gpu + ["train.sampling_mask=true", "rollout.sampling_backend=flashinfer"])
     with pytest.raises(ValueError, match="rollout.engine_dtype"):
         compose(["rollout.engine_dtype=bfloat16"])  # CPU mode: float32 only
     assert compose([]).rollout.engine_dtype == "float32"
@@ -112,3 +113,12 @@ def test_gpu_stack_check_on_this_cpu_host_says_there_is_no_gpu():
             gpu_mode.check_gpu_stack()
     finally:
         gpu_mode.check_gpu_stack.cache_clear()
+
+
+def test_gpu_engines_refuse_float32():
+    from mrl.config.load import compose
+
+    with pytest.raises(ValueError, match="rollout.engine_dtype.*bfloat16 or float16"):
+        compose(["rollout=gpu"])  # model.dtype fp32 (the tiny preset's) would make a float32 GPU engine
+    mixed = compose(["rollout=gpu", "model.dtype=fp32", "rollout.engine_dtype=bfloat16"])
+    assert mixed.rollout.engine_dtype == "bfloat16"
