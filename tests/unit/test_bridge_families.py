@@ -3,6 +3,7 @@ and bad input failing before anything loads (coverage and exact inverse: ``test_
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -104,17 +105,6 @@ def test_checkpoint_of_another_family_names_the_tensors(ckpt_dir, tmp_path):
         HFCheckpoint(str(dst)).check_against(b.hf_tensor_shapes(512))
 
 
-def test_missing_score_correction_bias_is_named(ckpt_dir, tmp_path):
-    dst = tmp_path / "nobias"
-    shutil.copytree(ckpt_dir["glm4_moe"], dst)
-    sd = load_file(str(dst / "model.safetensors"))
-    del sd["model.layers.2.mlp.gate.e_score_correction_bias"]
-    save_file(sd, str(dst / "model.safetensors"))
-    with pytest.raises(CheckpointError,
-                       match=r"missing tensors: \['model.layers.2.mlp.gate.e_score_correction_bias'\]"):
-        HFCheckpoint(str(dst)).check_against(get_bridge(str(dst)).hf_tensor_shapes(512))
-
-
 def test_tiny_preset_of_another_family_is_refused(ckpt_dir):
     """``model=glm4_moe_tiny`` with ``model.hf_path`` at an existing Qwen3-MoE checkpoint."""
     from mrl.models.tiny import check_preset
@@ -170,11 +160,14 @@ def test_deepseek_v3_shapes_and_mtp_layer_skipped(tmp_path):
     assert b.skipped_hf_tensors(mtp + ["model.layers.60.input_layernorm.weight"]) == sorted(mtp)
 
 
-def test_missing_mla_tensor_is_named(ckpt_dir, tmp_path):
-    dst = tmp_path / "nokvb"
-    shutil.copytree(ckpt_dir["deepseek_v3"], dst)
+@pytest.mark.parametrize("preset,name", [("glm4_moe", "model.layers.2.mlp.gate.e_score_correction_bias"),
+                                         ("deepseek_v3", "model.layers.1.self_attn.kv_b_proj.weight")])
+def test_missing_tensor_is_named(ckpt_dir, tmp_path, preset, name):
+    """The score-correction bias (a buffer in transformers), an MLA projection."""
+    dst = tmp_path / "missing"
+    shutil.copytree(ckpt_dir[preset], dst)
     sd = load_file(str(dst / "model.safetensors"))
-    del sd["model.layers.1.self_attn.kv_b_proj.weight"]
+    del sd[name]
     save_file(sd, str(dst / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"missing tensors: \['model.layers.1.self_attn.kv_b_proj.weight'\]"):
+    with pytest.raises(CheckpointError, match=rf"missing tensors: \['{re.escape(name)}'\]"):
         HFCheckpoint(str(dst)).check_against(get_bridge(str(dst)).hf_tensor_shapes(512))
