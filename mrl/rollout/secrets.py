@@ -10,7 +10,7 @@ private temp dir), which is also the SGLang ``--config`` YAML: the keys never ap
 script. Child processes (trainer ranks, sync jobs, Slurm steps) inherit only the file's *path*, in
 ``$MRL_ENGINE_KEYS_FILE``. ``repr``/``str`` never show the keys; ``redact`` scrubs them from text.
 
-SGLang 0.5.10 rules (``sglang/srt/utils/auth.py``): with both keys set, normal endpoints (``/generate``,
+SGLang rules (0.5.10 and 0.5.14, ``sglang/srt/utils/auth.py``): with both keys set, normal endpoints (``/generate``,
 ``/model_info``, ``/server_info``, ``/v1/loads``) take only the api key, admin endpoints (every weight
 update, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/abort_request``,
 ``/update_weight_version``, memory release/resume) take only the admin key; ``/health*`` and

@@ -1,6 +1,6 @@
 """SGLang routed experts -> compact ``[tokens, moe_layers, top_k]`` uint8 (uint16 above 256 experts).
 
-Wire format (sglang 0.5.10, tests/fixtures/sglang-0.5.10/gen_routed.json): base64 of little-endian
+Wire format (sglang 0.5.10 and 0.5.14, tests/fixtures/sglang-0.5.10/gen_routed.json): base64 of little-endian
 int32, logical shape ``[prompt + completion - 1, num_hidden_layers, num_experts_per_tok]`` (every
 input position; the last sampled token is never fed through the model). With ``max_new_tokens=0``
 the engine returns ``prompt`` rows. Dense layers are present and zero: they are dropped here, once,

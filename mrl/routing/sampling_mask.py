@@ -8,7 +8,7 @@
     ids_NK = support_tensor(ids)                                                              # in the loss
     logprobs_N, outside_N = support_logprobs(logits_NV, tokens_N, ids_NK, 1.0, on_outside="drop")
 
-What SGLang 0.5.10 does (read from ``sglang/srt/layers/sampler.py`` ``Sampler.forward``,
+What SGLang does (read from 0.5.10, unchanged in 0.5.14: ``sglang/srt/layers/sampler.py`` ``Sampler.forward``,
 ``top_k_top_p_min_p_sampling_from_probs_torch``, ``sampling/sampling_params.py`` ``SamplingParams.__init__``,
 ``sampling/sampling_batch_info.py`` ``SamplingBatchInfo.from_schedule_batch``, flashinfer ``sampling.cuh``):
 
@@ -115,7 +115,7 @@ def _threshold(probs_sort_NK: torch.Tensor, keep_NK: torch.Tensor) -> torch.Tens
 
 def support_mask(logits_NV: torch.Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float,
                  backend: SamplingBackend = "pytorch") -> torch.Tensor:
-    """bool [N, V]: the tokens SGLang 0.5.10's sampler may draw from these logits.
+    """bool [N, V]: the tokens SGLang's sampler may draw from these logits.
 
     Penalties, logit_bias, grammars and min_new_tokens are not modelled: with those, use the engine's
     support (``support_from_top_logprobs``), which sees the biased logits."""
