@@ -1,15 +1,16 @@
-"""Async HTTP client for one SGLang 0.5.10 server: every endpoint the RL loop needs, with timeouts.
+"""Async HTTP client for one SGLang server (0.5.14; 0.5.10 replies parse too): every endpoint the RL loop
+needs, with timeouts.
 
     client = EngineClient("http://127.0.0.1:30000")
     out = await client.generate([1, 17, 42], {"max_new_tokens": 8, "temperature": 0.0}, rid="s0")
     await client.pause("abort"); await client.flush_cache(); ...; await client.resume()
 
-Guards make the calls that kill or wedge a 0.5.10 server impossible to issue (docs/sglang.md §9-10):
+Guards make the calls that kill or wedge a server impossible to issue (found on 0.5.10, and kept):
 an update on a weight-update group this client did not create, ``flush_cache: true`` (or a flush)
 after a retract/in-place pause, ``update_weights_from_tensor`` on CPU, health checks while paused.
 
 Every call authenticates (``Authorization: Bearer``): the admin key for weight updates and flow control,
-the api key for the rest (SGLang 0.5.10 accepts only that one there, mrl.rollout.secrets). Without
+the api key for the rest (SGLang accepts only that one there, mrl.rollout.secrets). Without
 explicit keys the client takes the run's from ``$MRL_ENGINE_KEYS_FILE``.
 """
 

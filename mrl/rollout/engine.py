@@ -265,6 +265,7 @@ class Engine:
                     self._pump.join(timeout=5)  # the last lines (the error) are still in the pipe
                 if self._port_retries and f"('{self.host}', {self.port}): address already in use" in self.log_tail():
                     self._restart_on_a_fresh_port()
+                    deadline = time.monotonic() + timeout  # the new server gets its own start-up time
                     continue
                 raise EngineStartError(f"{self.name} exited with code {self.proc.returncode} during startup; "
                                        f"log {self.log_path}:\n{self.log_tail()}")

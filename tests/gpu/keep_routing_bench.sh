@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Keep Routing and RL-step benchmarks on GPUs (NCCL, bf16), on megatron.md §13's 490M Qwen3-MoE
+# Keep Routing and RL-step benchmarks on GPUs (NCCL, bf16), on the 490M Qwen3-MoE bench shape (bench/_bench_common.py)
 # (hidden 1024, 8 layers, 64 experts top-8, transformers' random init), generated once:
 #   1. routing_mismatch: transformers vs Megatron routing / logprobs, without and with replay (1 GPU)
 #   2. replay_overhead:  fwd+bwd step time with replay on / off, TP2(SP) and EP2 (2 GPUs)
