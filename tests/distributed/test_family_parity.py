@@ -1,7 +1,7 @@
-"""Model families beyond Qwen3 (GLM-4.5, DeepSeek-V3) against transformers (gloo, fp32), each in TP1, TP2+SP, EP2, TP2xEP2 and
-PP2 (uneven 2+1) within one 2-process launch (``family_parity_job``): logits and next-token logprobs
-within 1e-4, every router picks transformers' experts for every token (the score-correction bias and
-group limits included), and HF -> Megatron -> HF is bit-exact."""
+"""Model families beyond Qwen3 (GLM-4.5, DeepSeek-V3) against transformers (gloo, fp32), each in TP1,
+TP2+SP, EP2, TP2xEP2 and PP2 (uneven 2+1) within one 2-process launch (``family_parity_job``): logits and
+next-token logprobs within 1e-4, every router picks transformers' experts for every token (the
+score-correction bias and group limits included), and HF -> Megatron -> HF is bit-exact."""
 
 import pytest
 
