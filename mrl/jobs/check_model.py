@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 -m mrl.jobs.check_model --hf DIR --tp 2 [--ep 2 --etp 1 --pp 1] --out report.json
 
 Checks: logits and next-token logprobs vs ``Qwen3MoeForCausalLM`` (fp32) on the same ids -- fp32:
-within ``--atol`` (1e-4); bf16: mean |logprob diff| within 2x that of transformers' own bf16 run; HF -> megatron -> HF export bit-exact against the input checkpoint. Exit code 1 on a
-mismatch. ``mrl check-model`` starts it with torchrun from a Hydra config.
+within ``--atol`` (1e-4); bf16: mean |logprob diff| within 2x that of transformers' own bf16 run; HF ->
+megatron -> HF export bit-exact against the input checkpoint. Exit code 1 on a mismatch.
+``mrl check-model`` starts it with torchrun from a Hydra config.
 """
 
 from __future__ import annotations

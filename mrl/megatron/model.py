@@ -61,7 +61,7 @@ class MLALocalAttention(DotProductAttention):
 
 
 # All fusions off: they are CUDA kernels, or TE-only, and the router fusion would silently skip
-# routing replay (megatron.md: moe_router_fusion returns before the replay hook).
+# routing replay (megatron-core: moe_router_fusion returns before the replay hook).
 _CPU_SAFE = dict(
     bias_dropout_fusion=False,
     bias_activation_fusion=False,

@@ -54,7 +54,8 @@ def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]
         em = _EXPERT.search(gname)
         is_expert = em is not None
         if em:  # local expert index -> global (EP offset)
-            gname = _EXPERT.sub(f"experts.local_experts.{layout.ep.rank * num_local_experts + int(em.group(1))}.", gname)
+            global_expert = layout.ep.rank * num_local_experts + int(em.group(1))
+            gname = _EXPERT.sub(f"experts.local_experts.{global_expert}.", gname)
         group = layout.etp if is_expert else layout.tp
         tp_split = getattr(p, "tensor_model_parallel", False) and group.size > 1
         yield LocalParam(name, p, gname, is_expert, group if tp_split else None,

@@ -93,7 +93,8 @@ class HFCheckpoint:
         a = self._aliases.get(name)
         if a is not None:
             sl = self._slice(a.fused)
-            t = sl[a.index, a.row0 + r0:a.row0 + r1] if cols is None else sl[a.index, a.row0 + r0:a.row0 + r1, cols[0]:cols[1]]
+            span = slice(a.row0 + r0, a.row0 + r1)
+            t = sl[a.index, span] if cols is None else sl[a.index, span, cols[0]:cols[1]]
             return t.contiguous()
         sl = self._slice(name)
         if len(self._shapes[name]) == 1:
@@ -113,7 +114,8 @@ class HFCheckpoint:
         if extra:
             problems.append(f"unexpected tensors: {extra}")
         if bad:
-            problems.append("mis-shaped tensors: " + ", ".join(f"{n} has {list(have[n])}, expected {list(expected[n])}" for n in bad))
+            problems.append("mis-shaped tensors: " + ", ".join(
+                f"{n} has {list(have[n])}, expected {list(expected[n])}" for n in bad))
         if problems:
             raise CheckpointError(f"{self.path}: checkpoint does not match config.json: " + "; ".join(problems))
 

@@ -33,7 +33,8 @@ class Qwen3MoeBridge(ModelBridge):
         if rope_type != "default":
             problems.append(f"rope_type={rope_type!r} (only 'default' rope is mapped)")
         if problems:
-            raise UnsupportedModelError(f"{self.path or 'Qwen3-MoE config'}: unsupported settings: " + "; ".join(problems))
+            raise UnsupportedModelError(f"{self.path or 'Qwen3-MoE config'}: unsupported settings: "
+                                        + "; ".join(problems))
 
     def _rope(self) -> dict:
         c = self.hf_config
