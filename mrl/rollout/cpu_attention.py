@@ -146,7 +146,7 @@ def extend_given_kv(q, k, v, layer, forward_batch):
     ``forward_extend`` attends over the cache regardless, i.e. over the latents: wrong output (the
     tiny DeepSeek-V3's shapes hide it). That path runs only without a cached prefix."""
     if bool((forward_batch.extend_prefix_lens != 0).any()):  # SGLang picks this path only without a prefix
-        raise RuntimeError("MLA prefill with given k/v and a cached prefix: SGLang's path choice changed; "
+        raise NotImplementedError("MLA prefill with given k/v and a cached prefix: SGLang's path choice changed; "
                            "the keys of the cached prefix are not in k/v")
     heads, dk, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
     q, k, v = q.view(-1, heads, dk), k.view(-1, layer.tp_k_head_num, dk), v.view(-1, layer.tp_v_head_num, dv)
