@@ -41,9 +41,10 @@ def serve_until_urls(monkeypatch, tmp_path, overrides: list[str], want: int) -> 
     and sends SIGTERM."""
     monkeypatch.setattr("mrl.rollout.engine.Engine", FakeEngine)
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
     cfg = compose([f"model.hf_path={tmp_path}/model", f"run_dir={tmp_path}", *overrides])
     seen: dict[str, str] = {}
+    serving = threading.Event()  # cleared once cli.engine returns: a late SIGTERM would kill pytest itself
 
     def watch():
         deadline = time.monotonic() + 10
@@ -51,14 +52,19 @@ def serve_until_urls(monkeypatch, tmp_path, overrides: list[str], want: int) -> 
             time.sleep(0.05)
         time.sleep(0.2)  # no further announcement comes
         seen.update(read_urls(str(tmp_path / "engines")))
-        os.kill(os.getpid(), signal.SIGTERM)
+        if serving.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
 
     old = signal.getsignal(signal.SIGTERM)
     STARTED.clear()
+    serving.set()
+    watcher = threading.Thread(target=watch, daemon=True)
     try:
-        threading.Thread(target=watch, daemon=True).start()
+        watcher.start()
         assert cli.engine(cfg) == 0
     finally:
+        serving.clear()
+        watcher.join()
         signal.signal(signal.SIGTERM, old)
     assert all(e.stopped for e in STARTED)
     return seen
