@@ -42,7 +42,7 @@ from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
 from mrl.rollout.restart import EngineRestarter
 from mrl.routing.replay import check_routes
-from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport
 from mrl.weight_sync.transport import EngineEndpoint
 
 
@@ -55,6 +55,32 @@ class LoopState:
     prompt_index: int = 0
     buffered: list[Group] | None = None
     history: list[dict] | None = None
+
+
+class NonFiniteUpdates(RuntimeError):
+    """``train.max_nonfinite_steps`` optimizer steps in a row were skipped for a non-finite loss or gradient."""
+
+
+class NonFiniteSteps:
+    """Counts the RL steps whose update was skipped (``Policy.rl_step``: a non-finite loss or gradient on
+    some rank); ``limit`` of them in a row stop the run (0 = never)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.in_a_row = limit, 0, 0
+
+    def update(self, step: int, m: dict) -> dict:
+        if m.get("nonfinite_update"):
+            self.total += 1
+            self.in_a_row += 1
+        else:
+            self.in_a_row = 0
+        if self.limit and self.in_a_row >= self.limit:
+            raise NonFiniteUpdates(
+                f"train.max_nonfinite_steps={self.limit}: steps {step - self.in_a_row + 1}-{step} all had a non-finite "
+                "(NaN/Inf) loss or gradient on some trainer rank and were skipped, so the weights have not changed "
+                f"since step {step - self.in_a_row}; look at the rewards and advantages of these steps, or lower "
+                "algo.lr. The last checkpoint holds finite weights: rerun to resume from it.")
+        return {"nonfinite_steps": float(self.total)}
 
 
 def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RLBatch, float, dict]:
@@ -349,6 +375,7 @@ class Loop:
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
         self.duties = Controller(cfg, self.state) if self.layout.world_rank == 0 else OtherRank()
         self.syncer: EngineSync | None = None
+        self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
 
     def run(self) -> int:
         t = self.cfg.train
@@ -360,6 +387,7 @@ class Loop:
                 t0 = time.perf_counter()
                 batch, normalizer, info = self.take_batch()
                 m = {"wait_seconds": time.perf_counter() - t0} | self.train_step(batch, normalizer) | info
+                m |= self.nonfinite.update(self.step + 1, m)
                 self.step += 1
                 if self.step % self.cfg.weight_sync.every_n_steps == 0:
                     m |= self.sync_weights()
@@ -385,7 +413,8 @@ class Loop:
         the trainer's weights, then generation starts."""
         t = self.cfg.train
         endpoints = _broadcast(self.duties.start_engines(self.hf_path, self.policy, self.state))
-        self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels)
+        self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
+                                 model=self.policy.module)
         self.syncer.connect()
         if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
             self.version += 1
@@ -447,6 +476,7 @@ class Loop:
         stop = _broadcast(self.preempted or (t.stop_after is not None and self.step >= t.stop_after))
         if stop or (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
             path = os.path.join(_checkpoint_dir(self.cfg), f"step_{self.step}")
+            check_finite_weights(self.policy.module, f"checkpoint {path}")
             self.policy.save(path)
             self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
             dist.barrier()

@@ -686,6 +686,9 @@ class TrainConfig:
     bad_support: BadSupport = BadSupport.error
     """Sampling mask: a token whose support cannot be rebuilt, or that lies outside it (an engine bug):
     stop the run, or take it out of the loss (counted)."""
+    max_nonfinite_steps: int = 5
+    """Optimizer steps skipped in a row for a non-finite (NaN/Inf) loss or gradient before the run stops
+    (every skip is counted: metric ``nonfinite_steps``); 0 = never stop."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "max_inflight_groups", "sft_batch"):
@@ -693,6 +696,8 @@ class TrainConfig:
                 _fail(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             _fail("train.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if self.max_nonfinite_steps < 0:
+            _fail("train.max_nonfinite_steps", f"must be >= 0, got {self.max_nonfinite_steps}")
         if self.pack_max_len is not None and self.pack_max_len < 2:
             _fail("train.pack_max_len", f"must be >= 2 or null, got {self.pack_max_len}")
 

@@ -21,6 +21,7 @@ from mrl.algo import compute_policy_loss
 from mrl._compat.te import HAVE_TE
 from mrl.config.schema import BadSupport, Config
 from mrl.megatron import compat
+from mrl.megatron.collectives import named
 from mrl.megatron.model import build_gpt_model, transformer_config
 from mrl.megatron.optim import build_optimizer, wrap_ddp
 from mrl.megatron.packing import Packing, check_context_parallel, pack_micro_batches, round_up
@@ -235,10 +236,12 @@ class Policy:
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                 loss_fn=loss_fn, driver=driver, loss_scale=float(self.layout.dp.size),
                                 support=self.support_spec, temperature=self.temperature)
+        if not self._finite_everywhere(outs):  # no update, no scheduler step (as megatron skips an overflow)
+            return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
-                                   "lr": self.optimizer.param_groups[0]["lr"]}
+                                   "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.support_spec is not None:
             metrics["support_unknown_tokens"] = float(sum(not kept for s in batch.support for kept in s))
         if outs:
@@ -299,8 +302,25 @@ class Policy:
         self.optimizer.zero_grad()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size, loss_fn=loss_fn,
                                 loss_scale=float(self.layout.dp.size))
+        if not self._finite_everywhere(outs):
+            return float("nan")
         self.optimizer.step()
         return self._reduce({"nll": _mean([float(o["nll"]) for o in outs])} if outs else {}).get("nll", 0.0)
+
+    def _finite_everywhere(self, outs: list[dict[str, Any]]) -> bool:
+        """Whether the loss and the gradients are finite on every rank, before the optimizer step. Megatron
+        checks only with a grad scaler (fp16), and in fp32/bf16 would apply NaN gradients (a NaN norm passes
+        its clip). One MAX all-reduce over the world: model-parallel and DP ranks skip or step together. A
+        grad buffer's sum is finite iff all its elements are (an overflowing sum is as bad as an inf); after
+        the DP reduce every rank's buffer still holds its own non-finite values, or the reduced ones."""
+        vals = [o[k].reshape(()).float() for o in outs for k in ("pg_loss", "kl_ref", "nll") if k in o]
+        vals += [b.grad_data.sum().float() for b in self.model.buffers + self.model.expert_parallel_buffers]
+        bad = torch.zeros(1, device=compat.DEVICE)
+        if vals:
+            bad[0] = (~torch.stack([v.to(compat.DEVICE) for v in vals]).isfinite()).any()
+        with named("the non-finite check before the optimizer step"):
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bad.item()
 
     def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of the ranks that have them, averaged, on every rank."""

@@ -33,6 +33,32 @@ PUSH_HOOKS: list[Callable[[str, list[EngineEndpoint], bool], ContextManager]] = 
 tests install one to kill an engine inside a sync (``tests/jobs/train_with_faults.py``); empty otherwise."""
 
 
+class NonFiniteWeights(RuntimeError):
+    """Weights with a NaN or Inf, refused before they reach an engine or a checkpoint."""
+
+
+def check_finite_weights(module: torch.nn.Module, what: str) -> None:
+    """Raise ``NonFiniteWeights`` on every rank, naming the parameters, when any rank holds a non-finite
+    weight: nothing non-finite is synced or checkpointed. The optimizer step skips non-finite updates
+    (``Policy._finite_everywhere``); this catches the rest (a weight corrupted in place, a loaded one).
+    Collective: one MAX all-reduce (every rank checks its own shards), plus a gather only when one failed."""
+    named_params = list(module.named_parameters())
+    sums = torch.stack([p.detach().sum().float() for _, p in named_params])  # finite iff every element is
+    finite = sums.isfinite()
+    bad = (~finite).any().float().reshape(1)
+    with named(f"the finite-weights check before {what}"):
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return
+    mine = [n for (n, _), ok in zip(named_params, finite.tolist()) if not ok]
+    everyone: list = [None] * dist.get_world_size()
+    with named(f"the gather of non-finite weight names before {what}"):
+        dist.all_gather_object(everyone, mine)
+    names = {f"rank {r}: {n}" for r, ns in enumerate(everyone) for n in ns}
+    raise NonFiniteWeights(f"{what} refused: the trainer holds non-finite (NaN/Inf) weights, "
+                           f"{sorted(names)[:8]}{' ...' if len(names) > 8 else ''}; nothing was sent or written")
+
+
 @dataclass
 class SyncReport:
     version: str
@@ -56,11 +82,13 @@ class EngineSync:
     resumes them on the new weights (per-token versions tell the trainer which tokens are stale)."""
 
     def __init__(self, transport: Transport, disk: Transport, layout: Layout,
-                 engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None):
+                 engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None,
+                 model: torch.nn.Module | None = None):
         """``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
-        one died mid-sync (its weight-update groups are broken for every member); None = fail instead."""
+        one died mid-sync (its weight-update groups are broken for every member); None = fail instead.
+        ``model``: checked for non-finite weights before every sync (``check_finite_weights``)."""
         self.transport, self.disk, self.layout, self.engines = transport, disk, layout, engines
-        self.pause_mode, self.rebuild = pause_mode, rebuild
+        self.pause_mode, self.rebuild, self.model = pause_mode, rebuild, model
         self.dropped: list[str] = []
 
     def connect(self) -> None:
@@ -81,6 +109,8 @@ class EngineSync:
 
     def sync(self, version: str) -> SyncReport:
         t0 = time.perf_counter()
+        if self.model is not None:  # before the engines pause: a refused sync leaves them serving the last weights
+            check_finite_weights(self.model, f"weight sync v{version}")
         controller = self.layout.world_rank == 0
         errs = run_on(self.engines, self._pause) if controller else {}
         dead = self._dead(errs)  # collective: every rank learns which engines are gone
