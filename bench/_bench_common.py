@@ -1,6 +1,6 @@
 """Shared pieces of the Keep Routing / RL-step benchmarks: checkpoints, torchrun, natural routes.
 
-    python bench/_bench_common.py make-model DIR [--preset gpu|tiny|stress_a]   # write a checkpoint
+    python bench/_bench_common.py make-model DIR [--preset gpu|qwen3_30b_a3b_l12|tiny]   # write a checkpoint
 
 The ``gpu`` preset: Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8,
 norm_topk_prob, vocab 32768, ~490M parameters, transformers' own random init (std 0.02, norms 1),
@@ -23,13 +23,19 @@ GPU_PRESET = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, mo
                   num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
                   num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                   tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096)
+# Qwen3-30B-A3B's shape cut to 12 of its 48 layers (7.9B parameters, bf16 15.8 GB): one GPU trains it
+SHAPES = {"gpu": GPU_PRESET, "bench490": GPU_PRESET,
+          "qwen3_30b_a3b_l12": dict(GPU_PRESET, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                    moe_intermediate_size=768, num_hidden_layers=12, num_attention_heads=32,
+                                    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                    max_position_embeddings=40960)}
 
 
 def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
     """A random Qwen3-MoE HF checkpoint at ``path`` (kept if its config.json already exists)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    if preset != "gpu":
+    if preset not in SHAPES:
         from mrl.config.schema import TinyPreset
         from mrl.models.tiny import make_tiny_model
 
@@ -40,7 +46,7 @@ def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
     from mrl.models.tiny import split_fused_experts
 
     cfg = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         **GPU_PRESET)
+                         **SHAPES[preset])
     torch.manual_seed(seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):

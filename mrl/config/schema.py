@@ -33,6 +33,7 @@ class TinyPreset(str, enum.Enum):
     stress_b = "stress_b"  # MoE every 2nd layer, norm_topk_prob off, tied embeddings, 16 experts top-4
     glm4_moe = "glm4_moe"  # GLM-4.5: first layer dense, shared expert, sigmoid + bias, partial rotary, qkv bias
     deepseek_v3 = "deepseek_v3"  # DeepSeek-V3: MLA, YaRN, group-limited sigmoid routing, shared expert, first dense
+    tiny_gpu = "tiny_gpu"  # tiny with head_dim 64, hidden 256: SGLang's GPU kernels refuse head_dim 16
 
 
 def _fail(key: str, msg: str) -> None:
@@ -657,6 +658,9 @@ class TrainConfig:
     sft_batch: int = 32
     clip_grad: float = 1.0
     weight_decay: float = 0.0
+    optimizer_states_dtype: DType = DType.fp32
+    """Adam moments (and master-weight storage). bf16: megatron's precision-aware optimizer, 8 bytes per
+    parameter less; needs Transformer Engine on GPUs."""
     lr_warmup_steps: int = 0
     eval_every: int = 10
     """Greedy accuracy on the held-out split every N steps (0 = never)."""

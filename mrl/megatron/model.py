@@ -11,6 +11,7 @@ over TP. It is plugged in through the spec, not by patching megatron.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import torch
@@ -60,8 +61,8 @@ class MLALocalAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-# All fusions off: they are CUDA kernels, or TE-only, and the router fusion would silently skip
-# routing replay (megatron-core: moe_router_fusion returns before the replay hook).
+# All fusions off on CPU: they are CUDA kernels, or TE-only. The router fusion stays off everywhere:
+# it would silently skip routing replay (megatron-core: moe_router_fusion returns before the replay hook).
 _CPU_SAFE = dict(
     bias_dropout_fusion=False,
     bias_activation_fusion=False,
@@ -75,13 +76,25 @@ _CPU_SAFE = dict(
 )
 
 
+def fusions(*, cuda: bool, te: bool) -> dict[str, bool]:
+    """Megatron's fused kernels this machine can run. On GPUs with TE: the fused rope, SwiGLU, residual
+    add and TE's fused MoE permute. Weight-gradient accumulation fusion needs apex's CUDA extension for
+    the output layer (megatron raises without it), so it follows that extension's presence."""
+    kw = dict(_CPU_SAFE)
+    if cuda and te:
+        kw.update(apply_rope_fusion=True, bias_activation_fusion=True, bias_dropout_fusion=True,
+                  masked_softmax_fusion=True, moe_permute_fusion=True,
+                  gradient_accumulation_fusion=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
+    return kw
+
+
 def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: DType = DType.fp32,
                        **overrides: Any) -> TransformerConfig:
     parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
                          num_query_groups=bridge.num_query_groups)
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32
     kw = dict(bridge.transformer_config_kwargs())
-    kw.update(_CPU_SAFE)
+    kw.update(fusions(cuda=compat.HAS_CUDA, te=HAVE_TE))
     kw.update(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

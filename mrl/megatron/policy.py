@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mrl.algo import compute_policy_loss
 from mrl._compat.te import HAVE_TE
-from mrl.config.schema import BadSupport, Config
+from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import compat
 from mrl.megatron.collectives import named
 from mrl.megatron.model import build_gpt_model, transformer_config
@@ -88,7 +88,9 @@ class Policy:
         self.model = wrap_ddp(model, self.tcfg)
         t = cfg.train
         self.optimizer = build_optimizer([self.model], lr=cfg.algo.lr, clip_grad=t.clip_grad,
-                                         weight_decay=t.weight_decay, bf16=self.tcfg.bf16)
+                                         weight_decay=t.weight_decay, bf16=self.tcfg.bf16,
+                                         states_dtype=torch.bfloat16 if t.optimizer_states_dtype == DType.bf16
+                                         else torch.float32)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if t.lr_warmup_steps else cfg.algo.lr, max_lr=cfg.algo.lr,
             min_lr=cfg.algo.lr, lr_warmup_steps=t.lr_warmup_steps, lr_decay_steps=max(t.steps, 1),
@@ -347,7 +349,9 @@ class Policy:
         sd = self._sharded(False)
         compat.checkpoint_writer_dies_with_rank()
         dist_checkpointing.save(sd, path)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        name, keys, pos, has_gauss, gauss = np.random.get_state()  # its key array as a tensor: weights_only loads it
+        rng = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                      gauss), "torch": torch.get_rng_state(),
                "scheduler": self.scheduler.state_dict()}
         torch.save(rng, os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"))
         if self.reference is not None:
@@ -377,9 +381,10 @@ class Policy:
         state = dist_checkpointing.load(self._sharded(True), path)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        rng = torch.load(os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"), weights_only=False)
+        rng = torch.load(os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"), weights_only=True)
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        name, keys, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         torch.set_rng_state(rng["torch"])
         self.scheduler.load_state_dict(rng["scheduler"])
         if self.reference is not None and not self.reference.load(path, self.layout.world_rank):

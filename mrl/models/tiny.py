@@ -26,6 +26,12 @@ PRESETS: dict[TinyPreset, dict] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
         rope_theta=10000.0, rms_norm_eps=1e-6),
+    # SGLang's fused GPU rope/KV-cache kernels need a head_dim of 64 or more
+    TinyPreset.tiny_gpu: dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
+        rope_theta=10000.0, rms_norm_eps=1e-6),
     TinyPreset.stress_a: dict(
         vocab_size=500, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
@@ -60,7 +66,7 @@ PRESETS: dict[TinyPreset, dict] = {
 # preset -> (transformers config class, model class, architecture)
 _QWEN3 = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
 FAMILIES: dict[TinyPreset, tuple[str, str]] = {
-    TinyPreset.tiny: _QWEN3, TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
+    TinyPreset.tiny: _QWEN3, TinyPreset.tiny_gpu: _QWEN3, TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
     TinyPreset.glm4_moe: ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     TinyPreset.deepseek_v3: ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }

@@ -4,8 +4,10 @@
 # DEST/gpu_checks.tgz at the end.
 #   scripts/gpu/run_checks.sh STACK WORK DEST JOB=GPUS[,te] ...      e.g. learn=0,1,te loop=2,3 parity=0,1,te
 # Jobs:
-#   learn   mrl train (GRPO, tiny Qwen3-MoE, bf16) with the trainer on the first GPU and a GPU engine on the
-#           second, weights synced into the live engine every step
+#   learn   mrl train (GRPO, model=tiny_gpu, bf16) with the trainer on the first GPU and a GPU engine on the
+#           second, weights synced into the live engine every step (LEARN_ARGS: more overrides, e.g. one
+#           GPU shared: rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3)
+#   speed   bench/rl_step_vs_megatron.py once per ';'-separated argument list in SPEED_RUNS
 #   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
@@ -26,8 +28,14 @@ job() {  # name gpus te
     source "$STACK/env.sh" $te
     export PYTHONPATH=$ROOT:$PYTHONPATH CUDA_VISIBLE_DEVICES=$gpus
     case $name in
-      learn) timeout "$TIMEOUT" python3 -m mrl train rollout=gpu "model.dtype=${LEARN_DTYPE:-bf16}" "run_dir=$WORK/learn" \
-               train.steps="${LEARN_STEPS:-120}" ;;
+      learn) timeout "$TIMEOUT" python3 -m mrl train model=tiny_gpu rollout=gpu "model.dtype=${LEARN_DTYPE:-bf16}" \
+               "run_dir=$WORK/learn" train.steps="${LEARN_STEPS:-120}" ${LEARN_ARGS:-} ;;
+      speed) i=0; IFS=';' read -ra runs <<< "${SPEED_RUNS:---shape bench490}"
+             for args in "${runs[@]}"; do i=$((i + 1))
+               # shellcheck disable=SC2086
+               (cd bench && timeout "$TIMEOUT" python3 rl_step_vs_megatron.py $args --json "$WORK/speed_$i.json") \
+                 || echo "speed run $i ($args) failed: $?"
+             done ;;
       loop) timeout "$TIMEOUT" python3 bench/gpu_loop.py --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop" \
               ${LOOP_ARGS:-} ;;
       loop30b) timeout "$TIMEOUT" python3 bench/gpu_loop.py --model qwen3_30b_a3b --layers 4 --sections replay \

@@ -1,0 +1,110 @@
+"""torchrun worker of bench/rl_step_vs_megatron.py: mrl's RL step, ``Policy.rl_step`` (GRPO loss, TIS
+correction, replayed routes, packing, optimizer step, reduced metrics), on the same shape, layout and
+tokens as the megatron baseline: ``--micro-batches`` samples of exactly ``--seq`` tokens per DP rank (a
+quarter prompt, the rest response), one per micro-batch. Routes are the model's natural routing,
+recorded before the timing (a RECORD pass per batch, as the engine would have routed them).
+
+``--profile DIR``: after the timing, two more steps under the torch profiler; writes the top operators
+by device time and the host syncs counted (``aten::item``, ``aten::_local_scalar_dense``, stream syncs).
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+import numpy as np
+import torch
+
+from _bench_common import record_routes, timed
+from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
+from mrl.megatron import compat
+from mrl.megatron.parallel import destroy, init_parallel
+from mrl.megatron.policy import Policy, RLBatch
+from mrl.megatron.train_step import MicroBatch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--hf", required=True)
+ap.add_argument("--tp", type=int, default=1)
+ap.add_argument("--ep", type=int, default=1)
+ap.add_argument("--seq", type=int, default=4096)
+ap.add_argument("--micro-batches", type=int, default=8)
+ap.add_argument("--reps", type=int, default=8)
+ap.add_argument("--warmup", type=int, default=3)
+ap.add_argument("--optimizer-states", choices=["fp32", "bf16"], default="fp32")
+ap.add_argument("--packing", choices=["on", "off"], default="on")
+ap.add_argument("--profile", default=None)
+ap.add_argument("--out", required=True)
+a = ap.parse_args()
+
+world = int(os.environ.get("WORLD_SIZE", "1"))
+pcfg = ParallelConfig(tp=a.tp, ep=a.ep, sequence_parallel=True, world_size=world)
+cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType.bf16 if compat.HAS_CUDA else DType.fp32,
+                               make_tiny_if_missing=False), parallel=pcfg,
+             train=TrainConfig(micro_batch_size=1, replay=True, packing=a.packing == "on",
+                               optimizer_states_dtype=DType(a.optimizer_states)))
+layout = init_parallel(pcfg, seed=cfg.seed)
+policy = Policy(cfg, layout, a.hf)
+codec, V = policy.codec, policy.bridge.vocab_size
+n = a.micro_batches * layout.dp.size
+prompt = a.seq // 4
+rng = np.random.default_rng(0)
+
+
+def make_batch() -> tuple[RLBatch, float]:
+    """One step's samples, the same on every rank (as the controller broadcasts them), with routes."""
+    tokens = [rng.integers(0, V, size=a.seq).tolist() for _ in range(n)]
+    batch = RLBatch(tokens=tokens, prompt_lens=[prompt] * n,
+                    behav_logp=[(-2.0 - rng.random(a.seq - prompt)).tolist() for _ in range(n)],
+                    advantages=rng.standard_normal(n).tolist(), routes=None)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    mbs = [MicroBatch(ids[i:i + 1].to(compat.DEVICE)) for i in range(n)]
+    rec = record_routes(policy.module, layout, policy.record.slice, policy.tcfg, mbs, vocab_size=V,
+                        num_layers=len(codec.moe_layers), top_k=codec.top_k, num_experts=codec.num_experts)
+    routes = torch.cat(rec).cpu().numpy().astype(np.uint8 if codec.num_experts <= 256 else np.int32)
+    batch.routes = [routes[i, :a.seq - 1] for i in range(n)]
+    return batch, float(n * (a.seq - prompt))  # token-mean normalizer: every response token of the batch
+
+
+batches = [make_batch() for _ in range(a.warmup + a.reps)]
+metrics: dict = {}
+
+
+def step(b) -> None:
+    metrics.update(policy.rl_step(*b))
+
+
+times = [timed(lambda b=b: step(b)) for b in batches]
+
+
+def profile(out_dir: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if compat.HAS_CUDA else [])
+    with torch_profile(activities=acts) as prof:
+        for b in batches[-2:]:
+            step(b)
+    if compat.HAS_CUDA:
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if compat.HAS_CUDA else "self_cpu_time_total"
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rl_step_profile_rank{layout.world_rank}.txt"), "w") as f:
+        f.write(ka.table(sort_by=sort, row_limit=40))
+    syncs = {e.key: e.count // 2 for e in ka if e.key in ("aten::item", "aten::_local_scalar_dense",
+                                                       "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                       "aten::nonzero", "cudaMemcpyAsync")}
+    return {"host_syncs_per_step": syncs}
+
+
+prof = profile(a.profile) if a.profile else None
+if layout.world_rank == 0:
+    json.dump({"side": "mrl", "step_s": times[a.warmup:], "warmup_s": times[:a.warmup],
+               "median_s": statistics.median(times[a.warmup:]), "tokens_per_step": n * a.seq,
+               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None,
+               "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
+               "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
+                                                                 "moe_permute_fusion", "moe_router_fusion",
+                                                                 "gradient_accumulation_fusion")},
+               "profile": prof, "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
+destroy()
