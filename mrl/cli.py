@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from mrl.cluster.rundir import UnsafeRunDir, secure_run_dir
 from mrl.config.schema import Config, TinyPreset
 
 
@@ -34,7 +35,12 @@ def _hydra_app(fn):
         except ValueError as e:  # a bad value: the field and what is wrong, without a traceback
             print(f"[mrl] invalid config: {e}", file=sys.stderr)
             sys.exit(1)  # as Hydra's own composition errors
-        code = fn(typed)
+        os.umask(0o077)  # what the job writes (checkpoints, weights, logs) is this user's alone
+        try:
+            code = fn(typed)
+        except UnsafeRunDir as e:
+            print(f"[mrl] {e}", file=sys.stderr)
+            sys.exit(1)
         if code:
             sys.exit(code)
 
@@ -64,9 +70,9 @@ def trainer_world_size(cfg: Config) -> int:
 
 
 def check_model(cfg: Config) -> int:
+    secure_run_dir(cfg.run_dir)
     path = ensure_model(cfg)
     p = cfg.parallel
-    os.makedirs(cfg.run_dir, exist_ok=True)
     args = ["--hf", path, "--tp", str(p.tp), "--pp", str(p.pp), "--ep", str(p.ep),
             "--dispatcher", p.dispatcher.value, "--dtype", cfg.model.dtype.value,
             "--out", os.path.join(cfg.run_dir, "check_model.json"),
@@ -84,10 +90,10 @@ def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
 
     from mrl.process import torchrun
 
+    secure_run_dir(cfg.run_dir)
     path = ensure_model(cfg)
     if cfg.model.hf_path != path:
         cfg.model.hf_path = path
-    os.makedirs(cfg.run_dir, exist_ok=True)
     from mrl.rollout.secrets import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)  # engine keys: a 0600 file named by $MRL_ENGINE_KEYS_FILE, never the config
@@ -121,6 +127,7 @@ def engine(cfg: Config) -> int:
     from mrl.cluster.engines import announce, withdraw
     from mrl.rollout.engine import engines_from_config
 
+    secure_run_dir(cfg.run_dir)
     path = ensure_model(cfg)
     r = cfg.rollout
     # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as

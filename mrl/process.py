@@ -109,6 +109,7 @@ def failure_summary(module: str, failures: dict, world_size: int | None = None) 
 
 
 TRAIN_MODULES = ("mrl.jobs.train", "mrl.train")  # rank entry points of the RL loop
+LOOP_STATE_FILE = "loop_state.json"  # in <run_dir>/checkpoints/step_N, written last: the checkpoint is complete
 
 
 def resume_hint(module: str, args: list[str]) -> str:
@@ -121,7 +122,7 @@ def resume_hint(module: str, args: list[str]) -> str:
         cfg = yaml.safe_load(f)
     root = os.path.join(cfg["run_dir"], "checkpoints")
     done = sorted((d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                   if os.path.isfile(os.path.join(root, d, "loop_state.pkl"))), key=lambda d: int(d.split("_")[-1]))
+                   if os.path.isfile(os.path.join(root, d, LOOP_STATE_FILE))), key=lambda d: int(d.split("_")[-1]))
     if not done:
         return f"\n      No checkpoint in {root} yet (train.save_every): a rerun starts from the beginning."
     if not cfg.get("train", {}).get("resume", True):

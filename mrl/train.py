@@ -20,14 +20,17 @@ generate one batch, train, sync, repeat.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
 import os
-import pickle
 import signal
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,12 +38,15 @@ from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
 from mrl.rollout.buffer import Group
 from mrl.config.load import load_resolved
 from mrl.config.schema import BadRoutes, Config, LoopMode
+from mrl.data import Prompt
 from mrl.megatron.collectives import named
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
+from mrl.process import LOOP_STATE_FILE
 from mrl.rollout.restart import EngineRestarter
+from mrl.rollout.sample import Sample
 from mrl.routing.replay import check_routes
 from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport
 from mrl.weight_sync.transport import EngineEndpoint
@@ -81,6 +87,52 @@ class NonFiniteSteps:
                 f"since step {step - self.in_a_row}; look at the rewards and advantages of these steps, or lower "
                 "algo.lr. The last checkpoint holds finite weights: rerun to resume from it.")
         return {"nonfinite_steps": float(self.total)}
+
+
+def _state_types() -> dict[str, type]:
+    return {c.__name__: c for c in (LoopState, Group, Sample, Prompt)}
+
+
+def state_to_json(x):
+    """The loop state as plain JSON: the dataclasses above tagged by name, numpy arrays (routes) as
+    dtype + shape + base64 bytes. JSON, not pickle: loading a checkpoint runs no code from it."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if type(x).__name__ not in _state_types():
+            raise TypeError(f"loop state: {type(x).__name__} is not one of {sorted(_state_types())}")
+        return {"__type__": type(x).__name__, **{f.name: state_to_json(getattr(x, f.name))
+                                                for f in dataclasses.fields(x)}}
+    if isinstance(x, np.ndarray):
+        return {"__ndarray__": x.dtype.str, "shape": list(x.shape),
+                "data": base64.b64encode(np.ascontiguousarray(x).tobytes()).decode()}
+    if isinstance(x, dict):
+        return {str(k): state_to_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [state_to_json(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, (str, int, float, bool)):
+        return x
+    raise TypeError(f"loop state: cannot store a {type(x).__name__} as JSON")
+
+
+def state_from_json(x):
+    """Inverse of ``state_to_json``; only the tagged dataclasses and numeric arrays are rebuilt."""
+    if isinstance(x, list):
+        return [state_from_json(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if "__ndarray__" in x:
+        dt = np.dtype(x["__ndarray__"])
+        if dt.kind not in "biuf":
+            raise ValueError(f"loop state: array of dtype {dt} (only numbers are stored)")
+        return np.frombuffer(base64.b64decode(x["data"]), dtype=dt).reshape(x["shape"]).copy()
+    if "__type__" in x:
+        cls = _state_types().get(x["__type__"])
+        if cls is None:
+            raise ValueError(f"loop state: unknown type {x['__type__']!r}")
+        init = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: state_from_json(v) for k, v in x.items() if k in init})
+    return {k: state_from_json(v) for k, v in x.items()}
 
 
 def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RLBatch, float, dict]:
@@ -145,14 +197,16 @@ class Controller:
     @staticmethod
     def _discover(r) -> list[str]:
         """Engines announced by ``mrl engine`` on cluster engine nodes (``<dir>/<name>.url``)."""
+        from mrl.cluster.engines import job_addresses, read_urls
+
         if not r.engine_url_dir:
             return []
+        allowed = job_addresses()
         deadline = time.time() + 900
         while time.time() < deadline:
-            found = sorted(f for f in os.listdir(r.engine_url_dir) if f.endswith(".url")) \
-                if os.path.isdir(r.engine_url_dir) else []
+            found = list(read_urls(r.engine_url_dir, allowed).values())
             if len(found) >= r.num_engines:
-                return [open(os.path.join(r.engine_url_dir, f)).read().strip() for f in found[:r.num_engines]]
+                return found[:r.num_engines]
             time.sleep(2)
         raise TimeoutError(f"rollout.engine_url_dir={r.engine_url_dir}: fewer than {r.num_engines} engines "
                            "announced themselves within 15 min")
@@ -244,9 +298,10 @@ class Controller:
     def save_loop_state(self, path: str, state: LoopState) -> None:
         state.prompt_index, state.buffered = self.rollout.state()
         state.history = self.log.history
-        with open(os.path.join(path, "loop_state.pkl.tmp"), "wb") as f:
-            pickle.dump(state, f)
-        os.replace(os.path.join(path, "loop_state.pkl.tmp"), os.path.join(path, "loop_state.pkl"))
+        final = os.path.join(path, LOOP_STATE_FILE)
+        with open(final + ".tmp", "w") as f:
+            json.dump(state_to_json(state), f)
+        os.replace(final + ".tmp", final)  # its presence marks the checkpoint complete
 
     def close(self) -> None:
         if self.rollout is not None:
@@ -337,8 +392,13 @@ def _latest_checkpoint(cfg: Config) -> str | None:
     root = _checkpoint_dir(cfg)
     if not os.path.isdir(root):
         return None
-    done = sorted((d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "loop_state.pkl"))),
+    done = sorted((d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, LOOP_STATE_FILE))),
                   key=lambda d: int(d.split("_")[-1]))
+    old = [d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "loop_state.pkl"))]
+    if old and not done:  # never unpickled: a pickle in a checkpoint runs whatever code it names
+        raise ValueError(f"{root}: checkpoints {sorted(old)} hold a pickled loop state (loop_state.pkl, written by "
+                         f"an older mrl), which is no longer loaded; start afresh with train.resume=false or "
+                         "another run_dir")
     return os.path.join(root, done[-1]) if done else None
 
 
@@ -368,8 +428,8 @@ class Loop:
         ckpt = _latest_checkpoint(cfg) if t.resume else None
         if ckpt:
             self.policy.load(ckpt)
-            with open(os.path.join(ckpt, "loop_state.pkl"), "rb") as f:
-                self.state = pickle.load(f)
+            with open(os.path.join(ckpt, LOOP_STATE_FILE)) as f:
+                self.state = state_from_json(json.load(f))
         self.step, self.version = self.state.step, self.state.version
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue

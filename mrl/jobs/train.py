@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
+from mrl.cluster.rundir import secure_run_dir
 from mrl.config.load import load_resolved
 from mrl.console import route_library_output
 
 
 def main(config_path: str) -> int:
     cfg = load_resolved(config_path)
+    secure_run_dir(cfg.run_dir)  # also on nodes where ``mrl train`` did not create it (Slurm)
     rank = int(os.environ.get("RANK", "0"))
     route_library_output(cfg.run_dir, rank)
     from mrl.train import main as run_loop  # after the routing: importing megatron warns

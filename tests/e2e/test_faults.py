@@ -281,7 +281,7 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     args = ["parallel=ep2", "train.steps=4", "train.save_every=2", *QUICK]
     proc = _start(run, *args)
     ckpt = run / "checkpoints" / "step_2"
-    _wait_for(proc, lambda: (ckpt / "loop_state.pkl").exists(), "checkpoint step_2")
+    _wait_for(proc, lambda: (ckpt / "loop_state.json").exists(), "checkpoint step_2")
     engines = [p for p in _descendants(proc) if "sglang" in _cmdline(p)]
     assert engines, "no engine process found under the job"
     rollout = [p for p in _descendants(proc) if "mrl.rollout.service" in _cmdline(p)]
@@ -295,7 +295,7 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     assert rc != 0 and exit_s < 60, (rc, exit_s)
     line = next(x for x in err.splitlines() if x.startswith("[mrl] mrl.jobs.train failed"))
     assert f"rank {victim_rank} (pid {victim}) was killed by SIGKILL" in line, line
-    newest = max((d for d in os.listdir(run / "checkpoints") if (run / "checkpoints" / d / "loop_state.pkl").exists()),
+    newest = max((d for d in os.listdir(run / "checkpoints") if (run / "checkpoints" / d / "loop_state.json").exists()),
                  key=lambda d: int(d.split("_")[1]))
     assert f"Last checkpoint: {run / 'checkpoints' / newest} -- rerun the same command to resume" in err
     time.sleep(2)  # engines die with their launcher (parent-death signal): give the kernel a moment
@@ -312,7 +312,7 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     n0 = int(newest.split("_")[1])
     steps = [r["step"] for r in _steps(run)]
     assert len(steps) == rows_before + 4 - n0 and steps[rows_before:] == list(range(n0 + 1, 5)), steps
-    assert (run / "checkpoints" / "step_4" / "loop_state.pkl").exists()
+    assert (run / "checkpoints" / "step_4" / "loop_state.json").exists()
     reliability.record(
         category="fault", name=f"trainer rank {victim_rank} SIGKILLed", survived=True,
         message=(line + " " + err.split("[mrl] mrl.jobs.train failed")[1].split("\n")[1].strip()).replace(

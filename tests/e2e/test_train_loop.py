@@ -38,8 +38,8 @@ def test_sync_mode_run_writes_everything(tmp_path):
     assert all(r["sync_seconds"] > 0 and r["sync_repaired"] == 0 for r in steps)
     assert all(0.0 <= r["reward"] <= 1.0 and r["routing_disagreement"] < 0.05 for r in steps)
     assert any("eval/accuracy" in r for r in rows) and any("sft/nll" in r for r in rows)
-    for name in ("config.yaml", "curves.png", "summary.json", "checkpoints/step_2/loop_state.pkl",
-                 "checkpoints/step_3/loop_state.pkl"):
+    for name in ("config.yaml", "curves.png", "summary.json", "checkpoints/step_2/loop_state.json",
+                 "checkpoints/step_3/loop_state.json"):
         assert (run / name).exists(), name
     assert os.listdir(run / "tb")
 

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
 STAND_IN_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_trainer.sh")
 # What a successful `mrl train` (the RL loop) leaves in its run directory.
-EXPECTED_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints/step_2/loop_state.pkl")
+EXPECTED_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints/step_2/loop_state.json")
 # two RL steps with a real CPU engine started by the trainer (num_rollout_nodes=0 in slurm_cpu)
 TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "rollout=cpu", "train.steps=2",
             "train.prompts_per_step=4", "train.eval_every=0"]

@@ -228,8 +228,8 @@ def test_launcher_summary_names_dead_rank_signal_and_checkpoint(tmp_path):
     assert "No checkpoint in" in resume_hint("mrl.jobs.train", [str(cfg)])
     for step in (2, 10, 4):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step_10" / "loop_state.pkl").touch()  # complete
-    (tmp_path / "checkpoints" / "step_2" / "loop_state.pkl").touch()  # step_4: written half-way, ignored
+    (tmp_path / "checkpoints" / "step_10" / "loop_state.json").touch()  # complete
+    (tmp_path / "checkpoints" / "step_2" / "loop_state.json").touch()  # step_4: written half-way, ignored
     assert resume_hint("mrl.jobs.train", [str(cfg)]).strip() == (
         f"Last checkpoint: {tmp_path}/checkpoints/step_10 -- rerun the same command to resume from it.")
     assert resume_hint("mrl.jobs.check_model", [str(cfg)]) == ""
