@@ -458,6 +458,7 @@ class DataConfig:
 class RewardExecutor(str, enum.Enum):
     thread = "thread"    # quick or GIL-releasing reward fns
     process = "process"  # CPU-heavy verifiers; each worker re-imports the fn by its dotted path
+    auto = "auto"        # thread for mrl's built-ins, process for any other fn (a hung one can be stopped)
 
 
 # "raise" is a keyword, hence the functional form (OmegaConf matches member names).
@@ -471,8 +472,9 @@ class RewardConfig:
 
     fn: str = "mrl.reward.builtin.exact_match"
     """Dotted path of ``fn(prompt: Prompt, response_text: str) -> float`` (a def or an async def)."""
-    executor: RewardExecutor = RewardExecutor.thread
-    """Where calls run: a thread pool, or a process pool for CPU-heavy verifiers."""
+    executor: RewardExecutor = RewardExecutor.auto
+    """Where calls run: a thread pool, or a process pool for CPU-heavy verifiers; ``auto``: threads for
+    ``mrl.reward.builtin`` fns, processes for user fns (a call past ``timeout_s`` can only be stopped there)."""
     num_workers: int = 4
     """Concurrent reward calls (threads or processes)."""
     timeout_s: Optional[float] = 30.0
@@ -482,6 +484,9 @@ class RewardConfig:
     ``drop`` drops the sample, ``raise`` stops the run. Always counted."""
     error_value: float = 0.0
     """Reward of a failed call under ``on_error=zero``."""
+    max_error_rate: float = 0.5
+    """The run stops, naming the fn and its last error, once more than this share of the last 64 calls
+    failed (raised, timed out, returned a non-number); 1 = never."""
 
     def __post_init__(self) -> None:
         if "." not in self.fn.strip("."):
@@ -492,6 +497,8 @@ class RewardConfig:
             _fail("reward.timeout_s", f"must be > 0 or null, got {self.timeout_s}")
         if not abs(self.error_value) < float("inf"):  # also catches nan
             _fail("reward.error_value", f"must be finite, got {self.error_value}")
+        if not 0.0 <= self.max_error_rate <= 1.0:
+            _fail("reward.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
 
 
 class WeightTransport(str, enum.Enum):

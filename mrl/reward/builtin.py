@@ -12,7 +12,7 @@ under ``executor=thread`` (it must not block) or under ``asyncio.run`` in a work
 
 from __future__ import annotations
 
-import re
+import regex
 
 from mrl.data.prompt import Prompt
 
@@ -21,6 +21,10 @@ STOP_TEXTS = ("\n", "<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>"
 
 FORMAT_CREDIT = 0.1
 """``format_and_correct``: reward of a well-formed but wrong answer."""
+
+PATTERN_TIMEOUT_S: float | None = 30.0
+"""Limit of one ``answer_pattern`` match (patterns come with the data: one can backtrack for hours, holding
+the GIL, where no thread timeout could stop it). The reward scorer sets it to ``reward.timeout_s``."""
 
 
 def extract_answer(response_text: str) -> str:
@@ -61,4 +65,11 @@ def format_and_correct(prompt: Prompt, response_text: str) -> float:
     if answer == prompt.answer.strip():
         return 1.0
     pattern = prompt.meta.get("answer_pattern") or r"\S+"
-    return FORMAT_CREDIT if answer and re.fullmatch(pattern, answer) else 0.0
+    if not answer:
+        return 0.0
+    try:  # the regex package: re-compatible syntax, a timeout, and it releases the GIL while matching
+        well_formed = regex.fullmatch(pattern, answer, timeout=PATTERN_TIMEOUT_S, concurrent=True)
+    except TimeoutError:
+        raise TimeoutError(f"answer_pattern {pattern!r} of prompt {prompt.id!r} did not finish matching within "
+                           f"{PATTERN_TIMEOUT_S} s (reward.timeout_s)") from None
+    return FORMAT_CREDIT if well_formed else 0.0

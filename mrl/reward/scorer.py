@@ -9,8 +9,10 @@
 At most ``reward.num_workers`` calls run at once; ``reward.timeout_s`` starts when a call gets a
 worker, so a queue of samples never times out while waiting. A timed-out call cannot be stopped in
 a thread (it runs on, its pool is replaced so capacity stays); in a process pool the workers are
-terminated and restarted, and other calls that were running there are rerun once. Use
-``reward.executor=process`` for verifiers that can hang or that hold the GIL.
+terminated and restarted, and other calls that were running there are rerun once. A worker that dies
+(a crash in the fn) breaks its pool: the pool is rebuilt and the calls it took down are rerun once.
+``reward.executor=auto`` (the default) runs user fns in processes, mrl's built-ins in threads.
+More than ``reward.max_error_rate`` of the last calls failing stops the run (``RewardError``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 import multiprocessing
 import numbers
 import threading
+from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ from mrl.data.prompt import Prompt
 logger = logging.getLogger(__name__)
 
 _NUM_LOGGED_ERRORS = 5  # later errors are counted in stats and returned in RewardResult.error, not logged
+ERROR_RATE_WINDOW = 64  # reward.max_error_rate applies to this many most recent calls
+BUILTIN_PREFIX = "mrl.reward.builtin."
 
 
 @functools.cache
@@ -112,6 +117,21 @@ async def _wait(awaitable: Any) -> Any:
     return await awaitable
 
 
+def _init_worker(path: str, pattern_timeout_s: float | None) -> None:
+    from mrl.reward import builtin
+
+    builtin.PATTERN_TIMEOUT_S = pattern_timeout_s
+    load_reward_fn(path)
+
+
+def resolve_executor(cfg: RewardConfig) -> RewardExecutor:
+    """``auto``: threads for mrl's built-ins (quick, their regexes bounded by ``timeout_s``), processes for
+    user fns, whose calls past ``timeout_s`` can only be stopped by ending their process."""
+    if cfg.executor is not RewardExecutor.auto:
+        return cfg.executor
+    return RewardExecutor.thread if cfg.fn.startswith(BUILTIN_PREFIX) else RewardExecutor.process
+
+
 def _invoke_by_path(path: str, prompt: Prompt, response_text: str) -> Any:
     return _invoke(load_reward_fn(path), prompt, response_text)  # cached: imported once per worker
 
@@ -139,9 +159,15 @@ class RewardScorer:
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
         self.fn = load_reward_fn(cfg.fn)  # fail fast here, in process mode too
+        self.executor = resolve_executor(cfg)
+        if self.executor is RewardExecutor.thread:
+            from mrl.reward import builtin
+
+            builtin.PATTERN_TIMEOUT_S = cfg.timeout_s  # answer_pattern regexes: the call's limit, in threads too
         # An async fn under the thread executor runs on the event loop itself: it must not block.
-        self._on_loop = cfg.executor is RewardExecutor.thread and inspect.iscoroutinefunction(self.fn)
+        self._on_loop = self.executor is RewardExecutor.thread and inspect.iscoroutinefunction(self.fn)
         self._stats = {"calls": 0, "errors": 0, "timeouts": 0, "dropped": 0, "pool_restarts": 0}
+        self._recent: deque[bool] = deque(maxlen=ERROR_RATE_WINDOW)  # failed?, per call
         self._lock = threading.Lock()
         self._pool = self._start_pool()
         self._sem: asyncio.Semaphore | None = None
@@ -158,7 +184,9 @@ class RewardScorer:
             raise RuntimeError("RewardScorer is closed")
         self._stats["calls"] += 1
         try:
-            return RewardResult(_as_reward(await self._run(prompt, response_text)))
+            result = RewardResult(_as_reward(await self._run(prompt, response_text)))
+            self._recent.append(False)
+            return result
         except _Timeout:
             self._stats["timeouts"] += 1
             error = f"timed out after {self.cfg.timeout_s}s"
@@ -205,12 +233,15 @@ class RewardScorer:
                         raise _Timeout from None
                     raise  # a TimeoutError of the fn itself is an ordinary error
                 except BrokenProcessPool:
-                    if attempt == 0 and pool is not self._pool:
-                        continue  # another call's timeout restarted the pool under this one: rerun it
+                    # a worker died (a crash in the fn, or another call's timeout ended it): a pool
+                    # stays broken for good, so build a new one; the calls it took down run once more
+                    self._restart(pool)
+                    if attempt == 0:
+                        continue
                     raise
 
     async def _submit(self, pool: _Pool, prompt: Prompt, response_text: str) -> Any:
-        if self.cfg.executor is RewardExecutor.process:
+        if self.executor is RewardExecutor.process:
             fut = pool.executor.submit(_invoke_by_path, self.cfg.fn, prompt, response_text)
         else:
             fut = pool.executor.submit(_invoke, self.fn, prompt, response_text)
@@ -229,12 +260,12 @@ class RewardScorer:
 
     def _start_pool(self) -> _Pool:
         ready: Future = Future()
-        if self.cfg.executor is RewardExecutor.thread:
+        if self.executor is RewardExecutor.thread:
             ready.set_result(None)
             return _Pool(ThreadPoolExecutor(self.cfg.num_workers, thread_name_prefix="reward"), ready)
         # spawn, not fork: the parent has threads (event loop, torch) that fork would copy mid-state.
         executor = ProcessPoolExecutor(self.cfg.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=load_reward_fn, initargs=(self.cfg.fn,))
+                                       initializer=_init_worker, initargs=(self.cfg.fn, self.cfg.timeout_s))
         # Workers start on demand, one per submit that finds none idle: n pings start all n.
         pings = [executor.submit(int) for _ in range(self.cfg.num_workers)]
         threading.Thread(target=_resolve_when_done, args=(pings, ready), daemon=True).start()
@@ -249,7 +280,13 @@ class RewardScorer:
         _shutdown(pool.executor)
 
     def _failed(self, prompt: Prompt, error: str) -> RewardResult:
+        self._recent.append(True)
         num_failed = self._stats["errors"] + self._stats["timeouts"]
+        recent = sum(self._recent)
+        if len(self._recent) == ERROR_RATE_WINDOW and recent > self.cfg.max_error_rate * ERROR_RATE_WINDOW:
+            raise RewardError(f"reward.fn={self.cfg.fn}: {recent} of the last {ERROR_RATE_WINDOW} calls failed, more "
+                              f"than reward.max_error_rate={self.cfg.max_error_rate} ({num_failed} of "
+                              f"{self._stats['calls']} in all); last error, on prompt {prompt.id!r}: {error}")
         if num_failed <= _NUM_LOGGED_ERRORS:
             more = " (further failures are only counted)" if num_failed == _NUM_LOGGED_ERRORS else ""
             logger.warning("reward.fn=%s failed on prompt %r: %s%s", self.cfg.fn, prompt.id, error, more)

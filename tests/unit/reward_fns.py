@@ -40,3 +40,16 @@ async def async_sleepy(prompt, response_text):
     if response_text == "own timeout":
         raise TimeoutError("the verifier's own timeout")
     return 1.0
+
+
+def crash(prompt, response_text):
+    """The worker process dies (as a segfaulting verifier would) on a response "crash", else 1.0."""
+    if response_text == "crash":
+        os._exit(3)
+    return 1.0
+
+
+def flaky(prompt, response_text):
+    if response_text.startswith("bad"):
+        raise ValueError(f"cannot parse {response_text!r}")
+    return 1.0

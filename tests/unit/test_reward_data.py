@@ -16,6 +16,7 @@ from mrl.reward.builtin import FORMAT_CREDIT, contains, exact_match, format_and_
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "data")
 PROMPTS = os.path.join(FIXTURES, "prompts.jsonl")
 FNS = "tests.unit.reward_fns"
+THREAD = RewardExecutor.thread  # user fns default to processes (reward.executor=auto)
 
 
 # ---- built-in tasks ------------------------------------------------------------------------------
@@ -244,14 +245,15 @@ def test_scorer_scores_concurrently_and_bounds_workers():
     assert stats == {"calls": 3, "errors": 0, "timeouts": 0, "dropped": 0, "pool_restarts": 0}
     # 4 calls of 0.4 s on 2 workers: the queue wait does not count against the 0.7 s timeout.
     t0 = time.monotonic()
-    results, stats = _score(RewardConfig(fn=f"{FNS}.sleepy", num_workers=2, timeout_s=0.7), ["sleep 0.4"] * 4)
+    results, stats = _score(RewardConfig(fn=f"{FNS}.sleepy", executor=THREAD, num_workers=2, timeout_s=0.7),
+                            ["sleep 0.4"] * 4)
     assert [r.value for r in results] == [1.0] * 4 and stats["timeouts"] == 0
     assert 0.75 < time.monotonic() - t0 < 3.0
 
 
 @pytest.mark.parametrize("on_error,value", [("zero", -1.0), ("drop", None)])
 def test_scorer_counts_a_raising_fn(on_error, value):
-    cfg = RewardConfig(fn=f"{FNS}.boom", on_error=RewardOnError[on_error], error_value=-1.0)
+    cfg = RewardConfig(fn=f"{FNS}.boom", executor=THREAD, on_error=RewardOnError[on_error], error_value=-1.0)
     results, stats = _score(cfg, ["7", "8"])
     assert [r.value for r in results] == [value, value]
     assert all(r.error == "RuntimeError: boom" and r.dropped == (value is None) for r in results)
@@ -260,18 +262,19 @@ def test_scorer_counts_a_raising_fn(on_error, value):
 
 def test_scorer_raise_mode():
     with pytest.raises(RewardError, match=r"tests\.unit\.reward_fns\.boom failed on prompt 'p0': RuntimeError: boom"):
-        _score(RewardConfig(fn=f"{FNS}.boom", on_error=RewardOnError["raise"]), ["7"])
+        _score(RewardConfig(fn=f"{FNS}.boom", executor=THREAD, on_error=RewardOnError["raise"]), ["7"])
 
 
 def test_scorer_counts_non_numbers_as_errors():
     for fn, msg in (("returns_str", "TypeError: reward fn returned a str"),
                     ("returns_nan", "ValueError: reward fn returned nan")):
-        results, stats = _score(RewardConfig(fn=f"{FNS}.{fn}"), ["7"])
+        results, stats = _score(RewardConfig(fn=f"{FNS}.{fn}", executor=THREAD), ["7"])
         assert results[0].value == 0.0 and results[0].error.startswith(msg) and stats["errors"] == 1
 
 
 def test_scorer_times_out_a_slow_thread_call_and_keeps_capacity():
-    cfg = RewardConfig(fn=f"{FNS}.sleepy", num_workers=1, timeout_s=0.3, on_error=RewardOnError.drop)
+    cfg = RewardConfig(fn=f"{FNS}.sleepy", executor=THREAD, num_workers=1, timeout_s=0.3,
+                       on_error=RewardOnError.drop)
 
     async def main():
         with RewardScorer(cfg) as scorer:
@@ -287,7 +290,7 @@ def test_scorer_times_out_a_slow_thread_call_and_keeps_capacity():
 
 
 def test_scorer_async_fn_timeout_vs_its_own_timeout_error():
-    results, stats = _score(RewardConfig(fn=f"{FNS}.async_sleepy", timeout_s=0.2),
+    results, stats = _score(RewardConfig(fn=f"{FNS}.async_sleepy", executor=THREAD, timeout_s=0.2),
                             ["7", "sleep 5", "own timeout"])
     assert [r.value for r in results] == [1.0, 0.0, 0.0]
     assert results[1].error == "timed out after 0.2s"
