@@ -16,6 +16,7 @@ import sys
 
 from mrl.cluster.rundir import UnsafeRunDir, secure_run_dir
 from mrl.config.schema import Config, TinyPreset
+from mrl.process import Terminated
 
 
 def _hydra_app(fn):
@@ -41,6 +42,9 @@ def _hydra_app(fn):
         except UnsafeRunDir as e:
             print(f"[mrl] {e}", file=sys.stderr)
             sys.exit(1)
+        except Terminated as e:
+            print(f"[mrl] {e}: every process of the job was ended", file=sys.stderr, flush=True)
+            sys.exit(128 + e.signum)
         if code:
             sys.exit(code)
 

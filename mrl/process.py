@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 
 def die_with_parent() -> None:
@@ -27,10 +28,41 @@ def die_with_parent() -> None:
 _AGENT = "import sys; from mrl.process import agent_main; sys.exit(agent_main(sys.argv[1:]))"
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP to the launcher: raised like KeyboardInterrupt for SIGINT, so that the job is ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, _frame) -> None:
+    raise Terminated(signum)
+
+
+def _forward_usr1(agent: subprocess.Popen):
+    """SIGUSR1 (Slurm's warning before a preemption) goes to the ranks, torchrun's direct children: they
+    checkpoint and exit (``mrl.train``); the default action would end the launcher alone."""
+    def handler(_signum, _frame) -> None:
+        import psutil
+
+        try:
+            ranks = psutil.Process(agent.pid).children()
+        except psutil.NoSuchProcess:
+            return
+        for p in ranks:
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except psutil.NoSuchProcess:
+                pass
+    return handler
+
+
 def torchrun(module: str, args: list[str], nproc: int, *, timeout: float | None = None, capture: bool = True,
              cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m module`` on ``nproc`` local ranks. A timeout or Ctrl-C kills the launcher and every
-    process under it: no orphaned ranks keep ports or cores."""
+    """Run ``python -m module`` on ``nproc`` local ranks. A timeout, Ctrl-C, SIGTERM or SIGHUP kills the
+    launcher and every process under it (ranks, rollout process, engines): no orphans keep ports or cores.
+    SIGUSR1 is passed on to the ranks."""
     if os.environ.get("PET_NNODES"):  # a Slurm trainer node: torchrun reads the multi-node rendezvous
         # (PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR/PORT) from the environment
         cmd = [sys.executable, "-c", _AGENT, "-m", module, *args]
@@ -40,15 +72,26 @@ def torchrun(module: str, args: list[str], nproc: int, *, timeout: float | None 
         print("[mrl] torchrun " + " ".join(cmd[3:]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     pipe = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, cwd=cwd, start_new_session=True)
+    # The agent has a session of its own (so does each rank, and each engine): a signal to the launcher
+    # reaches none of them. Handlers first, so no signal falls between the start and the try.
+    handlers = {signal.SIGTERM: _raise_terminated, signal.SIGHUP: _raise_terminated}
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    old = {sig: signal.signal(sig, h) for sig, h in handlers.items()} if main_thread else {}
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:  # timeout, Ctrl-C: take the workers down with the launcher
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        if isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-            raise TimeoutError(f"{module} timed out after {timeout}s:\n{(err or '')[-3000:]}")
-        raise
+        proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, cwd=cwd, start_new_session=True)
+        if main_thread:
+            old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _forward_usr1(proc))
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:  # timeout, Ctrl-C, SIGTERM, SIGHUP: take the workers down with the launcher
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+            if isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise TimeoutError(f"{module} timed out after {timeout}s:\n{(err or '')[-3000:]}")
+            raise
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
