@@ -145,17 +145,26 @@ class EngineClient:
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str,
                        return_logprob: bool = True, return_routed_experts: bool = False,
-                       top_logprobs_num: int = 0, logprob_start_len: int | None = None) -> GenerateOutput:
+                       top_logprobs_num: int = 0, logprob_start_len: int | None = None,
+                       routed_experts_start_len: int | None = None) -> GenerateOutput:
         """One sample (one rid: abortable, own logprobs and routes). ``n > 1`` is refused: SGLang
-        replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted."""
+        replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted.
+        ``routed_experts_start_len``: the routes reply starts at that row (SGLang 0.5.14; rows before it
+        are the caller's already), so a continued conversation does not fetch its whole history again."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
+        if routed_experts_start_len is not None and not 0 <= routed_experts_start_len <= len(input_ids):
+            # SGLang answers an out-of-range start with an aborted request, not an error: refuse it here
+            raise ValueError(f"generate: routed_experts_start_len={routed_experts_start_len} is outside "
+                             f"[0, {len(input_ids)}] (the input's length)")
         if sampling_params.get("n", 1) != 1:
             raise ValueError("generate: send one request per sample (sampling_params.n must be 1)")
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid,
                 "return_logprob": return_logprob}
         if return_routed_experts or self.routes_always:
             body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = routed_experts_start_len
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
         if logprob_start_len is not None:  # 0: also the logprobs of every prompt token (first is null)

@@ -10,6 +10,11 @@ request (``/abort_request``, or a pause in abort mode for a weight update) retur
 the sample is resubmitted as prompt + partial with the remaining budget, and blocks in the engine
 until it continues -- so partial rollouts survive weight updates, and each token keeps the version
 that produced it. A dead or hung engine is taken out of rotation and its samples go to the others.
+
+Routes: each call asks only for the rows its input adds (``routed_experts_start_len`` = rows the sample
+already holds, SGLang 0.5.14); a resumed segment or a later turn of an episode appends its rows, so no
+call returns the whole history again. ``generate_turn`` drives one model turn of a multi-turn episode
+(``mrl.rollout.multiturn``) with the same machinery.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import asyncio
 import itertools
 import uuid
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from mrl.rollout.client import EngineClient
 from mrl.rollout.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable, GenerateOutput
@@ -50,6 +57,10 @@ class RolloutStats:
     aborted_segments: int = 0
     retries: int = 0
     engine_failures: int = 0
+    prompt_tokens: int = 0
+    """Input tokens of the answered calls, and of those the engine's radix cache already held: their
+    ratio is the prefix-cache hit rate (turns and resumed segments continue a cached prefix)."""
+    cached_tokens: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -104,7 +115,8 @@ class RolloutManager:
                 if sample.remaining <= 0:
                     sample.finish_reason = "length"
                     break
-                await self._one_call(sample)
+                if (finish := await self._one_call(sample, sample.remaining)) is not None:
+                    sample.finish_reason = finish
         except NoEngineAvailable as e:
             sample.error = str(e)
         if sample.error is None:
@@ -115,40 +127,65 @@ class RolloutManager:
             self.stats.errors.append(sample.error)
         return sample
 
-    async def _one_call(self, sample: Sample) -> None:
+    async def generate_turn(self, sample: Sample, max_new_tokens: int) -> str:
+        """One model turn of a multi-turn episode: generate after ``sample.tokens`` (the conversation so
+        far) until a stop token or ``max_new_tokens``, across aborts, pauses and engine failures like a
+        single-turn sample. Returns the turn's finish type ("stop" | "length"); on failure
+        ``sample.error`` is set (and "" returned). The episode's own finish is the caller's."""
+        if max_new_tokens < 1:
+            raise ValueError(f"generate_turn: max_new_tokens must be >= 1, got {max_new_tokens}")
+        start = len(sample.response_ids)
+        try:
+            while sample.error is None:
+                budget = max_new_tokens - (len(sample.response_ids) - start)
+                if budget <= 0:
+                    return "length"
+                if (finish := await self._one_call(sample, budget)) is not None:
+                    return finish
+        except NoEngineAvailable as e:
+            sample.error = str(e)
+        return ""
+
+    async def _one_call(self, sample: Sample, budget: int) -> str | None:
+        """One /generate for ``sample`` of at most ``budget`` new tokens, applied to it. Returns the
+        finish type when the call finished ("stop" | "length"), None when it was aborted or failed
+        (the caller calls again; a failure that cannot be retried sets ``sample.error``)."""
         slot = self._pick()
         rid = f"{self.run_id}-g{sample.group_id}-s{sample.index}-{next(self._seq)}"
         inputs = sample.tokens
+        start_row = sample.route_rows if self.codec is not None else 0
         async with slot.sem:
             await self._gate.wait()  # after the semaphore: a call queued on it must not slip past a drain
             if not slot.healthy:
-                return
+                return None
             slot.inflight += 1
             try:
-                params = self.sampling.to_request(sample.remaining)
+                params = self.sampling.to_request(budget)
                 if self.sampling.seed is not None:  # a function of the sample, not of timing or engine
                     params["sampling_seed"] = (self.sampling.seed * 1_000_003 + sample.group_id * 10_007
                                                + sample.index * 101 + sample.num_segments) % (1 << 31)
                 out = await slot.client.generate(inputs, params, rid=rid,
                                                  return_logprob=True, return_routed_experts=self.codec is not None,
-                                                 top_logprobs_num=self.top_logprobs_num)
+                                                 top_logprobs_num=self.top_logprobs_num,
+                                                 routed_experts_start_len=start_row or None)
             except (EngineUnavailable, EngineProtocolError) as e:
                 # crash, hang or garbage: take the engine out, retry the sample elsewhere
                 slot.healthy = False
                 slot.failures += 1
                 self.stats.engine_failures += 1
                 self._retry_or_fail(sample, e)
-                return
+                return None
             except EngineHTTPError as e:  # the request itself is bad (400): retrying cannot help
                 sample.error = str(e)
-                return
+                return None
             finally:
                 slot.inflight -= 1
         slot.served += 1
         try:
-            self._apply(sample, inputs, out)
+            return self._apply(sample, inputs, out, budget, start_row)
         except (RoutesError, ValueError) as e:
             self._retry_or_fail(sample, e)
+            return None
 
     def _retry_or_fail(self, sample: Sample, err: Exception) -> None:
         sample.num_retries += 1
@@ -156,10 +193,11 @@ class RolloutManager:
         if sample.num_retries > self.max_retries:
             sample.error = f"gave up after {self.max_retries} retries: {err}"
 
-    def _apply(self, sample: Sample, inputs: list[int], out: GenerateOutput) -> None:
+    def _apply(self, sample: Sample, inputs: list[int], out: GenerateOutput, budget: int,
+               start_row: int) -> str | None:
         new = out.output_ids
-        if len(new) > sample.remaining:
-            raise ValueError(f"engine returned {len(new)} tokens for a budget of {sample.remaining}")
+        if len(new) > budget:
+            raise ValueError(f"engine returned {len(new)} tokens for a budget of {budget}")
         try:
             version = int(out.weight_version)
         except ValueError:
@@ -169,8 +207,10 @@ class RolloutManager:
             if out.routed_experts is None:
                 raise RoutesError(f"no routed_experts in the reply for {out.rid} (engine started without "
                                   "--enable-return-routed-experts?)")
-            # the last call covers the whole sequence: its routes replace the earlier ones
-            routes = self.codec.decode(out.routed_experts, prompt_len=len(inputs), response_len=len(new))
+            # the reply holds rows start_row .. len(inputs) + len(new) - 2: decoded as a sequence that
+            # starts at start_row, it has the row count the codec checks
+            routes = self.codec.decode(out.routed_experts, prompt_len=len(inputs) - start_row,
+                                       response_len=len(new))
         if self.top_logprobs_num and new:
             sp = self.sampling
             ids, mass = engine_support(out.output_top_logprobs or [[]] * len(new), temperature=sp.temperature,
@@ -180,15 +220,18 @@ class RolloutManager:
         sample.response_ids += new
         sample.response_logprobs += out.output_logprobs or []
         sample.versions += [version] * len(new)
+        sample.loss_mask += [1] * len(new)
         if routes is not None:
-            sample.routes = routes
+            sample.routes = routes if sample.routes is None else np.concatenate([sample.routes, routes])
         sample.num_segments += 1
         self.stats.segments += 1
+        self.stats.prompt_tokens += out.prompt_tokens or 0
+        self.stats.cached_tokens += out.cached_tokens or 0
         if out.finish is not None and out.finish.aborted:
             sample.num_aborts += 1
             self.stats.aborted_segments += 1
-        elif out.finish is not None:
-            sample.finish_reason = out.finish.type
+            return None
+        return out.finish.type if out.finish is not None else None
 
     # -- engine-wide control (weight updates) ---------------------------------------------------
     async def drain(self, timeout: float = 60.0) -> int:

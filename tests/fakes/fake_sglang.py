@@ -91,7 +91,7 @@ def token_logprob(tok: int) -> float:
     return -1.0 - (tok % 7) / 10.0
 
 
-def routes_b64(ids: list[int], st: FakeState) -> str:
+def routes_b64(ids: list[int], st: FakeState, start: int = 0) -> str:
     t = np.arange(len(ids))[:, None, None]
     lay = np.arange(st.num_layers)[None, :, None]
     k = np.arange(st.top_k)[None, None, :]
@@ -99,7 +99,7 @@ def routes_b64(ids: list[int], st: FakeState) -> str:
     r = ((tok * 5 + t * 7 + lay * 3 + k) % st.num_experts).astype("<i4")
     for d in st.dense_layers:
         r[:, d, :] = 0
-    return base64.b64encode(r.tobytes()).decode()
+    return base64.b64encode(r[start:].tobytes()).decode()
 
 
 class FakeSGLang:
@@ -237,7 +237,8 @@ class FakeSGLang:
                 "output_token_logprobs_length": len(out), "reasoning_tokens": 0, "completion_tokens": len(out),
                 "cached_tokens": 0, "cached_tokens_details": None, "dp_rank": None, "e2e_latency": 0.01}
         if body.get("return_routed_experts"):
-            meta["routed_experts"] = routes_b64(ids[:-1] if out else ids, self.st)
+            start = int(body.get("routed_experts_start_len", 0))  # SGLang 0.5.14: rows from there on
+            meta["routed_experts"] = routes_b64(ids[:-1] if out else ids, self.st, start)
         if f.malformed == "null_logprob" and out:
             meta["output_token_logprobs"][0][0] = None
         elif f.malformed == "no_meta":
