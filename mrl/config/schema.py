@@ -170,6 +170,39 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    """Multi-turn, tool-using episodes (``mrl.rollout.multiturn``): an environment answers each model turn."""
+
+    fn: Optional[str] = None
+    """Dotted path of an ``mrl.env.Environment`` class (or factory), one instance per episode; null = the
+    built-in task's own (``data=lookup``: ``mrl.env.lookup.LookupEnv``), else single-turn rollouts."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``fn`` (``+rollout.env.args.x=1``)."""
+    max_turns: int = 4
+    """Model turns per episode; the episode ends after the last one."""
+    max_total_tokens: int = 256
+    """The whole conversation (prompt, turns, observations); an observation that would reach it ends the
+    episode."""
+    max_turn_tokens: Optional[int] = None
+    """New tokens per model turn; null = ``rollout.max_new_tokens``."""
+    tool_timeout_s: float = 10.0
+    """Limit of one ``step`` (the tools it calls): a slower step is cancelled and its error is the next
+    observation (counted)."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            _fail("rollout.env.max_turns", f"must be >= 1, got {self.max_turns}")
+        if self.max_total_tokens < 2:
+            _fail("rollout.env.max_total_tokens", f"must be >= 2, got {self.max_total_tokens}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            _fail("rollout.env.max_turn_tokens", f"must be >= 1 or null, got {self.max_turn_tokens}")
+        if not self.tool_timeout_s > 0:
+            _fail("rollout.env.tool_timeout_s", f"must be > 0, got {self.tool_timeout_s}")
+        if self.fn is not None and (self.fn.count(".") < 1 or not all(self.fn.split("."))):
+            _fail("rollout.env.fn", f"expected a dotted path 'package.module.Class', got {self.fn!r}")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """SGLang engine pool and sampling."""
 
@@ -236,6 +269,8 @@ class RolloutConfig:
     engine_url_dir: Optional[str] = None
     """Attach to engines that announce themselves as ``<dir>/<name>.url`` files (written by
     ``mrl engine`` on cluster engine nodes); waits for ``num_engines`` of them."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: the environment and its limits."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.top_p <= 1.0:

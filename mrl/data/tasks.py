@@ -1,4 +1,4 @@
-"""Built-in synthetic verifiable tasks (``data.task=reverse|add_mod|copy_last``): seeded, endless, split.
+"""Built-in synthetic verifiable tasks (``data.task=reverse|add_mod|copy_last|lookup``): seeded, endless, split.
 
 Why these tasks: the default run trains a 3-layer, hidden-64 MoE with a 512-token byte-level BPE on
 two CPU cores in minutes, so a task must be
@@ -168,7 +168,49 @@ class CopyLastTask(_LetterTask):
         return item[-1]
 
 
-TASKS: dict[str, type[SyntheticTask]] = {"reverse": ReverseTask, "add_mod": AddModTask, "copy_last": CopyLastTask}
+def lookup_value(salt: str, key: str) -> str:
+    """The digit an episode's table holds for ``key`` (a fixed hash, identical in every process)."""
+    return str(hashlib.sha256(f"{salt}:{key}".encode()).digest()[0] % 10)
+
+
+class LookupTask(_LetterTask):
+    """``find cab=`` -> a digit only the ``get`` tool knows (multi-turn; ``mrl.env.lookup.LookupEnv``).
+
+    Each prompt draws a fresh table (a salt from the seed and the prompt's index): the same key maps to
+    another digit in the next epoch, so the answer cannot be learnt from the prompt, only looked up.
+    The solving episode: ``get(cab)`` -> observation ``" 7\nans="`` -> ``7``; answering without the tool
+    is right one time in ten. ``env`` names the environment ``rollout.env.fn`` defaults to."""
+
+    name = "lookup"
+    answer_pattern = "[0-9]"
+    env = "mrl.env.lookup.LookupEnv"
+
+    def __init__(self, *, alphabet: str = "abcd", min_len: int = 2, max_len: int = 2, **kw: Any):
+        super().__init__(alphabet=alphabet, min_len=min_len, max_len=max_len, **kw)
+
+    def render(self, item: str) -> str:
+        return f"find {item}="
+
+    def solve(self, item: str) -> str:
+        raise NotImplementedError("lookup: the answer depends on the prompt's table, see sample()")
+
+    def sample(self, index: int) -> Prompt:
+        if index < 0:
+            raise ValueError(f"{self.name}: index must be >= 0, got {index}")
+        epoch, pos = divmod(index, len(self._items))
+        item = self._items[self._epoch_order(epoch)[pos]]
+        salt = f"{self.seed}:{self.split}:{index}"
+        return Prompt(id=f"{self.name}/{self.split}/{index}", text=self.render(item),
+                      answer=lookup_value(salt, item),
+                      meta={"task": self.name, "input": item, "answer_pattern": self.answer_pattern, "salt": salt,
+                            "alphabet": self.alphabet, "min_len": self.min_len, "max_len": self.max_len})
+
+    def reference(self, prompt: Prompt) -> str:
+        return prompt.answer
+
+
+TASKS: dict[str, type[SyntheticTask]] = {"reverse": ReverseTask, "add_mod": AddModTask, "copy_last": CopyLastTask,
+                                         "lookup": LookupTask}
 
 
 def build_task(name: str, *, split: str = "train", seed: int = 0, eval_fraction: float = 0.2, shuffle: bool = True,

@@ -3,7 +3,9 @@
 Runs on the controller (trainer rank 0) in its own thread and event loop, so generation continues
 while the trainer computes. Throttled by credits (``allow``): one credit = one group may start.
 Groups that carry no signal under DAPO's dynamic sampling, whose reward was dropped, or whose samples
-failed are not buffered and give their credit back (all counted).
+failed are not buffered and give their credit back (all counted). With an environment (``episodes``),
+each sample is a multi-turn episode (``mrl.rollout.multiturn``) and its reward is the environment's;
+a group with a dropped episode (the environment raised) is not buffered either (``groups_env_dropped``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from mrl.data import Prompt, PromptSource
 from mrl.data.prompt import budget_error
 from mrl.reward.scorer import RewardScorer
 from mrl.rollout.manager import RolloutManager
+from mrl.rollout.multiturn import EpisodeRunner
 
 
 def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
@@ -34,8 +37,10 @@ def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
 
 class Producer:
     def __init__(self, *, manager: RolloutManager, scorer: RewardScorer, source: PromptSource, tokenizer,
-                 buffer: RolloutBuffer, group_size: int, dynamic_sampling: bool, start_index: int = 0):
+                 buffer: RolloutBuffer, group_size: int, dynamic_sampling: bool, start_index: int = 0,
+                 episodes: EpisodeRunner | None = None):
         self.manager, self.scorer, self.source, self.tok = manager, scorer, source, tokenizer
+        self.episodes = episodes
         self.buffer, self.group_size, self.dynamic_sampling = buffer, group_size, dynamic_sampling
         self.next_index = start_index
         self.counts: Counter = Counter()
@@ -118,6 +123,9 @@ class Producer:
 
     async def _group(self, prompt: Prompt, gid: int) -> None:
         try:
+            if self.episodes is not None:
+                await self._episode_group(prompt, gid)
+                return
             ids = self.tok.encode(prompt.text).ids
             samples = await self.manager.generate_group(ids, self.group_size, gid,
                                                         max_new_tokens=row_budget(prompt, self.group_size))
@@ -144,3 +152,23 @@ class Producer:
             self.counts["groups_buffered"] += 1
         except Exception as e:
             self.error = e
+
+    async def _episode_group(self, prompt: Prompt, gid: int) -> None:
+        """A group of multi-turn episodes; rewards come from the environment, not ``reward.fn``."""
+        samples = await self.episodes.run_group(prompt, self.group_size, gid)
+        if any(s.error for s in samples):
+            dropped = any(s.metadata.get("env_dropped") for s in samples)  # the environment failed, not an engine
+            self.counts["groups_env_dropped" if dropped else "groups_failed"] += 1
+            if not dropped and all(not slot.healthy for slot in self.manager.slots):
+                raise RuntimeError(f"every engine is down ({[s.client.url for s in self.manager.slots]}); "
+                                   f"last error: {next(s.error for s in samples if s.error)}")
+            self._add_credits(1)
+            return
+        rewards = [float(s.reward) for s in samples]
+        if self.dynamic_sampling and max(rewards) == min(rewards):
+            self.counts["groups_no_signal"] += 1
+            self._add_credits(1)
+            return
+        texts = [self.tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        self.buffer.put(Group(prompt, samples, rewards, texts))
+        self.counts["groups_buffered"] += 1

@@ -186,12 +186,26 @@ class LocalRollout:
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
         self.scorer = RewardScorer(cfg.reward)
         self.eval_source = build_prompt_source(cfg.data, split="eval") if t.eval_every else None
+        source = build_prompt_source(cfg.data)
+        self.episodes = self.eval_episodes = None
+        env_fn = r.env.fn or getattr(source, "env", None)  # a built-in multi-turn task names its environment
+        if env_fn is not None:
+            from mrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
+
+            limits = EpisodeLimits(max_turns=r.env.max_turns, max_total_tokens=r.env.max_total_tokens,
+                                   max_turn_tokens=r.env.max_turn_tokens or r.max_new_tokens,
+                                   tool_timeout_s=r.env.tool_timeout_s)
+            self.episodes, self.eval_episodes = (
+                EpisodeRunner(m, self.tok, env_fn=env_fn, env_args=r.env.args, limits=limits)
+                for m in (self.manager, self.eval_manager))
+        self._cache_seen = (0, 0)  # (prompt, cached) tokens at the last stats(): the hit rate is per step
         self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
         if state["buffered"]:
             self.buffer.restore(state["buffered"])
-        self.producer = Producer(manager=self.manager, scorer=self.scorer, source=build_prompt_source(cfg.data),
+        self.producer = Producer(manager=self.manager, scorer=self.scorer, source=source,
                                  tokenizer=self.tok, buffer=self.buffer, group_size=r.n_samples_per_prompt,
-                                 dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state["prompt_index"])
+                                 dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state["prompt_index"],
+                                 episodes=self.episodes)
         if t.mode == LoopMode.overlap:
             self.buffer.on_release = self.producer.allow
 
@@ -218,6 +232,10 @@ class LocalRollout:
         prompts = [self.eval_source.sample(i) for i in range(min(n, len(self.eval_source)))]
 
         async def go():
+            if self.eval_episodes is not None:  # greedy episodes: success = the environment's reward
+                eps = await asyncio.gather(*(self.eval_episodes.run_episode(p, -1 - i, 0)
+                                             for i, p in enumerate(prompts)))
+                return sum(e.error is None and (e.reward or 0.0) >= 1.0 for e in eps) / len(eps)
             groups = await asyncio.gather(*(self.eval_manager.generate_group(self.tok.encode(p.text).ids, 1, -1 - i)
                                             for i, p in enumerate(prompts)))
             texts = [self.tok.decode(g[0].response_ids, skip_special_tokens=True) for g in groups]
@@ -241,9 +259,18 @@ class LocalRollout:
         self.producer.run(add())
 
     def stats(self) -> dict:
+        """Counters since the start; ``counts["prefix_cache_hit_rate"]`` is since the previous call (the
+        loop calls once per step): input tokens of the engine calls that the radix cache already held."""
         bs, ms = self.buffer.stats, self.manager.stats
+        counts = dict(self.producer.counts)
+        if self.episodes is not None:
+            counts |= {f"env_{k}": v for k, v in self.episodes.stats().items()}
+        prompt, cached = ms.prompt_tokens - self._cache_seen[0], ms.cached_tokens - self._cache_seen[1]
+        self._cache_seen = (ms.prompt_tokens, ms.cached_tokens)
+        if prompt > 0:
+            counts["prefix_cache_hit_rate"] = cached / prompt
         return {"dropped_stale": bs.dropped_stale, "buffered": len(self.buffer), "staleness": dict(bs.staleness),
-                "counts": dict(self.producer.counts), "samples_failed": ms.failed, "samples_submitted": ms.submitted,
+                "counts": counts, "samples_failed": ms.failed, "samples_submitted": ms.submitted,
                 "samples_completed": ms.completed, "engine_failures": ms.engine_failures, "retries": ms.retries,
                 "served_by_engine": {s.client.url: s.served for s in self.manager.slots}}
 
