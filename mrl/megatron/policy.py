@@ -56,6 +56,9 @@ class RLBatch:
     support_log_mass: list[list[float]] | None = None
     """Log of the engine's probability mass on each of those supports (behav_logp is over the whole
     vocabulary; behav_logp - mass is the logprob under the distribution that was sampled)."""
+    loss_mask: list[list[int]] | None = None
+    """Per sample, per response token: 1 = the model generated it (trained), 0 = not (a multi-turn
+    episode's tool output: it is context only, its logprob and support are never used). None: all 1."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -171,6 +174,11 @@ class Policy:
             ids[b, :len(toks)] = torch.tensor(toks)
             resp = len(toks) - p
             mask[b, p - 1:p - 1 + resp] = 1.0  # position t predicts token t + 1
+            trained = batch.loss_mask[i] if batch.loss_mask is not None else None
+            if trained is not None:
+                if len(trained) != resp:
+                    raise ValueError(f"sample {i}: loss mask of {len(trained)} tokens for {resp} response tokens")
+                mask[b, p - 1:p - 1 + resp] = torch.tensor(trained, dtype=torch.float32)
             behav[b, p - 1:p - 1 + resp] = torch.tensor(batch.behav_logp[i][:resp], dtype=torch.float32)
             adv[b] = batch.advantages[i]
             valid[b, :len(toks) - 1] = 1.0
@@ -178,6 +186,8 @@ class Policy:
                 routes.append(align_routes(batch.routes[i], width, self.codec.num_experts))
             if sup is not None:
                 for j, kept in enumerate(sup[i][:resp]):
+                    if trained is not None and not trained[j]:
+                        continue  # not sampled by the model: no support to keep
                     if not kept and self.cfg.train.bad_support == BadSupport.error:
                         raise ValueError(f"sample {i}, response token {j}: the engine's sampling support could not "
                                          "be rebuilt (too few top logprobs: raise rollout.top_logprobs_num); "
