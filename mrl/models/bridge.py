@@ -81,7 +81,7 @@ def padded_rows(mcore: str, hf: str, rows: int, padded: int, num_cols: int) -> P
 
 # Transformer Engine spec names -> local-spec names (the bridges speak local-spec names). TE fuses the
 # input norm into linear_qkv and a dense layer's pre-MLP norm into linear_fc1, and TEGroupedMLP keeps
-# one weight per local expert as ``linear_fc{1,2}.weight{e}``. TODO(te): verify on a machine with TE.
+# one weight per local expert as ``linear_fc{1,2}.weight{e}`` (checked on GPUs: tests/gpu/parity.sh with TE).
 _TE_NAMES = [
     (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
     (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
