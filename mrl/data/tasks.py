@@ -185,7 +185,7 @@ class LookupTask(_LetterTask):
     answer_pattern = "[0-9]"
     env = "mrl.env.lookup.LookupEnv"
 
-    def __init__(self, *, alphabet: str = "abcd", min_len: int = 2, max_len: int = 2, **kw: Any):
+    def __init__(self, *, alphabet: str = "abcdef", min_len: int = 2, max_len: int = 2, **kw: Any):
         super().__init__(alphabet=alphabet, min_len=min_len, max_len=max_len, **kw)
 
     def render(self, item: str) -> str:
