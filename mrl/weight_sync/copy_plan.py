@@ -297,8 +297,8 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _participation(bucket: Bucket, local: dict[str, LocalParam], maps: dict[str, ParamMap], *, rank: int,
-                   dp_rank: int, edp_rank: int) -> tuple[list, list[_Batch]]:
+def participation(bucket: Bucket, local: dict[str, LocalParam], maps: dict[str, ParamMap], *, rank: int,
+                  dp_rank: int, edp_rank: int) -> tuple[list, list[_Batch]]:
     """(direct params the sender copies itself, gather batches this rank joins), in bucket order.
     The same selection rules as the export path: DP (expert-DP) replica 0 gathers; replicated params
     are read by the sender only."""
@@ -348,7 +348,7 @@ class _SenderCopies:
     """(batch index, chunk) -> Copies into the flat buffer, from the gather buffer."""
 
 
-def _copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Tensor) -> _SenderCopies:
+def copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Tensor) -> _SenderCopies:
     """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order. The
     sender's own shards come from its params, not through the gather buffer."""
     offsets = _hf_offsets(bucket)
@@ -424,7 +424,7 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
     elem = torch.empty((), dtype=dtype).element_size()
     plans, gin_bytes, gout_bytes, flat_bytes = [], 0, 0, 0
     for bucket in order:
-        direct, batches = _participation(bucket, local, maps, rank=rank, dp_rank=dp_rank, edp_rank=edp_rank)
+        direct, batches = participation(bucket, local, maps, rank=rank, dp_rank=dp_rank, edp_rank=edp_rank)
         if not direct and not batches and rank != bucket.sender:
             continue
         gin = gout = 0
@@ -461,7 +461,7 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             sends += 1
             flat = send_bufs[slot][:bucket.nbytes]
             assert bucket.nbytes % elem == 0
-            sc = _copy_out(bucket, direct, batches, flat.view(dtype))
+            sc = copy_out(bucket, direct, batches, flat.view(dtype))
             sources += [lp.param for lp, _, _ in direct]
         gathers, same_group = [], {}
         for i, b in enumerate(batches):

@@ -83,7 +83,7 @@ def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, chunk_kib):
     come from its params (column-parallel rows straight into the flat buffer, row-parallel ones through
     its slot). The flat buffers hold exactly the per-tensor path's bytes, for one chunk per batch and for several."""
     from mrl.megatron.parallel import GroupInfo
-    from mrl.weight_sync.copy_plan import _copy_out, _participation
+    from mrl.weight_sync.copy_plan import copy_out, participation
 
     bridge = get_bridge(ckpt_dir["stress_a"])
     ws = 2
@@ -104,7 +104,7 @@ def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, chunk_kib):
     plan = _plan(bridge, vp, 64 << 10, "float32")
     chunked = 0
     for bucket in plan.buckets:
-        direct, batches = _participation(bucket, local, maps, rank=0, dp_rank=0, edp_rank=0)
+        direct, batches = participation(bucket, local, maps, rank=0, dp_rank=0, edp_rank=0)
         for b in batches:
             b.split(chunk_kib * 256)  # fp32 elements
             chunked += len(b.chunks) > 1
@@ -115,7 +115,7 @@ def test_chunked_gather_layout_rebuilds_the_full_tensors(ckpt_dir, chunk_kib):
                     at = b.slot(j, k) + o - b.chunks[j][0]
                     b.out[at:at + lp.param.numel()] = shards[lp.name][k].view(-1)
         flat = torch.full((bucket.nbytes // 4,), float("nan"))
-        sc = _copy_out(bucket, direct, batches, flat)
+        sc = copy_out(bucket, direct, batches, flat)
         sc.own_in.run()
         sc.local.run()
         for key in sorted(sc.per_chunk):
