@@ -149,10 +149,13 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
                     behav_logp=[list(s.response_logprobs) for s in samples], advantages=adv.tolist(),
                     routes=[s.routes for s in samples] if with_routes else None,
                     support=[s.support for s in samples] if cfg.train.sampling_mask else None,
-                    support_log_mass=[s.support_log_mass for s in samples] if cfg.train.sampling_mask else None)
+                    support_log_mass=[s.support_log_mass for s in samples] if cfg.train.sampling_mask else None,
+                    # multi-turn episodes: observation tokens (mask 0) are context, never trained
+                    loss_mask=[list(s.loss_mask) or [1] * len(s.response_ids) for s in samples]
+                    if any(0 in s.loss_mask for s in samples) else None)
     masks = torch.zeros(len(samples), max(len(t) for t in batch.tokens))
-    for i, s in enumerate(samples):
-        masks[i, :len(s.response_ids)] = 1
+    for i, s in enumerate(samples):  # the normalizer counts trained tokens only (token-mean aggregations)
+        masks[i, :len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1
     raw = [r for g in groups for r in g.rewards]
     info = {"reward": sum(raw) / len(raw), "success": sum(r >= 1.0 for r in raw) / len(raw),
             "response_len": sum(len(s.response_ids) for s in samples) / len(samples),

@@ -243,3 +243,23 @@ def test_producer_drops_groups_whose_environment_fails_and_goes_on(tok):
     # each dropped group gave its credit back, so the producer kept going: never the run
     assert prod.counts["groups_env_dropped"] >= 3 and len(buf) == 0 and prod.error is None
     assert runner.counts["episodes_dropped"] >= 6
+
+
+def test_build_batch_carries_the_loss_mask_and_normalizes_over_trained_tokens():
+    from mrl.config.schema import Aggregation, AlgoConfig, Config, RolloutConfig
+    from mrl.rollout.buffer import Group
+    from mrl.rollout.sample import Sample
+    from mrl.train import build_batch
+
+    def sample(mask, n=None):
+        n = len(mask) if n is None else n
+        return Sample(prompt_ids=[1, 2], group_id=0, index=0, max_new_tokens=n, response_ids=list(range(3, 3 + n)),
+                      response_logprobs=[-1.0] * n, versions=[0] * n, loss_mask=mask)
+
+    cfg = Config(rollout=RolloutConfig(n_samples_per_prompt=2), algo=AlgoConfig(aggregation=Aggregation.token_mean))
+    multi = [Group(PROMPT, [sample([1, 0, 0, 1]), sample([1, 1, 1, 1])], [1.0, 0.0])]
+    batch, norm, _ = build_batch(multi, cfg, with_routes=False)
+    assert batch.loss_mask == [[1, 0, 0, 1], [1, 1, 1, 1]] and norm == 6.0  # 2 observation tokens not counted
+    single = [Group(PROMPT, [sample([1, 1]), sample([], n=2)], [1.0, 0.0])]  # []: a sample stored before masks
+    batch, norm, _ = build_batch(single, cfg, with_routes=False)
+    assert batch.loss_mask is None and norm == 4.0
