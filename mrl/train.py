@@ -381,9 +381,13 @@ def _sft_warmup(cfg: Config, policy: Policy, hf_path: str, duties: Controller | 
     for step in range(t.sft_warmup_steps):
         idx = torch.randint(0, len(src), (t.sft_batch,), generator=g).tolist()
         prompts = [src.sample(i) for i in idx]
-        p_ids = [tok.encode(p.text).ids for p in prompts]
-        tokens = [p + tok.encode(p_.answer).ids + [eos] for p, p_ in zip(p_ids, prompts)]
-        nll = policy.sft_step(tokens, [len(p) for p in p_ids], t.sft_lr)
+        if hasattr(src, "warm_start_tokens"):  # a multi-turn task: its whole solving conversation
+            tokens, p_lens = map(list, zip(*(src.warm_start_tokens(p, tok, eos) for p in prompts)))
+        else:
+            p_ids = [tok.encode(p.text).ids for p in prompts]
+            tokens = [p + tok.encode(p_.answer).ids + [eos] for p, p_ in zip(p_ids, prompts)]
+            p_lens = [len(p) for p in p_ids]
+        nll = policy.sft_step(tokens, p_lens, t.sft_lr)
         duties.warm_start_progress(step, nll)
 
 

@@ -208,6 +208,18 @@ class LookupTask(_LetterTask):
     def reference(self, prompt: Prompt) -> str:
         return prompt.answer
 
+    def warm_start_tokens(self, prompt: Prompt, tokenizer, eos: int) -> tuple[list[int], int]:
+        """The solving conversation for the supervised warm start, as (token ids, prompt length): built
+        piece by piece as the episode loop builds it (turns end with EOS, observations tokenized alone), so
+        the warm start sees the token sequence the rollouts produce. Its observation tokens are trained too
+        (the warm start has no loss mask): the looked-up digit is noise there, the copy after it is not."""
+        def enc(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+        ids = tokenizer.encode(prompt.text).ids
+        rest = enc(f"get({prompt.meta['input']})") + [eos] + enc(f" {prompt.answer}\nans=") + enc(prompt.answer) + [eos]
+        return ids + rest, len(ids)
+
 
 TASKS: dict[str, type[SyntheticTask]] = {"reverse": ReverseTask, "add_mod": AddModTask, "copy_last": CopyLastTask,
                                          "lookup": LookupTask}

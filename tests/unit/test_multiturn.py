@@ -263,3 +263,23 @@ def test_build_batch_carries_the_loss_mask_and_normalizes_over_trained_tokens():
     single = [Group(PROMPT, [sample([1, 1]), sample([], n=2)], [1.0, 0.0])]  # []: a sample stored before masks
     batch, norm, _ = build_batch(single, cfg, with_routes=False)
     assert batch.loss_mask is None and norm == 4.0
+
+
+def test_lookup_warm_start_is_the_solving_episode_token_for_token(tok):
+    task = build_task("lookup")
+    p = task.sample(4)
+    ids, n = task.warm_start_tokens(p, tok, eos=2)
+
+    async def episode_tokens():  # what the episode loop appends for the solving turns
+        env = LookupEnv()
+        first = tok.encode(await env.reset(p)).ids
+        call = tok.encode(f"get({p.meta['input']})", add_special_tokens=False).ids + [2]
+        step = await env.step(tok.decode(call, skip_special_tokens=True))
+        obs = tok.encode(step.observation, add_special_tokens=False).ids
+        answer = tok.encode(p.answer, add_special_tokens=False).ids + [2]
+        final = await env.step(tok.decode(answer, skip_special_tokens=True))
+        assert final == Step(reward=1.0, done=True)
+        return first, first + call + obs + answer
+
+    first, want = asyncio.run(episode_tokens())
+    assert ids == want and n == len(first)
