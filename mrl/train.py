@@ -48,7 +48,7 @@ from mrl.process import LOOP_STATE_FILE
 from mrl.rollout.restart import EngineRestarter
 from mrl.rollout.sample import Sample
 from mrl.routing.replay import check_routes
-from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport
+from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
 from mrl.weight_sync.transport import EngineEndpoint
 
 
@@ -486,6 +486,7 @@ class Loop:
         if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
             self.version += 1
             self.syncer.sync(str(self.version))
+        self.verify_engines()
         self.duties.start_producing(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step,
                                     self.state.step)
 
@@ -528,6 +529,7 @@ class Loop:
             rep = self.syncer.sync(str(self.version))
         finally:
             self.duties.undrain()
+        m |= self.verify_engines()
         m |= self.duties.after_sync(self.syncer.engines, joining, rep.dropped_engines)
         m["sync_aborted_requests"] = float(drained)
         if rep.bytes_sent:  # rank 0's buckets: the share sent straight from its params (no copy)
@@ -535,6 +537,18 @@ class Loop:
         return m | {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
                     "engines_alive": float(len(self.syncer.engines)),
                     "engines_dropped": float(len(self.syncer.dropped))}
+
+    def verify_engines(self) -> dict:
+        """``weight_sync.verify``: every engine's logprobs of a fixed probe equal the trainer's, within
+        ``weight_sync.verify_tol``, or the run stops naming them (``verify_engines``)."""
+        ws = self.cfg.weight_sync
+        if not (ws.verify if ws.verify is not None else self.cfg.rollout.engine_dtype == "float32"):
+            return {}
+        diffs, unreachable = verify_engines(self.policy.module, self.layout, self.syncer.engines,
+                                            vocab_size=self.policy.bridge.vocab_size, tol=ws.verify_tol,
+                                            version=str(self.version), seed=self.cfg.seed)
+        return {"sync_verify_max_diff": max(diffs.values(), default=0.0),
+                "sync_verify_unreachable": float(len(unreachable))}
 
     def maybe_checkpoint(self) -> bool:
         """Checkpoint every ``train.save_every`` steps, at the end, and before stopping (SIGUSR1,

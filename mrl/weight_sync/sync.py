@@ -59,6 +59,55 @@ def check_finite_weights(module: torch.nn.Module, what: str) -> None:
                            f"{sorted(names)[:8]}{' ...' if len(names) > 8 else ''}; nothing was sent or written")
 
 
+class SyncMismatch(RuntimeError):
+    """After a sync, an engine's logprobs of the probe are not the trainer's (``weight_sync.verify``)."""
+
+
+def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[EngineEndpoint], *, vocab_size: int,
+                   tol: float, version: str, seed: int = 0, probe_len: int = 32) -> tuple[dict[str, float], dict]:
+    """``weight_sync.verify``: teacher-forced logprobs of a fixed random probe, each engine's against the
+    trainer's (both route naturally), after a sync. Collective. Returns ({url: max abs difference}, {url:
+    error} of engines that could not be asked: a dead one is the next sync's to drop); raises
+    ``SyncMismatch`` on every rank when an engine differs by more than ``tol``: it would generate every
+    later sample from weights that are not the trainer's, and nothing else would show it."""
+    from mrl.megatron import compat
+    from mrl.megatron.forward import forward_logits, token_logprobs
+
+    probe = torch.randint(0, vocab_size, (1, probe_len), generator=torch.Generator().manual_seed(seed))
+    was_training = module.training
+    module.eval()
+    try:
+        logits = forward_logits(module, layout, probe.to(compat.DEVICE))
+    finally:
+        module.train(was_training)
+    mine = token_logprobs(logits, probe.to(logits.device), vocab_size)[0].tolist() if logits is not None else None
+    box: list = [None] * dist.get_world_size()
+    with named(f"the gather of the probe logprobs verifying weight sync v{version}"):
+        dist.all_gather_object(box, mine)
+    mine = next(x for x in box if x is not None)  # the last pipeline stage's
+    result: list = [None]
+    if layout.world_rank == 0:
+        got: dict[str, list[float]] = {}
+
+        async def probe_one(c: EngineClient) -> None:
+            out = await c.generate(probe[0].tolist(), {"max_new_tokens": 1, "temperature": 0.0},
+                                   rid=f"mrl-verify-v{version}-{abs(hash(c.url)):x}", logprob_start_len=0)
+            got[c.url] = out.input_logprobs[1:]  # the first token has none
+
+        errs = run_on(engines, probe_one)
+        result = [({url: max(abs(a - b) for a, b in zip(lps, mine)) for url, lps in got.items()}, errs)]
+    with named(f"broadcast of the probe differences verifying weight sync v{version}", src=0):
+        dist.broadcast_object_list(result, src=0)
+    diffs, errs = result[0]
+    bad = {url: d for url, d in diffs.items() if not d <= tol}
+    if bad:
+        raise SyncMismatch(f"weight sync v{version}: engines {sorted(bad)} disagree with the trainer on a fixed "
+                           f"probe: max |logprob difference| {', '.join(f'{d:.3g}' for d in bad.values())} > "
+                           f"weight_sync.verify_tol={tol} (every engine: {diffs}); their weights are not the "
+                           "trainer's")
+    return diffs, errs
+
+
 @dataclass
 class SyncReport:
     version: str

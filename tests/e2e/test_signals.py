@@ -21,6 +21,8 @@ def test_sigterm_to_mrl_train_ends_every_process_of_the_job(tmp_path, reliabilit
     proc = _start(run, *QUICK, "train.steps=200", "rollout.num_engines=1")
     try:
         _wait_for(proc, lambda: len(_steps(run)) >= 1, "step 1 (engines up, rollout running)")
+        first = _steps(run)[0]  # and the loop's weight_sync.verify after its sync (on for fp32 engines)
+        assert 0 <= first["sync_verify_max_diff"] <= 1e-3 and first["sync_verify_unreachable"] == 0, first
         tree = psutil.Process(proc.pid).children(recursive=True)
         cmds = [" ".join(p.cmdline()) for p in tree]
         assert any("sglang.launch_server" in c for c in cmds), cmds
