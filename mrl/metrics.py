@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mrl._compat.te import trainer_spec
+
 CURVES = [("reward", "train reward (sampled)"), ("eval/accuracy", "eval accuracy (greedy, held out)"),
           ("routing_disagreement", "routing disagreement, replay off"), ("kl_engine_replay_on", "KL engine->train"),
           ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
@@ -123,6 +125,8 @@ class MetricsLog:
             table.add_row(k, f"{a:.4g}", f"{b:.4g}")
         self.console.print(table)
         out = {k: {"first": a, "last": b} for k, (a, b) in rows.items()}
+        out["run"] = {"trainer_spec": trainer_spec(), "dtype": cfg.model.dtype.value, "model": cfg.model.hf_path,
+                      "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "ep", "etp", "cp")}}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(out, f, indent=1)
         return out

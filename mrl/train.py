@@ -39,7 +39,7 @@ from mrl.rollout.buffer import Group
 from mrl.config.load import load_resolved
 from mrl.config.schema import BadRoutes, Config, LoopMode
 from mrl.data import Prompt
-from mrl.megatron.collectives import named
+from mrl.megatron.collectives import broadcast_object
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
@@ -360,13 +360,6 @@ def restarts_engines(cfg: Config) -> bool:
     return r.restart_engines > 0 and not (r.engine_urls or r.engine_url_dir)
 
 
-def _broadcast(obj, src: int = 0, what: str = "a loop object"):
-    box = [obj]
-    with named(f"broadcast of {what}", src=src):  # a hang or a dead rank names the op and the peer
-        dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def _sft_warmup(cfg: Config, policy: Policy, hf_path: str, duties: Controller | OtherRank) -> None:
     """Supervised warm start on (prompt, reference answer + EOS), same Megatron trainer."""
     from tokenizers import Tokenizer
@@ -479,7 +472,7 @@ class Loop:
         """Engines and rollout process (rank 0), the weight-update channels, the engines brought level with
         the trainer's weights, then generation starts."""
         t = self.cfg.train
-        endpoints = _broadcast(self.duties.start_engines(self.hf_path, self.policy, self.state))
+        endpoints = broadcast_object(self.duties.start_engines(self.hf_path, self.policy, self.state))
         self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
                                  model=self.policy.module)
         self.syncer.connect()
@@ -498,12 +491,12 @@ class Loop:
             ws.transport, model=self.policy.model, layout=self.layout, bridge=self.policy.bridge,
             padded_vocab=self.policy.padded_vocab, engines=engines, bucket_bytes=int(ws.bucket_mb * (1 << 20)),
             export_dir=ws.export_dir or os.path.join(self.cfg.run_dir, "weights"), config_src=self.hf_path,
-            timeout_s=ws.timeout_s, group_prefix=_broadcast(f"mrl-{os.urandom(4).hex()}"),
+            timeout_s=ws.timeout_s, group_prefix=broadcast_object(f"mrl-{os.urandom(4).hex()}"),
             dtype=self.cfg.rollout.engine_dtype)
 
     def take_batch(self) -> tuple[RLBatch, float, dict]:
         """Rank 0 takes ``train.prompts_per_step`` groups within the staleness bound; every rank gets them."""
-        return _broadcast(self.duties.next_batch(self.version), what=f"the step-{self.step + 1} batch")
+        return broadcast_object(self.duties.next_batch(self.version), what=f"the step-{self.step + 1} batch")
 
     def train_step(self, batch: RLBatch, normalizer: float) -> dict:
         """Routing metrics (on the weights the samples are judged by), then the RL step."""
@@ -518,7 +511,7 @@ class Loop:
         """The next weight version to the engines: restarted engines join, in-flight requests are drained
         around the push (they resume on the new weights), dead engines are dropped and replaced."""
         self.version += 1
-        joining = _broadcast(self.duties.joining_engines(), what="the engines joining at this sync") \
+        joining = broadcast_object(self.duties.joining_engines(), what="the engines joining at this sync") \
             if restarts_engines(self.cfg) else []
         t0 = time.perf_counter()
         drained = self.duties.drain()
@@ -554,7 +547,7 @@ class Loop:
         """Checkpoint every ``train.save_every`` steps, at the end, and before stopping (SIGUSR1,
         ``train.stop_after``); whether to stop."""
         t = self.cfg.train
-        stop = _broadcast(self.preempted or (t.stop_after is not None and self.step >= t.stop_after))
+        stop = broadcast_object(self.preempted or (t.stop_after is not None and self.step >= t.stop_after))
         if stop or (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
             path = os.path.join(_checkpoint_dir(self.cfg), f"step_{self.step}")
             check_finite_weights(self.policy.module, f"checkpoint {path}")

@@ -7,3 +7,8 @@ try:  # TE is never required; CPU boxes and CI do not have it
     HAVE_TE = True
 except Exception:  # ImportError, or a TE build that does not match the CUDA/torch present
     HAVE_TE = False
+
+
+def trainer_spec() -> str:
+    """The megatron layer spec this process trains with (the run's summary.json records it)."""
+    return "transformer_engine" if HAVE_TE else "local"

@@ -59,3 +59,12 @@ def named(op: str, *, src: int | None = None, group: dist.ProcessGroup | None = 
         raise
     except RuntimeError as e:  # DistBackendError, DistStoreError and gloo's plain RuntimeErrors
         raise CollectiveError(describe(op, seconds=time.monotonic() - t0, cause=e, src=src, group=group)) from e
+
+
+def broadcast_object(obj, src: int = 0, what: str = "a loop object"):
+    """``obj`` from rank ``src`` on every rank (pickled; small loop objects only). A hang or a dead rank
+    fails naming the op and the peer."""
+    box = [obj]
+    with named(f"broadcast of {what}", src=src):
+        dist.broadcast_object_list(box, src=src)
+    return box[0]

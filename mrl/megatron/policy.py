@@ -46,11 +46,6 @@ LOCAL_SPEC_ON_GPU = (
     "in the repository) or use the image in docker/")
 
 
-def trainer_spec() -> str:
-    """The megatron layer spec this process trains with (summary.json records it)."""
-    return "transformer_engine" if HAVE_TE else "local"
-
-
 @dataclass
 class RLBatch:
     """One step's samples, in group order (rank 0 builds it, every rank receives it)."""

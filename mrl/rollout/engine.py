@@ -71,7 +71,7 @@ def interface_address(peer: str | None = None) -> str:
                        "set MRL_ENGINE_HOST to this node's address")
 
 
-def _pump(src, log, secrets: EngineSecrets) -> None:
+def pump_log(src, log, secrets: EngineSecrets) -> None:
     """Copy the server's output to its log line by line, keys redacted (a key never spans lines)."""
     with src, log:
         for line in iter(src.readline, b""):
@@ -238,7 +238,7 @@ class Engine:
         except BaseException:
             log.close()
             raise
-        self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, log, self.secrets),
+        self._pump = threading.Thread(target=pump_log, args=(self.proc.stdout, log, self.secrets),
                                       name=f"{self.name}-log", daemon=True)
         self._pump.start()
         _LIVE.add(self)

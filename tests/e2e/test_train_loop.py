@@ -42,6 +42,8 @@ def test_sync_mode_run_writes_everything(tmp_path):
                  "checkpoints/step_3/loop_state.json"):
         assert (run / name).exists(), name
     assert os.listdir(run / "tb")
+    # no Transformer Engine on CPU: the local spec ran, and the summary says so
+    assert json.load(open(run / "summary.json"))["run"]["trainer_spec"] == "local"
 
 
 def test_default_run_learns(tmp_path):

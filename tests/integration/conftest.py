@@ -1,4 +1,4 @@
-"""Real SGLang 0.5.10 engines in CPU mode, started once per test session (TP=1 and TP=2, tiny model).
+"""Real SGLang 0.5.14 engines in CPU mode, started once per test session (TP=1 and TP=2, tiny model).
 
 They run with the session's keys (api and admin) and ``$MRL_ENGINE_KEYS_FILE`` names them for the whole
 session, so every client here, and every job these tests start, authenticates as in a real run."""

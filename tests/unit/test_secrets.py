@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from mrl.rollout import secrets as sec
 from mrl.rollout.client import EngineClient
-from mrl.rollout.engine import Engine, _pump
+from mrl.rollout.engine import Engine, pump_log
 from mrl.rollout.protocol import EngineHTTPError
 from mrl.rollout.secrets import ENV_VAR, EngineSecrets, ensure_run_secrets
 from tests.fakes.fake_sglang import FakeSGLang
@@ -95,7 +95,7 @@ def test_log_pump_redacts_the_keys(tmp_path):
     r, w = os.pipe()
     with os.fdopen(w, "wb") as f:
         f.write(f"server_args=ServerArgs(api_key='{s.api_key}', admin_api_key='{s.admin_api_key}')\nok\n".encode())
-    _pump(os.fdopen(r, "rb"), open(tmp_path / "log", "wb"), s)
+    pump_log(os.fdopen(r, "rb"), open(tmp_path / "log", "wb"), s)
     log = (tmp_path / "log").read_text()
     assert log == f"server_args=ServerArgs(api_key='{sec.REDACTED}', admin_api_key='{sec.REDACTED}')\nok\n"
 

@@ -180,8 +180,7 @@ def _worker(kind: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from mrl.megatron.collectives import named
-    from mrl.train import _broadcast
+    from mrl.megatron.collectives import broadcast_object, named
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=3))
     me = dist.get_rank()
@@ -196,7 +195,7 @@ def _worker(kind: str, out: str) -> None:
             with named("the barrier closing weight sync v3"):
                 dist.barrier()
         else:
-            _broadcast(None, what="the step-1 batch")
+            broadcast_object(None, what="the step-1 batch")
         res = {"type": None, "message": "no error"}
     except Exception as e:
         res = {"type": type(e).__name__, "message": str(e)}
