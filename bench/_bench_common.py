@@ -127,6 +127,19 @@ def dump(result: dict, path: str | None, *, name: str) -> str:
     return path
 
 
+def step_worker_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags both sides of bench/rl_step_vs_megatron.py take: model, layout, tokens, repetitions."""
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--optimizer-states", choices=["fp32", "bf16"], default="fp32")
+    return ap
+
+
 # -- inside workers (megatron imported) ------------------------------------------------------------
 
 def record_routes(model, layout, rank_slice, cfg, mbs, *, vocab_size: int, num_layers: int, top_k: int,

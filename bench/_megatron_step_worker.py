@@ -19,15 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--hf", required=True)
-ap.add_argument("--tp", type=int, default=1)
-ap.add_argument("--ep", type=int, default=1)
-ap.add_argument("--seq", type=int, default=4096)
-ap.add_argument("--micro-batches", type=int, default=8)
-ap.add_argument("--reps", type=int, default=8)
-ap.add_argument("--warmup", type=int, default=3)
-ap.add_argument("--optimizer-states", choices=["fp32", "bf16"], default="fp32")
+from _bench_common import step_worker_args
+
+ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()

@@ -16,22 +16,14 @@ import statistics
 import numpy as np
 import torch
 
-from _bench_common import record_routes, timed
+from _bench_common import record_routes, step_worker_args, timed
 from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.megatron.train_step import MicroBatch
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--hf", required=True)
-ap.add_argument("--tp", type=int, default=1)
-ap.add_argument("--ep", type=int, default=1)
-ap.add_argument("--seq", type=int, default=4096)
-ap.add_argument("--micro-batches", type=int, default=8)
-ap.add_argument("--reps", type=int, default=8)
-ap.add_argument("--warmup", type=int, default=3)
-ap.add_argument("--optimizer-states", choices=["fp32", "bf16"], default="fp32")
+ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--packing", choices=["on", "off"], default="on")
 ap.add_argument("--profile", default=None)
 ap.add_argument("--out", required=True)
