@@ -128,12 +128,14 @@ def dump(result: dict, path: str | None, *, name: str) -> str:
 
 
 def step_worker_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags both sides of bench/rl_step_vs_megatron.py take: model, layout, tokens, repetitions."""
+    """The flags both sides of bench/rl_step_vs_megatron.py take: model, layout, tokens, repetitions. A step is
+    ``--micro-batches`` micro-batches of ``--micro-batch-size`` rows of ``--seq`` tokens per DP rank."""
     ap.add_argument("--hf", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="rows of --seq tokens per micro-batch")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--optimizer-states", choices=["fp32", "bf16"], default="fp32")

@@ -4,9 +4,10 @@ the timed path (on GPUs none is imported at all).
 The model is built from the HF ``config.json`` the mrl side loads (same shape, spec and layout), with
 megatron's own random init: throughput does not depend on the weights' values, only on their shapes and on
 how evenly tokens spread over experts (near-uniform for both random inits). Each step is what a megatron
-user's training step is: ``--micro-batches`` rows of ``--seq`` tokens with ``labels`` (megatron's
-vocab-parallel cross-entropy) through ``get_forward_backward_func``, then ``optimizer.step()``, with the
-fused kernels megatron offers for this model (router fusion included: the baseline does not replay routes).
+user's training step is: ``--micro-batches`` micro-batches of ``--micro-batch-size`` rows of ``--seq``
+tokens with ``labels`` (megatron's vocab-parallel cross-entropy) through ``get_forward_backward_func``,
+then ``optimizer.step()``, with the fused kernels megatron offers for this model (router fusion included:
+the baseline does not replay routes).
 Writes every step's wall time (CUDA synchronised, slowest rank) to ``--out``.
 """
 
@@ -94,9 +95,9 @@ opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, clip_gra
 
 dev = torch.device("cuda") if cuda else torch.device("cpu")
 gen = torch.Generator().manual_seed(0)
-batches = [torch.randint(0, hf["vocab_size"], (a.micro_batches, 1, a.seq), generator=gen).to(dev)
+batches = [torch.randint(0, hf["vocab_size"], (a.micro_batches, a.micro_batch_size, a.seq), generator=gen).to(dev)
            for _ in range(a.warmup + a.reps)]
-pos = torch.arange(a.seq, device=dev).unsqueeze(0)
+pos = torch.arange(a.seq, device=dev).expand(a.micro_batch_size, a.seq)
 
 
 def train_step(rows: torch.Tensor) -> None:
@@ -115,7 +116,8 @@ def train_step(rows: torch.Tensor) -> None:
     ddp.zero_grad_buffer()
     opt.zero_grad()
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None] * len(rows)),
-                                model=[ddp], num_microbatches=len(rows), seq_length=a.seq, micro_batch_size=1,
+                                model=[ddp], num_microbatches=len(rows), seq_length=a.seq,
+                                micro_batch_size=a.micro_batch_size,
                                 forward_only=False)
     opt.step()
 
@@ -137,7 +139,7 @@ times = [timed(lambda b=b: train_step(b)) for b in batches]
 if dist.get_rank() == 0:
     json.dump({"side": "megatron", "te": te, "fusions": fused, "step_s": times[a.warmup:],
                "warmup_s": times[:a.warmup], "median_s": statistics.median(times[a.warmup:]),
-               "tokens_per_step": a.micro_batches * a.seq * ps.get_data_parallel_world_size(),
+               "tokens_per_step": a.micro_batches * a.micro_batch_size * a.seq * ps.get_data_parallel_world_size(),
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None},
               open(a.out, "w"))
 dist.barrier()

@@ -1,8 +1,9 @@
 """torchrun worker of bench/rl_step_vs_megatron.py: mrl's RL step, ``Policy.rl_step`` (GRPO loss, TIS
 correction, replayed routes, packing, optimizer step, reduced metrics), on the same shape, layout and
-tokens as the megatron baseline: ``--micro-batches`` samples of exactly ``--seq`` tokens per DP rank (a
-quarter prompt, the rest response), one per micro-batch. Routes are the model's natural routing,
-recorded before the timing (a RECORD pass per batch, as the engine would have routed them).
+tokens as the megatron baseline: ``--micro-batches`` x ``--micro-batch-size`` samples of exactly
+``--seq`` tokens per DP rank (a quarter prompt, the rest response), ``--micro-batch-size`` per
+micro-batch. Routes are the model's natural routing, recorded before the timing (a RECORD pass per batch,
+as the engine would have routed them).
 
 ``--profile DIR``: after the timing, two more steps under the torch profiler; writes the top operators
 by device time and the host syncs counted (``aten::item``, ``aten::_local_scalar_dense``, stream syncs).
@@ -33,12 +34,12 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 pcfg = ParallelConfig(tp=a.tp, ep=a.ep, sequence_parallel=True, world_size=world)
 cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType.bf16 if compat.HAS_CUDA else DType.fp32,
                                make_tiny_if_missing=False), parallel=pcfg,
-             train=TrainConfig(micro_batch_size=1, replay=True, packing=a.packing == "on",
+             train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True, packing=a.packing == "on",
                                optimizer_states_dtype=DType(a.optimizer_states)))
 layout = init_parallel(pcfg, seed=cfg.seed)
 policy = Policy(cfg, layout, a.hf)
 codec, V = policy.codec, policy.bridge.vocab_size
-n = a.micro_batches * layout.dp.size
+n = a.micro_batches * a.micro_batch_size * layout.dp.size
 prompt = a.seq // 4
 rng = np.random.default_rng(0)
 

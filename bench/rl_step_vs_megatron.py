@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=["tp1"])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=1,
+                    help="rows of --seq tokens per micro-batch: larger ones amortise per-micro-batch host work")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1, help="ABBA rounds: each runs both sides twice")
@@ -67,7 +69,8 @@ def main() -> None:
     dev = device_name()
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in dev), None)
     flops_tok = model_flops_per_token(hf, a.seq)
-    common = ["--hf", hf_path, "--seq", str(a.seq), "--micro-batches", str(a.micro_batches), "--reps", str(a.reps),
+    common = ["--hf", hf_path, "--seq", str(a.seq), "--micro-batches", str(a.micro_batches),
+              "--micro-batch-size", str(a.micro_batch_size), "--reps", str(a.reps),
               "--warmup", str(a.warmup), "--optimizer-states", a.optimizer_states]
     layouts = {}
     for name in a.layouts:
@@ -110,7 +113,8 @@ def main() -> None:
               f"mrl rl_step {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU ({m['model_tflops_per_gpu']:.1f} TFLOP/s), "
               f"ratio {row['mrl_vs_megatron']:.3f} (pairs {[round(p, 3) for p in pairs]})", flush=True)
     dump({"bench": "rl_step_vs_megatron", "device": dev, "shape": a.shape if not a.hf else hf_path, "hf_config": hf,
-          "seq": a.seq, "micro_batches": a.micro_batches, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
+          "seq": a.seq, "micro_batches": a.micro_batches,
+          "micro_batch_size": a.micro_batch_size, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
           "optimizer_states": a.optimizer_states, "packing": a.packing, "router_fusion": a.router_fusion,
           "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak, "layouts": layouts}, a.json,
          name=f"rl_step_vs_megatron_{a.shape}_{slug(dev)}")
