@@ -58,6 +58,9 @@ def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
     sd = split_fused_experts({k: v.detach().cpu() for k, v in model.state_dict().items()})
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
+    del model, sd
+    if dev == "cuda":  # the workers that follow need this GPU's memory, not this process's cache
+        torch.cuda.empty_cache()
     return path
 
 

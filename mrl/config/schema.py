@@ -784,6 +784,14 @@ class Config:
                 _fail("rollout.sampling_backend", "=flashinfer with train.sampling_mask=true: the mask rebuilds the "
                       "support of SGLang's pytorch sampler; use pytorch (or null)")
             self.rollout.sampling_backend = "pytorch"
+        shared = (not r.cpu_mode and self.cluster.kind == ClusterKind.local and not r.engine_urls
+                  and r.engine_url_dir is None and r.base_gpu_id is not None
+                  and r.base_gpu_id < self.parallel.world_size)
+        if shared and self.weight_sync.transport == WeightTransport.distributed:
+            _fail("rollout.base_gpu_id", f"={r.base_gpu_id} puts an engine on a trainer rank's GPU (ranks use GPUs "
+                  f"0..{self.parallel.world_size - 1}), and NCCL cannot join two ranks of one GPU in the "
+                  "weight_sync.transport=distributed group; give the engines GPUs of their own (null: the ones "
+                  "after the trainer's) or set weight_sync.transport=tensor (CUDA IPC) or disk")
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "

@@ -5,8 +5,9 @@
 #   scripts/gpu/run_checks.sh STACK WORK DEST JOB=GPUS[,te] ...      e.g. learn=0,1,te loop=2,3 parity=0,1,te
 # Jobs:
 #   learn   mrl train (GRPO, model=tiny_gpu, bf16) with the trainer on the first GPU and a GPU engine on the
-#           second, weights synced into the live engine every step (LEARN_ARGS: more overrides, e.g. one
-#           GPU shared: rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3)
+#           second, weights synced into the live engine every step over NCCL (LEARN_ARGS: more overrides; one
+#           GPU shared by both needs a transport that can share it: weight_sync.transport=tensor (CUDA IPC)
+#           rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3)
 #   speed   bench/rl_step_vs_megatron.py once per ';'-separated argument list in SPEED_RUNS
 #   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on

@@ -122,3 +122,14 @@ def test_gpu_engines_refuse_float32():
         compose(["rollout=gpu"])  # model.dtype fp32 (the tiny preset's) would make a float32 GPU engine
     mixed = compose(["rollout=gpu", "model.dtype=fp32", "rollout.engine_dtype=bfloat16"])
     assert mixed.rollout.engine_dtype == "bfloat16"
+
+
+def test_gpu_engine_on_a_trainer_gpu_needs_a_transport_that_can_share_it():
+    from mrl.config.load import compose
+
+    gpu = ["rollout=gpu", "model.dtype=bf16", "parallel.world_size=2"]
+    with pytest.raises(ValueError, match=r"rollout.base_gpu_id.*NCCL cannot join two ranks of one GPU"):
+        compose(gpu + ["rollout.base_gpu_id=1"])
+    assert compose(gpu + ["rollout.base_gpu_id=2"]).rollout.base_gpu_id == 2  # GPUs of its own
+    assert compose(gpu + ["rollout.base_gpu_id=0", "weight_sync.transport=disk"]).rollout.base_gpu_id == 0
+    assert compose(gpu).rollout.base_gpu_id is None  # null: the GPUs after the trainer's
