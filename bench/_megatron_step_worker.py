@@ -24,9 +24,6 @@ from _bench_common import step_worker_args
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
-ap.add_argument("--te-wgrad-fusion", choices=["on", "off"], default="on",
-                help="TE layers accumulate weight gradients into main_grad in their GEMM, as megatron with apex runs "
-                     "them (megatron's flag needs apex for its own linears; off: megatron without apex)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -90,13 +87,6 @@ ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDa
     grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True))
 cfg.finalize_model_grads_func = finalize_model_grads
 cfg.no_sync_func = ddp.no_sync
-if te and a.te_wgrad_fusion == "on":
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-
-    for m in model.modules():
-        if isinstance(m, TransformerEngineBaseModule):
-            m.fuse_wgrad_accumulation = True
-    fused["te_wgrad_fusion"] = True
 states = torch.bfloat16 if a.optimizer_states == "bf16" else torch.float32
 opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, clip_grad=1.0, bf16=cuda, params_dtype=dtype,
                                              use_distributed_optimizer=True,

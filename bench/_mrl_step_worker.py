@@ -98,8 +98,6 @@ if layout.world_rank == 0:
                "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
-                                                                 "gradient_accumulation_fusion")}
-               | {"te_wgrad_fusion": any(getattr(m, "fuse_wgrad_accumulation", False)
-                                         for m in policy.module.modules())},
+                                                                 "gradient_accumulation_fusion")},
                "profile": prof, "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
 destroy()

@@ -60,9 +60,6 @@ def main() -> None:
     ap.add_argument("--packing", choices=["on", "off"], default="on")
     ap.add_argument("--router-fusion", choices=["on", "off"], default="on",
                     help="the baseline's fused router (mrl cannot use it: it skips routing replay)")
-    ap.add_argument("--te-wgrad-fusion", choices=["on", "off"], default="on",
-                    help="the baseline's TE layers accumulate wgrads into main_grad in their GEMM, as with apex "
-                         "(mrl always does on GPUs with TE); off: megatron as it runs without apex")
     ap.add_argument("--profile", action="store_true", help="torch profiler over two more mrl steps")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -84,7 +81,7 @@ def main() -> None:
                 out = os.path.join(tmp, f"{name}_{r}_{len(runs)}_{side}.json")
                 if side == "megatron":
                     nofuse = ["--no-router-fusion"] if a.router_fusion == "off" else []
-                    args = [*common, *extra, "--out", out, *nofuse, "--te-wgrad-fusion", a.te_wgrad_fusion]
+                    args = [*common, *extra, "--out", out, *nofuse]
                     torchrun(nproc, "_megatron_step_worker.py", args)
                 else:
                     prof = a.profile and r == 0 and len(runs) == 1
@@ -119,7 +116,6 @@ def main() -> None:
           "seq": a.seq, "micro_batches": a.micro_batches,
           "micro_batch_size": a.micro_batch_size, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
           "optimizer_states": a.optimizer_states, "packing": a.packing, "router_fusion": a.router_fusion,
-          "te_wgrad_fusion_baseline": a.te_wgrad_fusion,
           "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak, "layouts": layouts}, a.json,
          name=f"rl_step_vs_megatron_{a.shape}_{slug(dev)}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl._compat.te import HAVE_TE, fuse_wgrad_accumulation
+from mrl._compat.te import HAVE_TE
 from mrl.megatron import compat
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -22,8 +22,6 @@ def wrap_ddp(model: torch.nn.Module, cfg: TransformerConfig, *, distributed_opti
     # the schedules call these: grad all-reduce over DP, SP/q-k norm grads over TP, embedding ties
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = ddp.no_sync
-    if compat.HAS_CUDA:
-        fuse_wgrad_accumulation(model)
     return ddp
 
 
