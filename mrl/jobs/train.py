@@ -20,6 +20,8 @@ def main(config_path: str) -> int:
     cfg = load_resolved(config_path)
     secure_run_dir(cfg.run_dir)  # also on nodes where ``mrl train`` did not create it (Slurm)
     rank = int(os.environ.get("RANK", "0"))
+    import torch  # noqa: F401  importing torch gives its logger a console handler: the routing replaces it
+
     route_library_output(cfg.run_dir, rank)
     from mrl.train import main as run_loop  # after the routing: importing megatron warns
 

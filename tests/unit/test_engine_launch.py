@@ -133,3 +133,29 @@ def test_gpu_engine_on_a_trainer_gpu_needs_a_transport_that_can_share_it():
     assert compose(gpu + ["rollout.base_gpu_id=2"]).rollout.base_gpu_id == 2  # GPUs of its own
     assert compose(gpu + ["rollout.base_gpu_id=0", "weight_sync.transport=disk"]).rollout.base_gpu_id == 0
     assert compose(gpu).rollout.base_gpu_id is None  # null: the GPUs after the trainer's
+
+
+_GC_PROBE = """
+import gc
+runs = []
+gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "start" else None)
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+del runs[:]
+CpuDeviceMixin.empty_cache(None)
+print("full collections:", sum(g == 2 for g in runs))
+"""
+
+
+@pytest.mark.parametrize("shim", [True, False])
+def test_cpu_engines_skip_sglangs_full_gc_on_every_cache_flush(shim):
+    """SGLang's CPU platform answers empty_cache (every /flush_cache, so every weight sync) with a full
+    gc.collect(); inside a CPU-mode engine (the pyshim on its path) it is a no-op."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if shim:
+        env["PYTHONPATH"] = cpu_mode.PYSHIM_DIR
+    out = subprocess.run([sys.executable, "-c", _GC_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"full collections: {0 if shim else 1}" in out.stdout

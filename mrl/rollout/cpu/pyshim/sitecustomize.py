@@ -8,6 +8,11 @@ With ``MRL_CPU_BATCHED_ATTENTION=1`` SGLang's ``torch_native`` attention backend
 ``mrl.rollout.cpu_attention`` (one SDPA call per batch instead of one per sequence) as soon as SGLang
 imports it: a hook on the import, so processes that never load SGLang's model code (the resource
 tracker) do not pay for importing it.
+
+SGLang's CPU platform answers ``empty_cache`` (called by every ``/flush_cache``, so by every weight
+sync) with a full ``gc.collect()`` of the scheduler's heap: half a second per sync on a 2-core box,
+for reference cycles that Python's own generational collector frees anyway. Here it does nothing, as
+on SGLang versions whose CPU platform had no ``empty_cache``.
 """
 import os
 import sys
@@ -30,10 +35,11 @@ except ImportError:
     pass
 
 
-class _BatchedAttentionHook:
-    """Meta-path finder that lets SGLang's backend module load as usual, then patches it."""
+class _PatchOnImport:
+    """Meta-path finder that lets one SGLang module load as usual, then hands it to ``patch``."""
 
-    target = "sglang.srt.layers.attention.torch_native_backend"
+    def __init__(self, target, patch):
+        self.target, self.patch = target, patch
 
     def find_spec(self, name, path=None, target=None):
         if name != self.target:
@@ -48,13 +54,24 @@ class _BatchedAttentionHook:
 
         def exec_module(module):
             load(module)
-            from mrl.rollout.cpu_attention import install
-
-            install(module)
+            self.patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+def _batched_attention(module):
+    from mrl.rollout.cpu_attention import install
+
+    install(module)
+
+
+def _no_gc_on_empty_cache(module):
+    platform = getattr(module, "CpuDeviceMixin", None)
+    if platform is not None and "empty_cache" in vars(platform):
+        platform.empty_cache = lambda self: None
+
+
+sys.meta_path.insert(0, _PatchOnImport("sglang.srt.platforms.cpu", _no_gc_on_empty_cache))
 if os.environ.get("MRL_CPU_BATCHED_ATTENTION") == "1":
-    sys.meta_path.insert(0, _BatchedAttentionHook())
+    sys.meta_path.insert(0, _PatchOnImport("sglang.srt.layers.attention.torch_native_backend", _batched_attention))
