@@ -47,7 +47,10 @@ def route_library_output(run_dir: str, rank: int) -> str:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     warnings.showwarning = _showwarning
-    for name in LIBRARIES:
+    # torch gives many of its child loggers console handlers of their own (torch._dynamo's recompile
+    # warnings, torch.distributed's): every logger under a library goes to the file
+    known = [n for n in list(logging.Logger.manager.loggerDict) if n.split(".")[0] in LIBRARIES]
+    for name in {*LIBRARIES, *known}:
         lg = logging.getLogger(name)
         lg.handlers[:] = []
         lg.propagate = True
