@@ -24,6 +24,8 @@ from _bench_common import step_worker_args
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
+ap.add_argument("--phases", action="store_true", help="after the timing, two more steps with the schedule "
+                "(forward + backward) and the optimizer step each timed between device syncs")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -100,6 +102,23 @@ batches = [torch.randint(0, hf["vocab_size"], (a.micro_batches, a.micro_batch_si
 pos = torch.arange(a.seq, device=dev).expand(a.micro_batch_size, a.seq)
 
 
+spent: dict = {}
+
+
+def sync_timed(name, fn):
+    """``fn()`` between device syncs, its seconds kept under ``name`` (only with --phases)."""
+    if not a.phases_on:
+        return fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    spent.setdefault(name, []).append(time.perf_counter() - t0)
+    return out
+
+
 def train_step(rows: torch.Tensor) -> None:
     it = iter(rows)
 
@@ -115,11 +134,10 @@ def train_step(rows: torch.Tensor) -> None:
 
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None] * len(rows)),
-                                model=[ddp], num_microbatches=len(rows), seq_length=a.seq,
-                                micro_batch_size=a.micro_batch_size,
-                                forward_only=False)
-    opt.step()
+    sync_timed("forward_backward", lambda: get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None] * len(rows)), model=[ddp],
+        num_microbatches=len(rows), seq_length=a.seq, micro_batch_size=a.micro_batch_size, forward_only=False))
+    sync_timed("optimizer.step", opt.step)
 
 
 def timed(fn) -> float:
@@ -135,12 +153,18 @@ def timed(fn) -> float:
     return t.item()
 
 
+a.phases_on = False
 times = [timed(lambda b=b: train_step(b)) for b in batches]
+phase_times = None
+if a.phases:
+    a.phases_on = True
+    phase_times = {"step_s": [timed(lambda b=b: train_step(b)) for b in batches[-2:]], **spent}
 if dist.get_rank() == 0:
     json.dump({"side": "megatron", "te": te, "fusions": fused, "step_s": times[a.warmup:],
                "warmup_s": times[:a.warmup], "median_s": statistics.median(times[a.warmup:]),
                "tokens_per_step": a.micro_batches * a.micro_batch_size * a.seq * ps.get_data_parallel_world_size(),
-               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None},
+               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               "phases_s": phase_times},
               open(a.out, "w"))
 dist.barrier()
 dist.destroy_process_group()

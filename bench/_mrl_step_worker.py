@@ -27,6 +27,8 @@ from mrl.megatron.train_step import MicroBatch
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--packing", choices=["on", "off"], default="on")
 ap.add_argument("--profile", default=None)
+ap.add_argument("--phases", action="store_true",
+                help="after the timing, two more steps with each phase of rl_step timed between device syncs")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -90,7 +92,37 @@ def profile(out_dir: str) -> dict:
     return {"host_syncs_per_step": syncs}
 
 
+def phases() -> dict:
+    """Seconds per phase of ``rl_step`` (each between device syncs, so phases do not overlap; the sum
+    exceeds an unsynchronised step): where the RL step's extra time over megatron's goes."""
+    import time
+
+    import mrl.megatron.policy as pol
+
+    spent: dict[str, list[float]] = {}
+
+    def timed_call(name, fn):
+        def run(*args, **kw):
+            if compat.HAS_CUDA:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            if compat.HAS_CUDA:
+                torch.cuda.synchronize()
+            spent.setdefault(name, []).append(time.perf_counter() - t0)
+            return out
+        return run
+
+    pol.forward_backward = timed_call("forward_backward", pol.forward_backward)
+    for name in ("_micro_batches", "_finite_everywhere", "_engine_gap", "_reduce"):
+        setattr(policy, name, timed_call(name, getattr(policy, name)))
+    policy.optimizer.step = timed_call("optimizer.step", policy.optimizer.step)
+    total = [timed(lambda b=b: step(b)) for b in batches[-2:]]
+    return {"step_s": total, **{k: v for k, v in spent.items()}}
+
+
 prof = profile(a.profile) if a.profile else None
+phase_times = phases() if a.phases else None
 if layout.world_rank == 0:
     json.dump({"side": "mrl", "step_s": times[a.warmup:], "warmup_s": times[:a.warmup],
                "median_s": statistics.median(times[a.warmup:]), "tokens_per_step": n * a.seq,
@@ -99,5 +131,5 @@ if layout.world_rank == 0:
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},
-               "profile": prof, "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
+               "profile": prof, "phases_s": phase_times, "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
 destroy()

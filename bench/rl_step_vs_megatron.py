@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--router-fusion", choices=["on", "off"], default="on",
                     help="the baseline's fused router (mrl cannot use it: it skips routing replay)")
     ap.add_argument("--profile", action="store_true", help="torch profiler over two more mrl steps")
+    ap.add_argument("--phases", action="store_true", help="each side: two more steps with their phases timed between device syncs")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="mrl_vs_megatron_")
@@ -81,12 +82,13 @@ def main() -> None:
                 out = os.path.join(tmp, f"{name}_{r}_{len(runs)}_{side}.json")
                 if side == "megatron":
                     nofuse = ["--no-router-fusion"] if a.router_fusion == "off" else []
-                    args = [*common, *extra, "--out", out, *nofuse]
+                    args = [*common, *extra, "--out", out, *nofuse, *(["--phases"] if a.phases else [])]
                     torchrun(nproc, "_megatron_step_worker.py", args)
                 else:
                     prof = a.profile and r == 0 and len(runs) == 1
                     args = [*common, *extra, "--packing", a.packing, "--out", out,
-                            *(["--profile", os.path.join(tmp, "profile")] if prof else [])]
+                            *(["--profile", os.path.join(tmp, "profile")] if prof else []),
+                            *(["--phases"] if a.phases else [])]
                     torchrun(nproc, "_mrl_step_worker.py", args)
                 runs.append({"round": r, **json.load(open(out))})
         per_side = {s: [t for x in runs if x["side"] == s for t in x["step_s"]] for s in ("megatron", "mrl")}
