@@ -40,6 +40,66 @@ def _fail(key: str, msg: str) -> None:
     raise ValueError(f"{key}: {msg}")
 
 
+LORA_TARGETS = ("attention", "dense_mlp", "experts")
+LORA_HF_MODULES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                   "dense_mlp": ("gate_proj", "up_proj", "down_proj"),
+                   "experts": ("gate_proj", "up_proj", "down_proj")}
+"""Hugging Face leaf module names (PEFT ``target_modules``, SGLang ``--lora-target-modules``) of each target."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA: train low-rank adapters on frozen base weights (``mrl.megatron.lora``); the engines get only the
+    adapters (HF PEFT format). The update of a wrapped linear is ``(alpha / rank) * B @ A``.
+
+    Plain LoRA only: no dropout (it would make the trainer's logprobs stochastic against the engine's), and
+    no rsLoRA, DoRA or per-module ranks (SGLang reads ``r``, ``lora_alpha`` and ``target_modules`` and
+    ignores the rest, so the engine would sample from another policy). The MoE router is never a target."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = LoRA off (full fine-tuning)."""
+    alpha: float = 32.0
+    """Scaling numerator: the update is scaled by alpha / rank (PEFT's ``lora_alpha``)."""
+    targets: list[str] = field(default_factory=lambda: ["attention"])
+    """Which linears get adapters: ``attention`` (q/k/v/o projections), ``dense_mlp`` (gate/up/down of the
+    dense MLP layers), ``experts`` (gate/up/down of every routed expert). Shared experts, the router,
+    embeddings and norms stay frozen."""
+    init_from: Optional[str] = None
+    """Start from this HF PEFT directory (adapter_config.json + adapter_model.safetensors; rank and alpha
+    must match) instead of a fresh adapter (B = 0, so the first policy is the base model)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            _fail("model.lora.rank", f"must be >= 0 (0 = off), got {self.rank}")
+        if not (self.alpha > 0 and self.alpha != float("inf")):
+            _fail("model.lora.alpha", f"must be a positive number, got {self.alpha}")
+        for t in self.targets:
+            if t in ("router", "gate", "mlp.gate"):
+                _fail("model.lora.targets", f"{t!r}: the MoE router cannot be a LoRA target (SGLang has no LoRA "
+                      "for it, so the engine would route with the base router)")
+            if t not in LORA_TARGETS:
+                _fail("model.lora.targets", f"unknown target {t!r}; choose from {list(LORA_TARGETS)}")
+        if len(set(self.targets)) != len(self.targets):
+            _fail("model.lora.targets", f"lists a target twice: {list(self.targets)}")
+        if self.rank and not self.targets:
+            _fail("model.lora.targets", f"is empty with model.lora.rank={self.rank}: name at least one of "
+                  f"{list(LORA_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def hf_target_modules(self) -> list[str]:
+        """PEFT ``target_modules`` / SGLang ``--lora-target-modules`` of these targets, in a fixed order."""
+        names = {n for t in self.targets for n in LORA_HF_MODULES[t]}
+        return [n for n in LORA_HF_MODULES["attention"] + LORA_HF_MODULES["experts"] if n in names]
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Which Hugging Face checkpoint the trainer and engines load."""
@@ -56,6 +116,8 @@ class ModelConfig:
     """Megatron pads the vocabulary to a multiple of vocab_divisible_by * tp (pad rows are zero and
     never reach logprobs)."""
     seed: int = 1234
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``rank`` > 0)."""
 
     def __post_init__(self) -> None:
         if self.vocab_divisible_by < 1:
@@ -271,8 +333,26 @@ class RolloutConfig:
     ``mrl engine`` on cluster engine nodes); waits for ``num_engines`` of them."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn episodes: the environment and its limits."""
+    lora_max_rank: Optional[int] = None
+    """LoRA (model.lora): the engines' ``--max-lora-rank``, the largest adapter rank they accept (their
+    adapter pool is sized for it at launch); null = model.lora.rank."""
+    lora_slots: int = 4
+    """LoRA: ``--max-loras-per-batch``, adapter versions one engine batch may mix, the base model counting
+    as one. A request whose version finds no free slot waits for one. Each slot is preallocated for the
+    max rank over every target of every layer (expert targets: keep it small)."""
+    lora_backend: Optional[str] = None
+    """LoRA: SGLang ``--lora-backend`` (torch_native, triton, csgmv); null = torch_native in CPU mode,
+    SGLang's default (csgmv) on GPU."""
 
     def __post_init__(self) -> None:
+        if self.lora_max_rank is not None and self.lora_max_rank < 1:
+            _fail("rollout.lora_max_rank", f"must be >= 1 or null, got {self.lora_max_rank}")
+        if self.lora_slots < 2:
+            _fail("rollout.lora_slots", f"must be >= 2 (the base model takes one), got {self.lora_slots}")
+        if self.lora_backend not in (None, "torch_native", "triton", "csgmv"):
+            _fail("rollout.lora_backend", f"must be torch_native, triton, csgmv or null, got {self.lora_backend!r}")
+        if self.cpu_mode and self.lora_backend not in (None, "torch_native"):
+            _fail("rollout.lora_backend", f"={self.lora_backend}: CPU engines have no GPU kernels; use torch_native")
         if not 0.0 < self.top_p <= 1.0:
             _fail("rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -22,6 +22,7 @@ from mrl._compat.te import HAVE_TE
 from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import compat
 from mrl.megatron.collectives import named
+from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
 from mrl.megatron.model import build_gpt_model, transformer_config
 from mrl.megatron.optim import build_optimizer, wrap_ddp
 from mrl.megatron.packing import Packing, check_context_parallel, pack_micro_batches, round_up
@@ -95,6 +96,12 @@ class Policy:
         self.padded_vocab = self.bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
         model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab)
         load_hf_into(model, layout, self.bridge, HFCheckpoint(hf_path), self.padded_vocab)
+        self.lora = cfg.model.lora if cfg.model.lora.enabled else None
+        """LoRA: the base weights are frozen and only the adapters train (DDP buckets and optimizer hold them)."""
+        if self.lora is not None:
+            apply_lora(model, layout, self.bridge, self.lora, seed=cfg.model.seed)
+            if self.lora.init_from:
+                load_peft_dir_into(model, layout, self.bridge, self.lora, self.lora.init_from)
         self.model = wrap_ddp(model, self.tcfg)
         t = cfg.train
         self.optimizer = build_optimizer([self.model], lr=cfg.algo.lr, clip_grad=t.clip_grad,
@@ -144,6 +151,13 @@ class Policy:
     @property
     def module(self) -> torch.nn.Module:
         return self.model.module
+
+    def export_lora(self, *, dst: int | None = 0, dtype: torch.dtype | None = None) -> tuple[dict, dict] | None:
+        """LoRA runs: the adapter as HF PEFT (full CPU tensors by PEFT name, adapter_config dict) on global rank
+        ``dst`` (every rank with None). Collective."""
+        if self.lora is None:
+            raise ValueError("export_lora: model.lora.rank is 0 (LoRA is off)")
+        return export_peft(self.module, self.layout, self.bridge, self.lora, dst=dst, dtype=dtype)
 
     # -- batches ---------------------------------------------------------------------------------
     def _micro_batches(self, batch: RLBatch, with_routes: bool) -> tuple[list[MicroBatch], list[int]]:
@@ -355,8 +369,13 @@ class Policy:
     # only this sharding type saves and reloads torch-Adam state, in any layout
     _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
+    def _model_sharded(self) -> dict:
+        """The model's sharded state dict; LoRA: the adapters only (the frozen base comes from model.hf_path)."""
+        sd = self.module.sharded_state_dict(metadata=self._CKPT_META)
+        return {k: v for k, v in sd.items() if is_adapter_key(k)} if self.lora is not None else sd
+
     def _sharded(self, is_loading: bool) -> dict:
-        model_sd = self.module.sharded_state_dict(metadata=self._CKPT_META)
+        model_sd = self._model_sharded()
         if is_loading:  # a fresh torch-Adam state has no entries to load into (megatron asserts it is not empty)
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
@@ -385,7 +404,7 @@ class Policy:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
         mine = {t.key: tuple(t.global_shape) if isinstance(t, ShardedTensor) else None  # factories: key only
-                for t in nested_values(self.module.sharded_state_dict(metadata=self._CKPT_META))
+                for t in nested_values(self._model_sharded())
                 if isinstance(t, (ShardedTensor, ShardedTensorFactory))}
         everyone = [None] * self.layout.world_size
         dist.all_gather_object(everyone, mine)
@@ -399,7 +418,13 @@ class Policy:
     def load(self, path: str) -> None:
         self._check_checkpoint(path)
         state = dist_checkpointing.load(self._sharded(True), path)
-        self.module.load_state_dict(state["model"])
+        if self.lora is None:
+            self.module.load_state_dict(state["model"])
+        else:
+            missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
+            if unexpected or [k for k in missing if is_adapter_key(k)]:
+                raise RuntimeError(f"{path}: adapter state does not match the model: unexpected {unexpected[:4]}, "
+                                   f"missing {[k for k in missing if is_adapter_key(k)][:4]}")
         self.optimizer.load_state_dict(state["optimizer"])
         rng = torch.load(os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"), weights_only=True)
         random.setstate(rng["python"])

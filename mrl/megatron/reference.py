@@ -16,9 +16,10 @@ import torch
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Everything a forward reads: parameters and floating-point buffers (e.g. expert biases), in a
-    fixed order."""
-    return [p for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+    """Everything a forward reads that training changes: trainable parameters and floating-point buffers
+    (e.g. expert biases), in a fixed order. Frozen parameters (a LoRA run's base weights) are the same for
+    the reference and the policy and are not copied."""
+    return [p for p in module.parameters() if p.requires_grad] + [b for b in module.buffers() if b.is_floating_point()]
 
 
 class ReferenceWeights:

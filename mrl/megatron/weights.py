@@ -40,22 +40,31 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]:
+def global_name(model: torch.nn.Module, layout: Layout, name: str) -> tuple[str, bool]:
+    """(global TP1/EP1/PP1 local-spec name, is_expert) of this rank's parameter ``name``."""
     m = _unwrap(model)
-    num_local_experts = (m.config.num_moe_experts or 0) // layout.ep.size
+    gname = local_spec_name(name)
+    lm = _LAYER.match(gname)
+    if lm:  # local layer index -> global (PP stage offset); layer_number is 1-based and global
+        gname = f"{lm.group(1)}{m.decoder.layers[int(lm.group(2))].layer_number - 1}{lm.group(3)}"
+    em = _EXPERT.search(gname)
+    if em:  # local expert index -> global (EP offset)
+        num_local_experts = (m.config.num_moe_experts or 0) // layout.ep.size
+        global_expert = layout.ep.rank * num_local_experts + int(em.group(1))
+        gname = _EXPERT.sub(f"experts.local_experts.{global_expert}.", gname)
+    return gname, em is not None
+
+
+def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]:
+    """The model's own weights (LoRA adapters are not: ``mrl.megatron.lora`` exports them)."""
+    m = _unwrap(model)
     # megatron's router expert bias is a buffer, not a parameter, but it is a checkpoint tensor like
     # any weight (GLM-4.5 / DeepSeek-V3 ``e_score_correction_bias``): loaded, exported and synced
     bias = [(n, b) for n, b in m.named_buffers() if n.endswith(".router.expert_bias")]
     for name, p in [*m.named_parameters(), *bias]:
-        gname = local_spec_name(name)
-        lm = _LAYER.match(gname)
-        if lm:  # local layer index -> global (PP stage offset); layer_number is 1-based and global
-            gname = f"{lm.group(1)}{m.decoder.layers[int(lm.group(2))].layer_number - 1}{lm.group(3)}"
-        em = _EXPERT.search(gname)
-        is_expert = em is not None
-        if em:  # local expert index -> global (EP offset)
-            global_expert = layout.ep.rank * num_local_experts + int(em.group(1))
-            gname = _EXPERT.sub(f"experts.local_experts.{global_expert}.", gname)
+        if getattr(p, "lora_adapter", False):
+            continue
+        gname, is_expert = global_name(m, layout, name)
         group = layout.etp if is_expert else layout.tp
         tp_split = getattr(p, "tensor_model_parallel", False) and group.size > 1
         yield LocalParam(name, p, gname, is_expert, group if tp_split else None,
