@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from mrl._compat.te import te_linear_kinds
 from mrl.config.schema import LoraConfig
 from mrl.megatron.parallel import GroupInfo, Layout
-from mrl.megatron.weights import LocalParam, _is_owner, _segment_rows, _unwrap, gather_full_many, global_name, \
+from mrl.megatron.weights import LocalParam, is_owner, segment_rows, unwrap, gather_full_many, global_name, \
     read_shard
 from mrl.models.bridge import ModelBridge, ParamMap, split_full
 from mrl.models.peft import LoraSite, check_peft, load_peft, lora_sites, peft_config, peft_shapes
@@ -97,7 +97,7 @@ class LoraAdapter(torch.nn.Module):
             row_mod: list[int] = []
             for seg in site.weight.segments:
                 n = sum(p.num_rows for p in seg)
-                for part, r0, r1 in _segment_rows(seg, rk * n // ws, (rk + 1) * n // ws):
+                for part, r0, r1 in segment_rows(seg, rk * n // ws, (rk + 1) * n // ws):
                     row_mod += [mods.index(part.hf_name)] * (r1 - r0)
             b = torch.zeros(len(row_mod), r)
             self._plan_rows(row_mod, len(mods), device)
@@ -240,7 +240,7 @@ def apply_lora(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, lora
     after the HF load and before ``wrap_ddp``."""
     if not lora.enabled:
         raise ValueError("model.lora.rank is 0: LoRA is off")
-    m = _unwrap(model)
+    m = unwrap(model)
     sites = {s.mcore_name: s for s in lora_sites(bridge, lora)}
     for p in m.parameters():
         p.requires_grad_(False)
@@ -301,7 +301,7 @@ def _check_every_site(sites: set[str], wrapped: list[str], bridge: ModelBridge) 
 
 def adapters(model: torch.nn.Module) -> Iterator[LoraAdapter]:
     """Every adapter of this rank, in module order (the same on every rank of a TP/ETP group)."""
-    for mod in _unwrap(model).modules():
+    for mod in unwrap(model).modules():
         if isinstance(mod, LoraAdapter):
             yield mod
 
@@ -337,7 +337,7 @@ def export_peft(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, lor
     items = _local_items(model, layout)
     mine: dict[str, torch.Tensor] = {}
     for (lp, pm), full in zip(items, gather_full_many(items)):
-        if _is_owner(lp, layout):
+        if is_owner(lp, layout):
             for k, v in split_full(pm, full.detach().cpu()).items():
                 mine[k] = v.to(dtype or v.dtype).clone()
     if dst is None:

@@ -34,7 +34,7 @@ class LocalParam:
     partition_dim: int | None
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -42,7 +42,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def global_name(model: torch.nn.Module, layout: Layout, name: str) -> tuple[str, bool]:
     """(global TP1/EP1/PP1 local-spec name, is_expert) of this rank's parameter ``name``."""
-    m = _unwrap(model)
+    m = unwrap(model)
     gname = local_spec_name(name)
     lm = _LAYER.match(gname)
     if lm:  # local layer index -> global (PP stage offset); layer_number is 1-based and global
@@ -57,7 +57,7 @@ def global_name(model: torch.nn.Module, layout: Layout, name: str) -> tuple[str,
 
 def local_params(model: torch.nn.Module, layout: Layout) -> Iterator[LocalParam]:
     """The model's own weights (LoRA adapters are not: ``mrl.megatron.lora`` exports them)."""
-    m = _unwrap(model)
+    m = unwrap(model)
     # megatron's router expert bias is a buffer, not a parameter, but it is a checkpoint tensor like
     # any weight (GLM-4.5 / DeepSeek-V3 ``e_score_correction_bias``): loaded, exported and synced
     bias = [(n, b) for n, b in m.named_buffers() if n.endswith(".router.expert_bias")]
@@ -80,7 +80,7 @@ def maps_by_name(bridge: ModelBridge, padded_vocab: int) -> dict[str, ParamMap]:
     return maps
 
 
-def _segment_rows(seg: tuple[Part, ...], start: int, stop: int) -> list[tuple[Part, int, int]]:
+def segment_rows(seg: tuple[Part, ...], start: int, stop: int) -> list[tuple[Part, int, int]]:
     """(part, r0, r1) pieces covering rows [start, stop) of the segment, in part coordinates."""
     out, off = [], 0
     for p in seg:
@@ -106,7 +106,7 @@ def read_shard(ckpt: HFCheckpoint, pm: ParamMap, group: GroupInfo | None, partit
         if n % ws:
             raise ValueError(f"{pm.mcore_name}: {n} rows cannot be split over {ws} ranks")
         lo, hi = (r * n // ws, (r + 1) * n // ws) if partition_dim == 0 else (0, n)
-        for part, r0, r1 in _segment_rows(seg, lo, hi):
+        for part, r0, r1 in segment_rows(seg, lo, hi):
             if part.hf_name is None:
                 shape = (r1 - r0,) + ((pm.num_cols,) if pm.num_cols else ())
                 pieces.append(torch.zeros(shape, dtype=dtype))
@@ -176,7 +176,7 @@ def gather_full_many(items: list[tuple[LocalParam, ParamMap]]) -> list[torch.Ten
     return out
 
 
-def _is_owner(lp: LocalParam, layout: Layout) -> bool:
+def is_owner(lp: LocalParam, layout: Layout) -> bool:
     """One copy per global param: TP rank 0 (of its split group) on data-parallel rank 0."""
     if lp.shard_group is not None and lp.shard_group.rank != 0:
         return False
@@ -197,7 +197,7 @@ def export_hf(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padde
              if not (bridge.tied_embeddings and lp.global_name == "output_layer.weight")]  # embedding copy
     mine: dict[str, torch.Tensor] = {}
     for (lp, pm), full in zip(items, gather_full_many(items)):
-        if _is_owner(lp, layout):
+        if is_owner(lp, layout):
             for k, v in split_full(pm, full.cpu()).items():
                 mine[k] = v.clone()
     objs = [None] * layout.world_size if layout.world_rank == dst else None
