@@ -131,5 +131,6 @@ if layout.world_rank == 0:
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},
-               "profile": prof, "phases_s": phase_times, "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
+               "profile": prof, "phases_s": phase_times,
+               "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
 destroy()

@@ -12,7 +12,9 @@ bf16, NCCL). Sections:
 - ``rollout``: GRPO-shaped workloads (groups of 8, one request per sample, random ``--prompt-len``
   prompts, ``--new`` tokens each, temperature 1, ignore_eos) through mrl's RolloutManager at each
   ``--batches`` concurrency, with routes returned and decoded (Keep Routing on) and without; the
-  kinds alternate within each repetition. Also the routes payload per response as SGLang sends it.
+  kinds alternate within each repetition. Also the routes payload of one response as the engine sends
+  it (base64 bytes per token, bytes per expert id: 1 with mrl's compact routes, 4 with SGLang's int32
+  under ``--routes-int32``, the baseline to compare with on the same machine).
 - ``replay``: ``--replay-samples`` engine samples with their routes and logprobs, then the trainer's
   forward on the same tokens (``tests/jobs/replay_check.py``) with the routers free (replay off) and
   replaying the engine's experts (on): route agreement per (token, MoE layer) and mean |logprob diff|
@@ -127,8 +129,10 @@ async def _workload(url: str, codec, batch: int, prompt_len: int, new: int, voca
     return samples, sum(len(s.response_ids) for s in samples) / dt, dt
 
 
-async def _routes_payload(url: str, prompt_len: int, new: int, vocab: int) -> dict:
-    """Bytes of one reply's routes as SGLang sends them (base64 of int32) and per token."""
+async def _routes_payload(url: str, codec, prompt_len: int, new: int, vocab: int) -> dict:
+    """Bytes of one reply's routes as the engine sends them (base64), per token, and per expert id."""
+    import base64
+
     from mrl.rollout.client import EngineClient
 
     c = EngineClient(url)
@@ -137,8 +141,10 @@ async def _routes_payload(url: str, prompt_len: int, new: int, vocab: int) -> di
                            return_routed_experts=True)
     await c.close()
     rows = prompt_len + len(out.output_ids) - 1
+    raw = len(base64.b64decode(out.routed_experts))
     return {"routes_b64_bytes": len(out.routed_experts), "rows": rows,
-            "bytes_per_token": len(out.routed_experts) / rows}
+            "bytes_per_token": len(out.routed_experts) / rows, "raw_bytes_per_token": raw / rows,
+            "bytes_per_expert_id": codec.wire_itemsize(raw, rows)}
 
 
 def rollout_section(url, codec, vocab, a) -> dict:
@@ -160,8 +166,13 @@ def rollout_section(url, codec, vocab, a) -> dict:
                                     "routes_on_median": statistics.median(on),
                                     "on_vs_off_median": statistics.median(per_rep), "on_vs_off_min": min(per_rep),
                                     "on_vs_off_max": max(per_rep)}
+    res["payload"] = asyncio.run(_routes_payload(url, codec, a.prompt_len, a.new, vocab))
+    for s in summary.values():  # the same engine, so the same payload at every batch size
+        s["routes_b64_bytes_per_token"] = res["payload"]["bytes_per_token"]
+        s["routes_bytes_per_expert_id"] = res["payload"]["bytes_per_expert_id"]
     res["summary"] = summary
-    res["payload"] = asyncio.run(_routes_payload(url, a.prompt_len, a.new, vocab))
+    print(f"[rollout] routes payload: {res['payload']['bytes_per_token']:.0f} base64 bytes per token, "
+          f"{res['payload']['bytes_per_expert_id']} byte(s) per expert id", flush=True)
     return res
 
 
@@ -257,6 +268,9 @@ def main() -> int:
     ap.add_argument("--replay-new", type=int, default=256)
     ap.add_argument("--replay-micro-batches", type=int, default=4)
     ap.add_argument("--sync-layout", default="", help="extra layout flags for the sync trainer, e.g. '--tp 2'")
+    ap.add_argument("--routes-int32", action="store_true",
+                    help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
+                         "mrl's compact routes")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
@@ -283,7 +297,8 @@ def main() -> int:
                     max_running_requests=max(a.batches + [a.replay_samples]), max_total_tokens=8192 if a.cpu else None,
                     base_gpu_id=int(a.engine_gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
                     dtype=None if a.cpu else "bfloat16",
-                    server_args={} if a.cpu else {"cuda_graph_max_bs": max(a.batches)})
+                    server_args={} if a.cpu else {"cuda_graph_max_bs": max(a.batches)},
+                    env={"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1"})
     report = {"bench": "gpu_loop", "model": a.model, "layers": a.layers or bridge.num_layers, "hf": hf,
               "environment": environment(a.cpu), "args": vars(a)}
     t = time.perf_counter()

@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--router-fusion", choices=["on", "off"], default="on",
                     help="the baseline's fused router (mrl cannot use it: it skips routing replay)")
     ap.add_argument("--profile", action="store_true", help="torch profiler over two more mrl steps")
-    ap.add_argument("--phases", action="store_true", help="each side: two more steps with their phases timed between device syncs")
+    ap.add_argument("--phases", action="store_true",
+                    help="each side: two more steps with their phases timed between device syncs")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="mrl_vs_megatron_")

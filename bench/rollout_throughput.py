@@ -4,8 +4,8 @@
 
 Both engines (TP1 each, CPU mode, tiny model) start once; the workload (GRPO groups, temperature 1,
 one request per sample) runs through mrl's RolloutManager first on engine 0 alone, then on both.
-Routes: bytes per token as SGLang sends them (base64 of int32 over all layers, in JSON) vs after
-mrl's codec (uint8, MoE layers only).
+Routes: bytes per token as the engine sends them (base64 over all layers, in JSON; uint8 ids from
+mrl's engines, ``mrl.rollout.engine_patches``) vs after mrl's codec (uint8, MoE layers only).
 """
 
 import argparse
@@ -80,7 +80,7 @@ def main():
     t.add_row("2", f"{t2:.1f}", f"{two:.0f}", f"{two / one:.2f}")
     c = Console(width=140)
     c.print(t)
-    c.print(f"routes bytes/token: SGLang wire (base64 int32, all layers) {wire:.1f} -> mrl codec "
+    c.print(f"routes bytes/token: engine wire (base64, all layers) {wire:.1f} -> mrl codec "
             f"(uint8, MoE layers) {compact} ({wire / compact:.1f}x smaller)")
     dump({"bench": "rollout_throughput", "groups": a.groups, "n": a.n, "new_tokens": a.new,
           "engines": {"1": {"seconds": t1, "tokens_per_s": one}, "2": {"seconds": t2, "tokens_per_s": two}},

@@ -32,6 +32,7 @@ from mrl.rollout.protocol import (
     GenerateOutput,
     error_message,
     parse_generate,
+    parse_lora_update,
     parse_model_info,
     parse_status_ok,
     parse_success,
@@ -146,11 +147,12 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str,
                        return_logprob: bool = True, return_routed_experts: bool = False,
                        top_logprobs_num: int = 0, logprob_start_len: int | None = None,
-                       routed_experts_start_len: int | None = None) -> GenerateOutput:
+                       routed_experts_start_len: int | None = None, lora_path: str | None = None) -> GenerateOutput:
         """One sample (one rid: abortable, own logprobs and routes). ``n > 1`` is refused: SGLang
         replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted.
         ``routed_experts_start_len``: the routes reply starts at that row (SGLang 0.5.14; rows before it
-        are the caller's already), so a continued conversation does not fetch its whole history again."""
+        are the caller's already), so a continued conversation does not fetch its whole history again.
+        ``lora_path``: the registered NAME of a loaded adapter (SGLang's field name notwithstanding)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         if routed_experts_start_len is not None and not 0 <= routed_experts_start_len <= len(input_ids):
@@ -169,6 +171,8 @@ class EngineClient:
             body["top_logprobs_num"] = top_logprobs_num
         if logprob_start_len is not None:  # 0: also the logprobs of every prompt token (first is null)
             body["logprob_start_len"] = logprob_start_len
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         _, data, _ = await self._call("POST", "/generate", json=body, timeout=self.timeouts.generate)
         out = parse_generate(data, (self.url, "/generate"), expect_logprobs=return_logprob)
         if isinstance(out, list):
@@ -282,6 +286,46 @@ class EngineClient:
                                                         "abort_all_requests": abort_all_requests},
                                       timeout=self.timeouts.control, admin=True, ok=(200, 400))
         parse_success(data, (self.url, ep))
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict, serialized_tensors: str, *,
+                                             timeout: float | None = None) -> list[str]:
+        """Register adapter ``lora_name`` from ``serialized_tensors`` (``mrl.weight_sync.lora.
+        serialize_adapter``: base64 of a plain pickle; a ForkingPickler payload of CPU tensors kills the
+        server). SGLang guards this endpoint at the normal level, so it takes the api key, not the admin
+        key. Returns the adapters the engine holds afterwards; a name already loaded is refused (400)."""
+        ep = "/load_lora_adapter_from_tensors"
+        body = {"lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors}
+        _, data, _ = await self._call("POST", ep, json=body, ok=(200, 400),
+                                      timeout=self.timeouts.weight_update if timeout is None else timeout)
+        return parse_lora_update(data, (self.url, ep))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, timeout: float | None = None) -> list[str]:
+        """Register adapter ``lora_name`` from a PEFT directory the engine can read."""
+        ep = "/load_lora_adapter"
+        _, data, _ = await self._call("POST", ep, json={"lora_name": lora_name, "lora_path": lora_path},
+                                      timeout=self.timeouts.weight_update if timeout is None else timeout,
+                                      admin=True, ok=(200, 400))
+        return parse_lora_update(data, (self.url, ep))
+
+    async def unload_lora_adapter(self, lora_name: str) -> list[str]:
+        """Unregister ``lora_name``. SGLang then waits for every request holding it; one paused in
+        retract/in-place mode never ends, so only unload adapters no request of ours uses
+        (``mrl.rollout.lora.AdapterRouter``)."""
+        ep = "/unload_lora_adapter"
+        if self.paused in ("retract", "in_place"):
+            raise EngineGuardError(self.url, ep, f"unloading {lora_name!r} while paused in {self.paused!r} mode "
+                                   "waits for the paused requests that hold it: a deadlock")
+        _, data, _ = await self._call("POST", ep, json={"lora_name": lora_name}, timeout=self.timeouts.control,
+                                      admin=True, ok=(200, 400))
+        return parse_lora_update(data, (self.url, ep))
+
+    async def lora_adapters(self) -> list[str]:
+        """Names of the adapters the engine holds (``/v1/models``: the cards with a parent)."""
+        _, data, _ = await self._call("GET", "/v1/models", timeout=self.timeouts.control)
+        if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+            raise EngineProtocolError(self.url, "/v1/models", f"no 'data' list: {data!r:.160}")
+        return sorted(m["id"] for m in data["data"] if isinstance(m, dict) and m.get("parent"))
 
     # -- introspection ---------------------------------------------------------------------------
     async def model_info(self) -> dict:

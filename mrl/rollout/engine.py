@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.process import die_with_parent
-from mrl.rollout import cpu_mode, gpu_mode
+from mrl.rollout import cpu_mode, engine_patches, gpu_mode
+from mrl.rollout.lora import LoraEngineSpec
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
 
 
@@ -143,6 +144,9 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
     cpus: list[int] | None = None
     """CPU mode: cores this engine may use (several engines on one box get disjoint sets)."""
+    lora: LoraEngineSpec | None = None
+    """LoRA runs: the adapter pool (``--enable-lora`` and its sizes); adapters are loaded after start
+    (``mrl.weight_sync.lora``)."""
     secrets: EngineSecrets | None = None
     """The run's keys; ``start`` takes ``ensure_run_secrets()`` when None."""
     proc: subprocess.Popen | None = field(default=None, init=False)
@@ -160,6 +164,8 @@ class Engine:
         if self.dp > 1 and not self.server_args.get("enable_dp_attention"):
             raise ValueError("rollout.engine_dp > 1 needs server_args.enable_dp_attention (SGLang's weight updates "
                              "assert dp_size == 1 otherwise); for plain data parallelism start more engines")
+        if self.lora is not None:
+            self.lora.check_engine(cpu_mode=self.cpu_mode, server_args=self.server_args)
         reserved = [k for k in _RESERVED_SERVER_ARGS if k in self.server_args]
         if reserved:
             raise ValueError(f"rollout.server_args: {reserved} are set by mrl from the run's keys file "
@@ -204,6 +210,8 @@ class Engine:
                 cmd += ["--sampling-backend", self.sampling_backend]
             if self.dtype:
                 cmd += ["--dtype", self.dtype]
+        if self.lora is not None:
+            cmd += self.lora.server_args(cpu_mode=self.cpu_mode)
         if self.secrets is not None:
             cmd += ["--config", self.secrets.path]  # the keys file: --api-key, --admin-api-key
         return cmd + server_args_to_cli(self.server_args)
@@ -219,6 +227,7 @@ class Engine:
         else:
             gpu_mode.check_gpu_stack()
             env = gpu_mode.gpu_env()
+        engine_patches.engine_env(env)
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
         for k in [k for k in env if k in _TORCHRUN_VARS or k.startswith(("TORCHELASTIC_", "PET_"))]:
@@ -332,10 +341,11 @@ class Engine:
 
 
 def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | None = None,
-                        host: str = "127.0.0.1") -> list["Engine"]:
+                        host: str = "127.0.0.1", lora: LoraEngineSpec | None = None) -> list["Engine"]:
     """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started). On GPUs, engine i takes
     the ``engine_tp * engine_dp`` GPUs from ``base_gpu_id + i * engine_tp * engine_dp``; ``base_gpu_id``
-    null = after the GPUs of the trainer ranks on this node."""
+    null = after the GPUs of the trainer ranks on this node. ``lora``: ``mrl.rollout.lora.lora_engine_spec``
+    of the run's config (None: LoRA off)."""
     names = names or [f"engine{i}" for i in range(r.num_engines)]
     per = r.engine_tp * r.engine_dp
     base = r.base_gpu_id if r.base_gpu_id is not None else gpu_mode.trainer_gpus_on_this_node()
@@ -346,7 +356,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
-                   cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
+                   cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None, lora=lora)
             for i, n in enumerate(names)]
 
 

@@ -7,6 +7,8 @@
   the renormalised probabilities); flashinfer's fused sampler is kept otherwise.
 - ``NCCL_CUMEM_ENABLE=0`` in the server's environment: the NCCL weight-update group fails with
   "Cuda failure 'invalid argument'" on cuMem-backed buffers on some hosts, leaving weights half updated.
+- ``PYTHONPATH`` starts with ``mrl/rollout/engine_shim``: the patches every mrl engine gets
+  (``mrl.rollout.engine_patches``), without CPU mode's.
 - placement: ``--base-gpu-id``; several engines on a node take consecutive blocks of ``tp * dp`` GPUs,
   after the GPUs of the trainer ranks started on the same node.
 
@@ -22,6 +24,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+
+from mrl.rollout.engine_patches import SHIM_DIR
 
 INSTALL_HINT = ("pip install 'sglang==0.5.14' (brings sglang-kernel 0.4.4 for CUDA 13 and torch 2.11.0); "
                 "on a host without network: scripts/gpu/fetch_parts.sh on a machine with the registry, then "
@@ -72,6 +76,7 @@ def check_gpu_stack() -> None:
 def gpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(base if base is not None else os.environ)
     env.setdefault("NCCL_CUMEM_ENABLE", "0")
+    env["PYTHONPATH"] = SHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 

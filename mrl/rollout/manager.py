@@ -15,6 +15,11 @@ Routes: each call asks only for the rows its input adds (``routed_experts_start_
 already holds, SGLang 0.5.14); a resumed segment or a later turn of an episode appends its rows, so no
 call returns the whole history again. ``generate_turn`` drives one model turn of a multi-turn episode
 (``mrl.rollout.multiturn``) with the same machinery.
+
+LoRA (``adapters``, ``mrl.rollout.lora.AdapterRouter``): each call names the newest adapter version loaded
+on every engine, and its tokens get that version (the policy version is the adapter's; the engine's own
+weight version stays the base's). An engine that answers that it never loaded the adapter lost it (a
+restart behind the same address): it is taken out of rotation like a dead one.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mrl.rollout.client import EngineClient
+from mrl.rollout.lora import AdapterRouter
 from mrl.rollout.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.routing.codec import RoutesCodec, RoutesError
@@ -67,9 +73,10 @@ class RolloutStats:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
                  max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None,
-                 top_logprobs_num: int = 0):
+                 top_logprobs_num: int = 0, adapters: AdapterRouter | None = None):
         """``top_logprobs_num`` > 0: ask for that many top logprobs per token and rebuild each token's
-        sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``)."""
+        sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``). ``adapters``: LoRA
+        runs, one router shared by every manager on these engines."""
         if not clients:
             raise ValueError("RolloutManager needs at least one engine client")
         self._per_engine = max_inflight_per_engine
@@ -79,6 +86,8 @@ class RolloutManager:
         self.max_retries = max_retries
         self.top_logprobs_num = top_logprobs_num
         self.run_id = run_id or uuid.uuid4().hex[:8]
+        self.adapters = adapters
+        self._holding = False
         self.stats = RolloutStats()
         self._seq = itertools.count()
         self._gate = asyncio.Event()  # cleared while drained for a weight sync: no request may start
@@ -88,6 +97,16 @@ class RolloutManager:
         """A new engine (a restarted one, its weights already current) takes requests from now on. Call it
         on the loop that runs the manager."""
         self.slots.append(_Slot(client, asyncio.Semaphore(self._per_engine)))
+        if self.adapters is not None:
+            self.adapters.add_engine(client)
+
+    def set_adapter(self, name: str, version: int) -> None:
+        """LoRA: new calls use adapter ``name`` (policy version ``version``), loaded on every engine
+        already; the previous one is unloaded from each engine once its calls there are back. Call it on
+        the loop that runs the manager."""
+        if self.adapters is None:
+            raise RuntimeError("set_adapter: this manager was built without an AdapterRouter (LoRA off)")
+        self.adapters.set_current(name, version, [s.client for s in self.slots])
 
     # -- dispatch -------------------------------------------------------------------------------
     def _pick(self) -> _Slot:
@@ -159,6 +178,7 @@ class RolloutManager:
             if not slot.healthy:
                 return None
             slot.inflight += 1
+            adapter = self.adapters.acquire(slot.client.url) if self.adapters is not None else None
             try:
                 params = self.sampling.to_request(budget)
                 if self.sampling.seed is not None:  # a function of the sample, not of timing or engine
@@ -167,7 +187,8 @@ class RolloutManager:
                 out = await slot.client.generate(inputs, params, rid=rid,
                                                  return_logprob=True, return_routed_experts=self.codec is not None,
                                                  top_logprobs_num=self.top_logprobs_num,
-                                                 routed_experts_start_len=start_row or None)
+                                                 routed_experts_start_len=start_row or None,
+                                                 lora_path=adapter[0] if adapter else None)
             except (EngineUnavailable, EngineProtocolError) as e:
                 # crash, hang or garbage: take the engine out, retry the sample elsewhere
                 slot.healthy = False
@@ -175,14 +196,22 @@ class RolloutManager:
                 self.stats.engine_failures += 1
                 self._retry_or_fail(sample, e)
                 return None
-            except EngineHTTPError as e:  # the request itself is bad (400): retrying cannot help
-                sample.error = str(e)
+            except EngineHTTPError as e:
+                if adapter is not None and "never been loaded" in str(e):  # it lost its adapters: restarted
+                    slot.healthy = False
+                    slot.failures += 1
+                    self.stats.engine_failures += 1
+                    self._retry_or_fail(sample, e)
+                    return None
+                sample.error = str(e)  # the request itself is bad (400): retrying cannot help
                 return None
             finally:
                 slot.inflight -= 1
+                if adapter is not None:
+                    self.adapters.release(slot.client.url, adapter)
         slot.served += 1
         try:
-            return self._apply(sample, inputs, out, budget, start_row)
+            return self._apply(sample, inputs, out, budget, start_row, adapter[1] if adapter else None)
         except (RoutesError, ValueError) as e:
             self._retry_or_fail(sample, e)
             return None
@@ -194,12 +223,12 @@ class RolloutManager:
             sample.error = f"gave up after {self.max_retries} retries: {err}"
 
     def _apply(self, sample: Sample, inputs: list[int], out: GenerateOutput, budget: int,
-               start_row: int) -> str | None:
+               start_row: int, adapter_version: int | None = None) -> str | None:
         new = out.output_ids
         if len(new) > budget:
             raise ValueError(f"engine returned {len(new)} tokens for a budget of {budget}")
         try:
-            version = int(out.weight_version)
+            version = adapter_version if adapter_version is not None else int(out.weight_version)
         except ValueError:
             raise ValueError(f"weight_version {out.weight_version!r} is not an integer (mrl numbers versions)")
         routes = None
@@ -244,6 +273,9 @@ class RolloutManager:
         cost >= 1 s. Aborts land within one decode step; they are re-sent until every call is back
         (a request that reached the engine after an abort would otherwise run to completion)."""
         self._gate.clear()
+        if self.adapters is not None and not self._holding:  # engines may be paused next: no unload
+            self._holding = True
+            self.adapters.hold()
         n = sum(s.inflight for s in self.slots)
         deadline = asyncio.get_running_loop().time() + timeout
         while busy := [s for s in self.slots if s.inflight and s.healthy]:
@@ -256,6 +288,9 @@ class RolloutManager:
 
     def undrain(self) -> None:
         self._gate.set()
+        if self._holding:
+            self._holding = False
+            self.adapters.resume()
 
     async def pause_all(self, mode: str = "abort") -> None:
         await asyncio.gather(*(s.client.pause(mode) for s in self.slots if s.healthy))

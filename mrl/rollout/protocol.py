@@ -61,7 +61,8 @@ class GenerateOutput:
     completion_tokens: int
     cached_tokens: int | None
     total_retractions: int
-    routed_experts: str | None  # base64 int32 [prompt + output - 1, layers, top_k]; decode with mrl.routing.codec
+    # base64 [prompt + output - 1, layers, top_k] of int32 (uint8/int16 from mrl's engines); mrl.routing.codec
+    routed_experts: str | None
     output_top_logprobs: list[list[tuple[float, int]]] | None
     input_logprobs: list[float | None] | None = None  # with logprob_start_len >= 0; first entry None
 
@@ -175,6 +176,8 @@ def error_message(body: Any, text: str) -> str:
             return str(body["error"].get("message", body["error"]))
         if "message" in body:
             return str(body["message"])
+        if body.get("error_message"):  # LoRA load/unload replies
+            return str(body["error_message"])
     return (text or "").strip()[:500] or "<empty body>"
 
 
@@ -185,6 +188,17 @@ def parse_success(body: Any, ctx: tuple[str, str]) -> str:
     if not body["success"]:
         raise EngineHTTPError(*ctx, 400, str(body.get("message")))
     return str(body.get("message", ""))
+
+
+def parse_lora_update(body: Any, ctx: tuple[str, str]) -> list[str]:
+    """``{"success": bool, "error_message": str, "loaded_adapters": {name: ref}}`` replies of the LoRA
+    load/unload endpoints (200 on success, 400 with the same shape on failure). Returns the adapter names
+    the engine holds afterwards."""
+    if not isinstance(body, dict) or not isinstance(body.get("success"), bool):
+        raise EngineProtocolError(*ctx, f"expected {{success, error_message, loaded_adapters}}, got {body!r:.160}")
+    if not body["success"]:
+        raise EngineHTTPError(*ctx, 400, str(body.get("error_message") or body.get("message")))
+    return sorted(body.get("loaded_adapters") or {})
 
 
 def parse_status_ok(body: Any, ctx: tuple[str, str]) -> None:

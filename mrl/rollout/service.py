@@ -116,6 +116,10 @@ class RolloutService:
     def add_engine(self, url: str) -> None:
         self._call("add_engine", url)
 
+    def set_adapter(self, name: str, version: int) -> None:
+        """LoRA: new requests use adapter ``name`` (loaded on every engine already)."""
+        self._call("set_adapter", name, version)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -166,6 +170,7 @@ class LocalRollout:
         from mrl.data import build_prompt_source
         from mrl.reward.scorer import RewardScorer
         from mrl.rollout.client import EngineClient
+        from mrl.rollout.lora import AdapterRouter, lora_engine_spec
         from mrl.rollout.manager import RolloutManager
         from mrl.rollout.producer import Producer
         from mrl.rollout.sample import SamplingSpec
@@ -178,12 +183,16 @@ class LocalRollout:
                                 top_k=r.top_k, min_p=r.min_p, ignore_eos=r.ignore_eos,
                                 stop_token_ids=[eos] if isinstance(eos, int) else list(eos or []))
         clients = [EngineClient(u, routes_always=True) for u in urls]  # eval shares the engines with rollouts
+        # LoRA: one router for both managers, so neither unloads an adapter the other's requests hold
+        self.adapters = AdapterRouter() if lora_engine_spec(cfg) is not None else None
         top = top_logprobs_to_request(temperature=r.temperature, top_k=r.top_k, top_logprobs_num=r.top_logprobs_num) \
             if t.sampling_mask else 0
         self.manager = RolloutManager(clients, sampling=sampling, codec=codec if t.replay else None,
-                                      max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top)
+                                      max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top,
+                                      adapters=self.adapters)
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
-            max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids))
+            max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids),
+            adapters=self.adapters)
         self.scorer = RewardScorer(cfg.reward)
         self.eval_source = build_prompt_source(cfg.data, split="eval") if t.eval_every else None
         source = build_prompt_source(cfg.data)
@@ -258,6 +267,16 @@ class LocalRollout:
 
         self.producer.run(add())
 
+    def set_adapter(self, name: str, version: int) -> None:
+        if not self.producer.running:  # before the first rollout: unloads wait for the loop
+            self.manager.set_adapter(name, version)
+            return
+
+        async def switch():  # on the producer's loop, which owns the router and the clients
+            self.manager.set_adapter(name, version)
+
+        self.producer.run(switch())
+
     def stats(self) -> dict:
         """Counters since the start; ``counts["prefix_cache_hit_rate"]`` is since the previous call (the
         loop calls once per step): input tokens of the engine calls that the radix cache already held."""
@@ -269,6 +288,9 @@ class LocalRollout:
         self._cache_seen = (ms.prompt_tokens, ms.cached_tokens)
         if prompt > 0:
             counts["prefix_cache_hit_rate"] = cached / prompt
+        if self.adapters is not None:
+            counts["lora_adapters_live"] = len(self.adapters.live())
+            counts["lora_unload_errors"] = len(self.adapters.errors)
         return {"dropped_stale": bs.dropped_stale, "buffered": len(self.buffer), "staleness": dict(bs.staleness),
                 "counts": counts, "samples_failed": ms.failed, "samples_submitted": ms.submitted,
                 "samples_completed": ms.completed, "engine_failures": ms.engine_failures, "retries": ms.retries,

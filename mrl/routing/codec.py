@@ -1,10 +1,16 @@
 """SGLang routed experts -> compact ``[tokens, moe_layers, top_k]`` uint8 (uint16 above 256 experts).
 
-Wire format (sglang 0.5.10 and 0.5.14, tests/fixtures/sglang-0.5.10/gen_routed.json): base64 of little-endian
-int32, logical shape ``[prompt + completion - 1, num_hidden_layers, num_experts_per_tok]`` (every
-input position; the last sampled token is never fed through the model). With ``max_new_tokens=0``
-the engine returns ``prompt`` rows. Dense layers are present and zero: they are dropped here, once,
-at the client; nothing downstream sees JSON or int32 again. Top-k order is kept.
+Wire format (sglang 0.5.10 and 0.5.14, tests/fixtures/sglang-0.5.10/gen_routed.json): base64 of
+little-endian integers, logical shape ``[prompt + completion - 1, num_hidden_layers, num_experts_per_tok]``
+(every input position; the last sampled token is never fed through the model). With ``max_new_tokens=0``
+the engine returns ``prompt`` rows. Plain SGLang sends int32; engines started by mrl send the smallest
+type that holds the request's ids (uint8, else int16; ``mrl.rollout.engine_patches``). The row count is
+known here, so the payload's length tells the item size (1, 2 or 4 bytes); anything else is refused.
+Length alone cannot catch a row count off by the ratio of two item sizes: int32 of a quarter of the
+rows reads as uint8, of half the rows as 16-bit. The second is refused (16-bit ids that all fit in
+uint8: mrl's engines never send those); the first passes when its ids are in range.
+Dense layers are present and zero: they are dropped here, once, at the client; nothing downstream sees
+JSON or the wire types again. Top-k order is kept.
 
 Shape legend: T tokens (rows), L MoE layers, K top-k.
 """
@@ -20,6 +26,11 @@ import numpy as np
 
 class RoutesError(ValueError):
     pass
+
+
+# item size on the wire -> how to read it; 2 bytes: int16 from mrl's engines, read as uint16 (ids >= 0)
+_WIRE_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<i4")}
+_WIRE_NAMES = {1: "uint8", 2: "16-bit", 4: "int32"}
 
 
 @dataclass(frozen=True)
@@ -50,20 +61,33 @@ class RoutesCodec:
             raw = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError) as e:
             raise RoutesError(f"routed_experts is not valid base64: {e}") from e
-        per_row = self.num_layers * self.top_k
-        if len(raw) % (4 * per_row):
-            raise RoutesError(f"routed_experts has {len(raw)} bytes, "
-                              f"not a multiple of 4*{self.num_layers}*{self.top_k}")
-        ids_TLK = np.frombuffer(raw, dtype="<i4").reshape(-1, self.num_layers, self.top_k)
         want = self.expected_rows(prompt_len, response_len)
-        if ids_TLK.shape[0] != want:
-            raise RoutesError(f"routed_experts has {ids_TLK.shape[0]} rows, expected {want} "
-                              f"(prompt {prompt_len} + response {response_len} - 1)")
-        ids_TLK = ids_TLK[:, list(self.moe_layers), :]
-        if ids_TLK.size and (ids_TLK.min() < 0 or ids_TLK.max() >= self.num_experts):
-            raise RoutesError(f"routed_experts has expert ids outside [0, {self.num_experts}): "
-                              f"min {ids_TLK.min()}, max {ids_TLK.max()}")
+        itemsize = self.wire_itemsize(len(raw), want)
+        ids_TLK = np.frombuffer(raw, dtype=_WIRE_DTYPES[itemsize])
+        ids_TLK = ids_TLK.reshape(want, self.num_layers, self.top_k)[:, list(self.moe_layers), :]
+        if not ids_TLK.size:
+            return np.ascontiguousarray(ids_TLK.astype(self.dtype))
+        lo, hi = ids_TLK.min(), ids_TLK.max()
+        if lo < 0 or hi >= self.num_experts:
+            raise RoutesError(f"routed_experts has expert ids outside [0, {self.num_experts}): min {lo}, max {hi}")
+        if itemsize == 2 and hi < 256:
+            # mrl's engines send 16 bits only for an id that needs them: these bytes are more likely
+            # another type's with a wrong row count (int32 of half the rows)
+            raise RoutesError(f"routed_experts has {len(raw)} bytes, 2 per id for {want} rows, but every id fits in "
+                              f"uint8 (max {hi}): not a payload an engine sends; wrong row count?")
         return np.ascontiguousarray(ids_TLK.astype(self.dtype))
+
+    def wire_itemsize(self, nbytes: int, rows: int) -> int:
+        """Bytes per expert id of a ``nbytes`` payload (decoded from base64) holding ``rows`` rows."""
+        ids = rows * self.num_layers * self.top_k
+        for size in _WIRE_DTYPES:
+            if nbytes == ids * size:
+                return size
+        rows_if = ", ".join(f"{nbytes // (self.num_layers * self.top_k * s)} of {_WIRE_NAMES[s]}"
+                            for s in _WIRE_DTYPES if nbytes % (self.num_layers * self.top_k * s) == 0)
+        raise RoutesError(f"routed_experts has {nbytes} bytes, expected {rows} rows x {self.num_layers} layers x "
+                          f"{self.top_k} top-k x 1, 2 or 4 bytes = {ids}, {2 * ids} or {4 * ids}"
+                          + (f" (it holds whole rows: {rows_if})" if rows_if else ""))
 
     def wire_bytes_per_token(self, b64: str, num_tokens: int) -> float:
         return len(b64) / max(1, num_tokens)

@@ -64,12 +64,14 @@ class SyncMismatch(RuntimeError):
 
 
 def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[EngineEndpoint], *, vocab_size: int,
-                   tol: float, version: str, seed: int = 0, probe_len: int = 32) -> tuple[dict[str, float], dict]:
+                   tol: float, version: str, seed: int = 0, probe_len: int = 32,
+                   lora_path: str | None = None) -> tuple[dict[str, float], dict]:
     """``weight_sync.verify``: teacher-forced logprobs of a fixed random probe, each engine's against the
     trainer's (both route naturally), after a sync. Collective. Returns ({url: max abs difference}, {url:
     error} of engines that could not be asked: a dead one is the next sync's to drop); raises
     ``SyncMismatch`` on every rank when an engine differs by more than ``tol``: it would generate every
-    later sample from weights that are not the trainer's, and nothing else would show it."""
+    later sample from weights that are not the trainer's, and nothing else would show it. LoRA runs pass
+    ``lora_path``, the adapter name of ``version`` (``mrl.rollout.lora.adapter_name``)."""
     from mrl.megatron import compat
     from mrl.megatron.forward import forward_logits, token_logprobs
 
@@ -91,7 +93,8 @@ def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[Engine
 
         async def probe_one(c: EngineClient) -> None:
             out = await c.generate(probe[0].tolist(), {"max_new_tokens": 1, "temperature": 0.0},
-                                   rid=f"mrl-verify-v{version}-{abs(hash(c.url)):x}", logprob_start_len=0)
+                                   rid=f"mrl-verify-v{version}-{abs(hash(c.url)):x}", logprob_start_len=0,
+                                   lora_path=lora_path)
             got[c.url] = out.input_logprobs[1:]  # the first token has none
 
         errs = run_on(engines, probe_one)

@@ -8,12 +8,15 @@ packed (first-fit rows of 32 tokens, block-diagonal causal mask) in the same run
 - every router dispatches exactly the engine's experts, token for token (forward and recompute);
 - logprobs equal those of the single-process replay run, and packed equal unpacked;
 - replay off (natural routing) disagrees with the engine; replay on does not (KL of the training
-  logprobs vs the engine's reported for both).
+  logprobs vs the engine's reported for both);
+- the routes these checks replay reached mrl as uint8, a quarter of SGLang's int32
+  (``mrl.rollout.engine_patches``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 
@@ -24,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from mrl.models import get_bridge
 from mrl.rollout.client import EngineClient
+from mrl.rollout.engine_patches import COMPACT_ROUTES_MARK
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec
@@ -41,9 +45,20 @@ LAYOUTS = {  # name: (nproc, args)
 }
 
 
+WIRE: list[tuple[int, int]] = []
+
+
+class _WireRecordingCodec(RoutesCodec):
+    """The manager's codec, noting (payload bytes, rows) of every routes reply it decodes in ``WIRE``."""
+
+    def decode(self, b64, *, prompt_len, response_len):
+        WIRE.append((len(base64.b64decode(b64)), self.expected_rows(prompt_len, response_len)))
+        return super().decode(b64, prompt_len=prompt_len, response_len=response_len)
+
+
 @pytest.fixture(scope="module")
 def samples(engines, ckpt_dir, tmp_path_factory):
-    codec = RoutesCodec.from_bridge(get_bridge(ckpt_dir["tiny"]))
+    codec = _WireRecordingCodec(**vars(RoutesCodec.from_bridge(get_bridge(ckpt_dir["tiny"]))))
 
     async def go():
         mgr = RolloutManager([EngineClient(engines["tp1"].url)], codec=codec,
@@ -55,8 +70,19 @@ def samples(engines, ckpt_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("replay") / "samples.json"
     path.write_text(json.dumps({"sequences": [s.tokens for s in out], "routes": [s.routes.tolist() for s in out],
                                 "engine_logprobs": [s.response_logprobs for s in out],
-                                "prompt_lens": [len(s.prompt_ids) for s in out]}))
+                                "prompt_lens": [len(s.prompt_ids) for s in out],
+                                "routes_wire": [list(w) for w in WIRE], "ids_per_row": codec.num_layers * codec.top_k}))
     return path
+
+
+def test_routes_reach_mrl_as_uint8(samples, engines):
+    """One byte per expert id (a quarter of SGLang's int32): the replay checks below compare the trainer's
+    routers with exactly these routes."""
+    sj = json.loads(samples.read_text())
+    assert len(sj["routes_wire"]) == len(PROMPTS)
+    assert all(nbytes == rows * sj["ids_per_row"] for nbytes, rows in sj["routes_wire"]), sj["routes_wire"]
+    with open(engines["tp1"].log_path) as f:
+        assert COMPACT_ROUTES_MARK in f.read()
 
 
 @pytest.fixture(scope="module")

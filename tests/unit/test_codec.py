@@ -1,4 +1,5 @@
-"""Routes codec: SGLang base64 int32 -> compact uint8/uint16 [T, moe_layers, K], validated."""
+"""Routes codec: SGLang base64 (int32, or uint8/int16 from mrl's engines) -> compact uint8/uint16 [T, moe_layers, K],
+validated."""
 
 import base64
 
@@ -41,8 +42,8 @@ def test_resumed_routes_cover_the_whole_sequence_and_agree_on_the_prefix():
     assert np.array_equal(rb[: ra.shape[0]], ra)
 
 
-def _b64(arr):
-    return base64.b64encode(np.asarray(arr, dtype="<i4").tobytes()).decode()
+def _b64(arr, dtype="<i4"):
+    return base64.b64encode(np.asarray(arr).astype(dtype).tobytes()).decode()
 
 
 def test_dense_layers_are_dropped():
@@ -60,12 +61,50 @@ def test_uint16_above_256_experts():
     assert RoutesCodec(num_layers=1, top_k=1, num_experts=256, moe_layers=(0,)).dtype == np.uint8
 
 
+@pytest.mark.parametrize("wire", ["u1", "<i2", "<u2", "<i4"])
+def test_every_wire_type_decodes_to_the_same_routes(wire):
+    """int32 from plain SGLang, uint8 / int16 from mrl's engines (uint16 read alike); the item size comes
+    from the byte count, the rows being known."""
+    ids = np.arange(3 * 4 * 2).reshape(3, 4, 2) % 8
+    ids[:, [0, 2]] = 0
+    codec = RoutesCodec(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 3))
+    big = RoutesCodec(num_layers=4, top_k=2, num_experts=300, moe_layers=(1, 3))
+    if wire in ("<i2", "<u2"):  # mrl's engines send 16 bits only when an id needs them
+        codec, ids = big, ids + np.where(ids > 0, 290, 0)
+    payload = _b64(ids, wire)
+    assert len(base64.b64decode(payload)) == ids.size * np.dtype(wire).itemsize
+    r = codec.decode(payload, prompt_len=2, response_len=2)
+    assert r.dtype == codec.dtype and np.array_equal(r, ids[:, [1, 3]])
+    assert np.array_equal(r, codec.decode(_b64(ids), prompt_len=2, response_len=2))  # same as int32
+
+
+def test_uint8_payload_is_a_quarter_of_int32():
+    out = parse_generate(fixture("gen_routed.json")["body"], CTX)
+    ids = np.frombuffer(base64.b64decode(out.routed_experts), "<i4")
+    small = _b64(ids, "u1")
+    assert len(base64.b64decode(small)) * 4 == len(base64.b64decode(out.routed_experts))
+    assert np.array_equal(TINY.decode(small, prompt_len=5, response_len=6),
+                          TINY.decode(out.routed_experts, prompt_len=5, response_len=6))
+
+
+def test_a_bad_length_names_the_sizes():
+    with pytest.raises(RoutesError) as e:
+        TINY.decode(_b64(np.zeros((4, 3, 2))), prompt_len=5, response_len=6)
+    assert str(e.value) == ("routed_experts has 96 bytes, expected 10 rows x 3 layers x 2 top-k x 1, 2 or 4 bytes "
+                            "= 60, 120 or 240 (it holds whole rows: 16 of uint8, 8 of 16-bit, 4 of int32)")
+
+
 @pytest.mark.parametrize("b64,kw,msg", [
-    (_b64(np.zeros((4, 3, 2))), dict(prompt_len=5, response_len=6), "4 rows, expected 10"),
+    (_b64(np.zeros((4, 3, 2))), dict(prompt_len=5, response_len=6), "96 bytes, expected 10 rows"),
+    (_b64(np.zeros((11, 3, 2)), "u1"), dict(prompt_len=5, response_len=6), "66 bytes, expected 10 rows"),
     (_b64(np.full((10, 3, 2), 8)), dict(prompt_len=5, response_len=6), "outside"),
+    (_b64(np.full((10, 3, 2), 8), "u1"), dict(prompt_len=5, response_len=6), "outside"),
     (_b64(np.full((10, 3, 2), -1)), dict(prompt_len=5, response_len=6), "outside"),
+    (_b64(np.full((10, 3, 2), -1), "<i2"), dict(prompt_len=5, response_len=6), "outside"),
+    # int32 of 5 rows has the bytes of 10 rows of 16-bit: ids all below 256 give it away
+    (_b64(np.ones((5, 3, 2))), dict(prompt_len=5, response_len=6), "fits in uint8"),
     ("not base64!!", dict(prompt_len=5, response_len=6), "base64"),
-    (_b64(np.zeros(7)), dict(prompt_len=5, response_len=6), "multiple"),
+    (_b64(np.zeros(7)), dict(prompt_len=5, response_len=6), "28 bytes"),
 ])
 def test_invalid_routes_are_refused(b64, kw, msg):
     with pytest.raises(RoutesError, match=msg):

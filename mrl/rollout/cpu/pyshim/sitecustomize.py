@@ -13,9 +13,15 @@ SGLang's CPU platform answers ``empty_cache`` (called by every ``/flush_cache``,
 sync) with a full ``gc.collect()`` of the scheduler's heap: half a second per sync on a 2-core box,
 for reference cycles that Python's own generational collector frees anyway. Here it does nothing, as
 on SGLang versions whose CPU platform had no ``empty_cache``.
+
+The patches GPU engines get as well (``mrl.rollout.engine_patches``: compact routes) are installed
+here too; this file takes the place of ``mrl/rollout/engine_shim`` on a CPU engine's path.
 """
 import os
 import sys
+
+from mrl.rollout import engine_patches
+from mrl.rollout.engine_patches import PatchOnImport
 
 try:
     import torch
@@ -29,35 +35,12 @@ try:
 
             return inner
 
-        for _name in ("zeros", "empty", "ones", "full"):
+        # tensor/arange and Tensor.pin_memory: SGLang's LoRA layers and backends pin their batch metadata
+        for _name in ("zeros", "empty", "ones", "full", "tensor", "arange"):
             setattr(torch, _name, _no_pin(getattr(torch, _name)))
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 except ImportError:
     pass
-
-
-class _PatchOnImport:
-    """Meta-path finder that lets one SGLang module load as usual, then hands it to ``patch``."""
-
-    def __init__(self, target, patch):
-        self.target, self.patch = target, patch
-
-    def find_spec(self, name, path=None, target=None):
-        if name != self.target:
-            return None
-        import importlib.util
-
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            self.patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def _batched_attention(module):
@@ -72,6 +55,7 @@ def _no_gc_on_empty_cache(module):
         platform.empty_cache = lambda self: None
 
 
-sys.meta_path.insert(0, _PatchOnImport("sglang.srt.platforms.cpu", _no_gc_on_empty_cache))
+engine_patches.install()
+sys.meta_path.insert(0, PatchOnImport("sglang.srt.platforms.cpu", _no_gc_on_empty_cache))
 if os.environ.get("MRL_CPU_BATCHED_ATTENTION") == "1":
-    sys.meta_path.insert(0, _PatchOnImport("sglang.srt.layers.attention.torch_native_backend", _batched_attention))
+    sys.meta_path.insert(0, PatchOnImport("sglang.srt.layers.attention.torch_native_backend", _batched_attention))

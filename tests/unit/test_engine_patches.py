@@ -1,0 +1,90 @@
+"""Patches mrl applies inside the SGLang servers it starts (``mrl.rollout.engine_patches``): compact routes,
+on GPU engines (``engine_shim``) and CPU engines (CPU mode's pyshim), without CPU mode's patches on GPUs.
+The engines themselves: tests/integration/test_keep_routing.py (routes of a real CPU engine are uint8)."""
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from mrl.rollout import cpu_mode, engine_patches, gpu_mode
+from mrl.rollout.engine_patches import COMPACT_ROUTES_ENV, COMPACT_ROUTES_MARK, ROUTES_MODULE, SHIM_DIR, compact_ids
+
+
+@pytest.mark.parametrize("values,dtype", [([0, 5, 255], torch.uint8), ([0, 256, 32767], torch.int16),
+                                          ([0, 32768], torch.int32), ([-1, 3], torch.int32)])
+def test_compact_ids_takes_the_smallest_type_that_holds_every_id(values, dtype):
+    ids = torch.tensor(values, dtype=torch.int32).reshape(-1, 1, 1)
+    out = compact_ids(ids)
+    assert out.dtype == dtype and torch.equal(out.to(torch.int64), ids.to(torch.int64))
+
+
+def test_compact_ids_leaves_anything_else_alone():
+    empty = torch.zeros((0, 3, 2), dtype=torch.int32)
+    assert compact_ids(empty) is empty and compact_ids(None) is None
+    wide = torch.zeros(3, dtype=torch.int64)
+    assert compact_ids(wide) is wide
+
+
+def test_a_missing_target_leaves_sglang_unpatched(capsys):
+    engine_patches.compact_routes(types.ModuleType(ROUTES_MODULE))
+    assert "routes stay int32" in capsys.readouterr().err
+
+
+def test_launch_env_has_the_shim_and_the_switch():
+    env = engine_patches.engine_env(gpu_mode.gpu_env(base={"PYTHONPATH": "/x"}))
+    assert env["PYTHONPATH"] == f"{SHIM_DIR}:/x" and env[COMPACT_ROUTES_ENV] == "1"
+    assert engine_patches.engine_env({COMPACT_ROUTES_ENV: "0"})[COMPACT_ROUTES_ENV] == "0"  # the caller's wins
+
+
+def _probe(code: str, pythonpath: str, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", COMPACT_ROUTES_ENV)}
+    e.update(PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", **env)
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+_SGLANG_PROBE = """
+import types, torch
+from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
+cap = object.__new__(RoutedExpertsCapturer)
+cap.host_cache = types.SimpleNamespace(buffer=torch.arange(16 * 3 * 2, dtype=torch.int32).reshape(16, 3, 2) % 128)
+pool = types.SimpleNamespace(req_to_token=torch.tensor([[9, 2, 7, 4, 0]]))
+out = RoutedExpertsCapturer.get_topk(cap, req_pool_idx=0, seqlen=5, req_to_token_pool=pool)
+assert out.dtype == torch.uint8, out.dtype
+assert torch.equal(out.int(), cap.host_cache.buffer[[9, 2, 7, 4]])
+assert type(torch.zeros).__name__ == "builtin_function_or_method"  # CPU mode's pin_memory shim is not here
+import sglang.srt.platforms.cpu as p
+assert "empty_cache" not in vars(p.CpuDeviceMixin) or p.CpuDeviceMixin.empty_cache.__name__ != "<lambda>"
+print("ok")
+"""
+
+
+def test_gpu_engines_get_compact_routes_from_the_real_sglang_capturer_and_no_cpu_patch():
+    out = _probe(_SGLANG_PROBE, SHIM_DIR, **{COMPACT_ROUTES_ENV: "1"})
+    assert out.stdout.strip().endswith("ok") and out.stderr.count(COMPACT_ROUTES_MARK) == 1
+
+
+_REGISTERED = f"""
+import sys
+print([getattr(f, "target", None) for f in sys.meta_path].count({ROUTES_MODULE!r}))
+"""
+
+
+@pytest.mark.parametrize("shim", ["gpu", "cpu"])
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_both_shims_register_the_patch_when_the_switch_is_on(shim, switch):
+    path = SHIM_DIR if shim == "gpu" else cpu_mode.PYSHIM_DIR
+    out = _probe(_REGISTERED, path, **{COMPACT_ROUTES_ENV: switch})
+    assert out.stdout.split()[-1] == ("1" if switch == "1" else "0")
+
+
+def test_a_shadowed_sitecustomize_still_runs(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_RAN = True\n")
+    out = _probe(_REGISTERED + "import builtins\nprint(getattr(builtins, 'SITE_RAN', False))\n",
+                 f"{SHIM_DIR}:{tmp_path}", **{COMPACT_ROUTES_ENV: "1"})
+    assert out.stdout.split()[-2:] == ["1", "True"]
