@@ -1,24 +1,35 @@
-"""DAPO and GSPO through the whole loop (real SGLang engine, Megatron trainer), with KL to a reference.
+"""DAPO and GSPO through the whole loop (real SGLang engine, Megatron trainer), with KL to a reference,
+and the loop's mechanics, several per run (each `mrl train` run costs minutes on the 2-core box).
 
 Their losses are unit-tested against hand-computed values (tests/unit/test_algo.py); here the loop
 must feed them what they need: DAPO's dynamic sampling keeps groups without signal out of every batch
 (and counts them), overlong shaping and clip-higher run, the KL to the reference is exactly 0 while
 the policy still is the reference and grows after; GSPO's sequence-level ratio trains in sync mode
 with Keep Sampling Mask on (top-k sampling).
+The DAPO run (overlap) also syncs only every second step; the GSPO run (sync mode) also writes every
+output and checkpoints, and syncs in small buckets, most of them in place from the DDP buffer.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 from tests.e2e.test_train_loop import mrl_train
 
 
-def test_dapo_overlap_with_kl_to_reference(tmp_path):
+def test_dapo_overlap_with_kl_to_reference_syncing_every_second_step(tmp_path):
     _, rows = mrl_train(tmp_path / "dapo", "algo=dapo", "algo.kl_coef=0.05", "algo.overlong_buffer_len=2",
                         "rollout.max_new_tokens=6", "train.steps=5", "train.sft_warmup_steps=10",
-                        "reward=format_and_correct",
+                        "reward=format_and_correct", "weight_sync.every_n_steps=2", "train.max_staleness=1",
                         "train.prompts_per_step=4", "train.eval_every=0", "train.bad_routes=drop")
     steps = [r for r in rows if "step_seconds" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    # weight_sync.every_n_steps=2: the version (v1 = after the warm start) advances at every second step
+    # only, the other steps train on without pausing the engine; staleness is counted in versions
+    assert [r["version"] for r in steps] == [1, 2, 2, 3, 3]
+    assert ["sync_seconds" in r for r in steps] == [False, True, False, True, False]
+    assert all(int(k) <= 1 for r in steps for k in r["staleness_hist"]), steps  # max_staleness=1 (drop)
     # dynamic sampling: no trained group is without signal, the ones skipped are counted
     assert all(r["groups_without_signal"] == 0 for r in steps)
     assert steps[-1]["rollout/groups_no_signal"] > 0
@@ -28,15 +39,29 @@ def test_dapo_overlap_with_kl_to_reference(tmp_path):
     assert all(k in steps[-1] for k in ("clip_frac_high", "clip_frac_low", "is_weight_mean"))
 
 
-def test_gspo_sync_with_sampling_mask(tmp_path):
+def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     """GSPO in sync mode, top-k sampling with Keep Sampling Mask: the trainer's logprobs over the engine's
-    support equal the engine's own (renormalized on that support) -- same weights, same routes."""
-    _, rows = mrl_train(tmp_path / "gspo", "algo=gspo", "train.mode=sync", "train.steps=3",
-                        "train.sft_warmup_steps=2", "train.prompts_per_step=4", "train.eval_every=0",
-                        "rollout.top_k=4", "train.sampling_mask=true")
+    support equal the engine's own (renormalized on that support) -- same weights, same routes. The run's
+    outputs, checkpoints and in-place sync are checked on the same run."""
+    run = tmp_path / "gspo"
+    _, rows = mrl_train(run, "algo=gspo", "train.mode=sync", "train.steps=3",
+                        "train.sft_warmup_steps=2", "train.prompts_per_step=4", "train.eval_every=2",
+                        "train.save_every=2", "rollout.top_k=4", "train.sampling_mask=true",
+                        "weight_sync.bucket_mb=0.25")  # small buckets: most go in place, straight from the DDP buffer
     steps = [r for r in rows if "step_seconds" in r]
-    assert [r["version"] for r in steps] == [2, 3, 4]
-    assert all(set(r["staleness_hist"]) == {"0"} for r in steps)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["version"] for r in steps] == [2, 3, 4]  # v1 = after the warm start; +1 per step
+    assert all(set(r["staleness_hist"]) == {"0"} for r in steps)  # sync mode: never stale
+    assert all(r["sync_seconds"] > 0 and r["sync_repaired"] == 0 and r["sync_in_place_fraction"] > 0.5
+               for r in steps), steps
+    assert all(0.0 <= r["reward"] <= 1.0 and r["routing_disagreement"] < 0.05 for r in steps)
+    assert any("eval/accuracy" in r for r in rows) and any("sft/nll" in r for r in rows)
+    for name in ("config.yaml", "curves.png", "summary.json", "checkpoints/step_2/loop_state.json",
+                 "checkpoints/step_3/loop_state.json"):
+        assert (run / name).exists(), name
+    assert os.listdir(run / "tb")
+    # no Transformer Engine on CPU: the local spec ran, and the summary says so
+    assert json.load(open(run / "summary.json"))["run"]["trainer_spec"] == "local"
     # sync mode, one optimizer step per batch: the sequence ratio starts at 1, nothing is clipped
     assert all(r["clip_frac_high"] == 0.0 and r["clip_frac_low"] == 0.0 for r in steps)
     assert all(r["support_unknown_tokens"] == 0 and r["outside_support_tokens"] == 0 for r in steps)
