@@ -138,6 +138,7 @@ def engine(cfg: Config) -> int:
     # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the
     # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
     from mrl.rollout.engine import interface_address
+    from mrl.rollout.lora import lora_engine_spec
     from mrl.rollout.secrets import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)
@@ -145,7 +146,8 @@ def engine(cfg: Config) -> int:
     host = socket.gethostname()
     bind = interface_address() if url_dir else "127.0.0.1"
     names = [f"{host}-engine{i}" for i in range(r.num_engines)] if url_dir else None
-    engines = engines_from_config(r, path, log_dir=os.path.join(cfg.run_dir, "engines"), names=names, host=bind)
+    engines = engines_from_config(r, path, log_dir=os.path.join(cfg.run_dir, "engines"), names=names, host=bind,
+                                  lora=lora_engine_spec(cfg))  # a LoRA run's trainer loads adapters into them
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

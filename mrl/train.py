@@ -16,6 +16,10 @@ Generation never waits for training (``train.mode=overlap``): engines keep gener
 trainer computes; a sync pauses them briefly (in-flight requests are aborted and resumed on the new
 weights; each token keeps the version that produced it). ``train.mode=sync`` is the baseline:
 generate one batch, train, sync, repeat.
+
+LoRA runs (``model.lora.rank > 0``) train adapters only; the engines keep their base weights and get each
+version as an adapter (``AdapterChannel``: no weight-update group, no pause, no drain), and the run ends
+by writing the final adapter as a PEFT directory (``run_dir/adapter``).
 """
 
 from __future__ import annotations
@@ -37,17 +41,20 @@ import torch.distributed as dist
 from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
 from mrl.rollout.buffer import Group
 from mrl.config.load import load_resolved
-from mrl.config.schema import BadRoutes, Config, LoopMode
+from mrl.config.schema import BadRoutes, Config, LoopMode, WeightTransport
 from mrl.data import Prompt
 from mrl.megatron.collectives import broadcast_object
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
+from mrl.models.peft import save_peft
 from mrl.process import LOOP_STATE_FILE
-from mrl.rollout.restart import EngineRestarter
+from mrl.rollout.lora import lora_engine_spec
+from mrl.rollout.restart import EngineRestarter, kill_engines
 from mrl.rollout.sample import Sample
 from mrl.routing.replay import check_routes
+from mrl.weight_sync.lora import AdapterChannel
 from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
 from mrl.weight_sync.transport import EngineEndpoint
 
@@ -184,7 +191,8 @@ class Controller:
         if not urls:
             from mrl.rollout.engine import engines_from_config
 
-            self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"))
+            self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"),
+                                               lora=lora_engine_spec(self.cfg))
             for e in self.engines:
                 e.start()
             for e in self.engines:
@@ -268,12 +276,17 @@ class Controller:
         """Abort the engines' in-flight requests and hold new ones (resumed after the sync); how many."""
         return self.rollout.drain(self.cfg.weight_sync.timeout_s)
 
+    def set_adapter(self, name: str, version: int) -> None:
+        """LoRA: new requests name adapter ``name``, loaded on every engine (their tokens get ``version``)."""
+        self.rollout.set_adapter(name, version)
+
     def undrain(self) -> None:
         self.rollout.undrain()
 
     def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
         """Joined engines take rollouts now (they hold this version); dropped ones get replacements."""
         if self.restarter is None:
+            kill_engines(self.engines, dropped)  # a hung one would hold its cores to the end of the run
             return {}
         urls = {e.url for e in alive}
         for ep in joining:
@@ -328,6 +341,9 @@ class OtherRank:
 
     def drain(self) -> int:
         return 0
+
+    def set_adapter(self, name: str, version: int) -> None:
+        pass
 
     def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
         return {}
@@ -434,7 +450,7 @@ class Loop:
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
         self.duties = Controller(cfg, self.state) if self.layout.world_rank == 0 else OtherRank()
-        self.syncer: EngineSync | None = None
+        self.syncer: EngineSync | AdapterChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
 
     def run(self) -> int:
@@ -457,6 +473,8 @@ class Loop:
                     break
                 if t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
                     self.duties.allow(t.prompts_per_step)
+            if self.step == t.steps:
+                self.write_outputs()
         finally:
             self.close()
         return 0
@@ -473,8 +491,11 @@ class Loop:
         the trainer's weights, then generation starts."""
         t = self.cfg.train
         endpoints = broadcast_object(self.duties.start_engines(self.hf_path, self.policy, self.state))
-        self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
-                                 model=self.policy.module)
+        if self.policy.lora is not None:
+            self.syncer = self._adapter_channel(endpoints)
+        else:
+            self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
+                                     model=self.policy.module, probe_timeout_s=self.cfg.weight_sync.probe_timeout_s)
         self.syncer.connect()
         if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
             self.version += 1
@@ -494,6 +515,16 @@ class Loop:
             timeout_s=ws.timeout_s, group_prefix=broadcast_object(f"mrl-{os.urandom(4).hex()}"),
             dtype=self.cfg.rollout.engine_dtype)
 
+    def _adapter_channel(self, engines: list[EngineEndpoint]) -> AdapterChannel:
+        """LoRA: versions go to the engines as adapters, over HTTP whatever ``weight_sync.transport`` (``disk``
+        has them load each from ``weight_sync.export_dir``); the engines' base weights never change."""
+        ws = self.cfg.weight_sync
+        export_dir = (ws.export_dir or os.path.join(self.cfg.run_dir, "weights")) \
+            if ws.transport == WeightTransport.disk else None
+        return AdapterChannel(self.policy, self.layout, engines, spec=lora_engine_spec(self.cfg),
+                              timeout_s=ws.timeout_s, probe_timeout_s=ws.probe_timeout_s, export_dir=export_dir,
+                              dtype=getattr(torch, self.cfg.rollout.engine_dtype), on_loaded=self.duties.set_adapter)
+
     def take_batch(self) -> tuple[RLBatch, float, dict]:
         """Rank 0 takes ``train.prompts_per_step`` groups within the staleness bound; every rank gets them."""
         return broadcast_object(self.duties.next_batch(self.version), what=f"the step-{self.step + 1} batch")
@@ -509,25 +540,29 @@ class Loop:
 
     def sync_weights(self) -> dict:
         """The next weight version to the engines: restarted engines join, in-flight requests are drained
-        around the push (they resume on the new weights), dead engines are dropped and replaced."""
+        around the push when it pauses the engines (they resume on the new weights), dead engines are
+        dropped and replaced."""
         self.version += 1
         joining = broadcast_object(self.duties.joining_engines(), what="the engines joining at this sync") \
             if restarts_engines(self.cfg) else []
+        pause = self.syncer.pauses_engines  # an adapter push pauses nothing: generation goes on
         t0 = time.perf_counter()
-        drained = self.duties.drain()
-        m = {"drain_seconds": time.perf_counter() - t0}
+        drained = self.duties.drain() if pause else 0
+        m = {"drain_seconds": time.perf_counter() - t0} if pause else {}
         try:
             if joining:  # restarted engines: new groups with them; this sync gives them the weights
                 self.syncer.add(joining)
             rep = self.syncer.sync(str(self.version))
         finally:
-            self.duties.undrain()
+            if pause:
+                self.duties.undrain()
         m |= self.verify_engines()
         m |= self.duties.after_sync(self.syncer.engines, joining, rep.dropped_engines)
         m["sync_aborted_requests"] = float(drained)
-        if rep.bytes_sent:  # rank 0's buckets: the share sent straight from its params (no copy)
+        if rep.bytes_sent and rep.bytes_in_place is not None:  # rank 0's buckets: the share sent from its params
             m["sync_in_place_fraction"] = rep.bytes_in_place / rep.bytes_sent
-        return m | {"sync_seconds": rep.seconds, "sync_repaired": float(len(rep.repaired_from_disk)),
+        return m | {"sync_seconds": rep.seconds, "sync_bytes": float(rep.bytes_sent),
+                    "sync_repaired": float(len(rep.repaired_from_disk)),
                     "engines_alive": float(len(self.syncer.engines)),
                     "engines_dropped": float(len(self.syncer.dropped))}
 
@@ -539,7 +574,8 @@ class Loop:
             return {}
         diffs, unreachable = verify_engines(self.policy.module, self.layout, self.syncer.engines,
                                             vocab_size=self.policy.bridge.vocab_size, tol=ws.verify_tol,
-                                            version=str(self.version), seed=self.cfg.seed)
+                                            version=str(self.version), seed=self.cfg.seed,
+                                            lora_path=self.syncer.adapter)
         return {"sync_verify_max_diff": max(diffs.values(), default=0.0),
                 "sync_verify_unreachable": float(len(unreachable))}
 
@@ -555,6 +591,16 @@ class Loop:
             self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
             dist.barrier()
         return stop
+
+    def write_outputs(self) -> None:
+        """At the end of a run: a LoRA run's final adapter as a Hugging Face PEFT directory, ``run_dir/adapter``
+        (the checkpoints hold it in megatron's sharded format, for resuming). Collective."""
+        if self.policy.lora is None:
+            return
+        out = self.policy.export_lora(dst=0)
+        if out is not None:
+            save_peft(os.path.join(self.cfg.run_dir, "adapter"), *out)
+        dist.barrier()
 
     def close(self) -> None:
         if self.syncer is not None:

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mrl.rollout.lora import lora_engine_spec  # torch- and SGLang-free, like this module
+
 
 class DType(str, enum.Enum):
     fp32 = "fp32"
@@ -34,6 +36,7 @@ class TinyPreset(str, enum.Enum):
     glm4_moe = "glm4_moe"  # GLM-4.5: first layer dense, shared expert, sigmoid + bias, partial rotary, qkv bias
     deepseek_v3 = "deepseek_v3"  # DeepSeek-V3: MLA, YaRN, group-limited sigmoid routing, shared expert, first dense
     tiny_gpu = "tiny_gpu"  # tiny with head_dim 64, hidden 256: SGLang's GPU kernels refuse head_dim 16
+    tiny_lora = "tiny_lora"  # tiny with its output head x10 (std 0.2): a base LoRA can adapt (mrl/models/tiny.py)
 
 
 def _fail(key: str, msg: str) -> None:
@@ -635,6 +638,12 @@ class WeightSyncConfig:
     """Where the disk transport / repair path writes safetensors (engines must read it); null = run_dir/weights."""
     timeout_s: float = 300.0
     """Limit for each weight-update collective and HTTP call."""
+    probe_timeout_s: float = 15.0
+    """Limit of the liveness probe (``GET /model_info``) that tells a hung engine from a slow one: one that
+    fails a sync step, does not answer a control call within a second, or has had rollout requests in flight
+    this long without answering any, is probed; no answer within this limit (or a 5xx to each of 3 probes)
+    and it is dropped like a killed one -- its requests resume on the others, the job's own engines are
+    killed and replaced (``rollout.restart_engines``)."""
     verify: Optional[bool] = None
     """After every sync, compare engine and trainer logprobs of a fixed probe (both routing naturally); over
     ``verify_tol`` stops the run naming the engines. null = on for float32 engines, off for bf16/fp16 ones,
@@ -649,6 +658,8 @@ class WeightSyncConfig:
             _fail("weight_sync.every_n_steps", f"must be >= 1, got {self.every_n_steps}")
         if self.timeout_s <= 0:
             _fail("weight_sync.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.probe_timeout_s <= 0:
+            _fail("weight_sync.probe_timeout_s", f"must be > 0, got {self.probe_timeout_s}")
 
 
 class ClusterKind(str, enum.Enum):
@@ -872,6 +883,8 @@ class Config:
                   f"0..{self.parallel.world_size - 1}), and NCCL cannot join two ranks of one GPU in the "
                   "weight_sync.transport=distributed group; give the engines GPUs of their own (null: the ones "
                   "after the trainer's) or set weight_sync.transport=tensor (CUDA IPC) or disk")
+        if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
+            lora_engine_spec(self)
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "

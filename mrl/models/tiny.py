@@ -62,11 +62,18 @@ PRESETS: dict[TinyPreset, dict] = {
         # what SGLang reads beyond transformers' config class (real DeepSeek-V3 configs carry them)
         moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid"),
 }
+PRESETS[TinyPreset.tiny_lora] = PRESETS[TinyPreset.tiny]
+LORA_HEAD_SCALE = 10.0
+"""``tiny_lora``: the tiny model (same seed, same weights) with ``lm_head`` scaled to std 0.2. LoRA freezes
+the head and the final norm, and at HF's init (std 0.02) they bound every logit by |w| * sqrt(hidden) ~ 1.3,
+which caps any token's probability near 1% over 512 tokens: no adapter could make the model answer. A
+trained model's head is not that flat; with this one adapters on attention alone learn copy_last."""
 
 # preset -> (transformers config class, model class, architecture)
 _QWEN3 = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
 FAMILIES: dict[TinyPreset, tuple[str, str]] = {
     TinyPreset.tiny: _QWEN3, TinyPreset.tiny_gpu: _QWEN3, TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
+    TinyPreset.tiny_lora: _QWEN3,
     TinyPreset.glm4_moe: ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     TinyPreset.deepseek_v3: ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
@@ -141,6 +148,9 @@ def make_tiny_model(out_dir: str, preset: TinyPreset = TinyPreset.tiny, seed: in
                     p.copy_(r)
                 else:
                     p.copy_(r * (2.0 if n.endswith("mlp.gate.weight") else 1.0) / p.shape[-1] ** 0.5)
+    elif preset == TinyPreset.tiny_lora:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(LORA_HEAD_SCALE)
     elif FAMILIES[preset] != _QWEN3:
         # family presets keep HF's init (they must train like the tiny one) but no tensor is left at a
         # constant: norms around 1, biases small, the score-correction bias on the scale of the router

@@ -27,6 +27,7 @@ from mrl.rollout.protocol import (
     EngineError,
     EngineGuardError,
     EngineHTTPError,
+    EngineHung,
     EngineProtocolError,
     EngineUnavailable,
     GenerateOutput,
@@ -139,7 +140,7 @@ class EngineClient:
                 raise EngineHTTPError(self.url, endpoint, status, "the engine refused this client's "
                                       f"{'admin' if admin else 'api'} key (is ${ENV_VAR} the run's keys file?)")
             if status in (502, 503, 504):
-                raise EngineUnavailable(self.url, endpoint, f"HTTP {status}: {error_message(body, text)}")
+                raise EngineUnavailable(self.url, endpoint, f"HTTP {status}: {error_message(body, text)}", status)
             raise EngineHTTPError(self.url, endpoint, status, error_message(body, text))
         return status, body, text
 
@@ -358,6 +359,18 @@ class EngineClient:
             raise EngineProtocolError(self.url, "/weights_checker", "no 'ranks' list")
         return [r["checksums"] for r in data["ranks"]]
 
+    async def probe(self, timeout: float) -> None:
+        """Liveness: ``GET /model_info`` answered within ``timeout`` s. The HTTP server answers it alone (no
+        round trip to the scheduler), so a paused or busy engine answers at once, while a stopped or wedged
+        one does not (``/health`` generates a token: it blocks while paused). Raises ``EngineUnavailable``
+        when refused, not answered, or answered with a 5xx; any other answer, an error status included,
+        means the server is up."""
+        try:
+            await self._call("GET", "/model_info", timeout=timeout)
+        except EngineHTTPError as e:
+            if e.status >= 500:
+                raise EngineUnavailable(self.url, "/model_info", e.detail, e.status) from e
+
     async def health(self, timeout: float = 20.0) -> bool:
         if self.paused:
             raise EngineGuardError(self.url, "/health", "health checks block while the engine is paused")
@@ -370,3 +383,55 @@ class EngineClient:
     async def loads(self) -> dict:
         _, data, _ = await self._call("GET", "/v1/loads", timeout=self.timeouts.control)
         return data
+
+
+PROBE_GRACE_S = 1.0
+"""How long a control call (pause, flush, abort, stamp) may take before the engine is probed meanwhile:
+these answer within milliseconds on a live engine, and a liveness probe costs one cheap GET."""
+
+
+async def liveness(client: EngineClient, timeout_s: float, *, attempts: int = 3, retry_s: float = 1.0) -> str | None:
+    """Why the engine behind ``client`` is dead, or None when it is up. Dead: its port refuses connections
+    (killed), or it accepts them but answers no probe (``EngineClient.probe``) within ``timeout_s`` (a
+    SIGSTOPped or wedged server: the kernel still accepts connections for it), or it answers a 5xx to
+    each of ``attempts`` probes ``retry_s`` apart (a server stuck failing, or a proxy in front of a dead
+    one). A refusal or a silence is final at once; a 5xx may be a moment's overload, hence the retries."""
+    last = None
+    for i in range(attempts):
+        try:
+            await client.probe(timeout_s)
+            return None
+        except EngineUnavailable as e:
+            if e.status is None:  # refused, reset or silent
+                return f"liveness probe failed: {e}"
+            last = e
+        if i + 1 < attempts:
+            await asyncio.sleep(retry_s)
+    return f"liveness probe failed {attempts} times, {retry_s:g} s apart: {last}"
+
+
+async def watched(client: EngineClient, call, endpoint: str, *, probe_timeout_s: float,
+                  grace_s: float = PROBE_GRACE_S):
+    """Await ``call`` (a coroutine of a request to ``client``'s engine). When it has not returned after
+    ``grace_s``, the engine is probed meanwhile (``liveness``); if the probe fails, the call is cancelled
+    and ``EngineHung`` raised naming ``endpoint``. So a stopped engine costs about ``grace_s +
+    probe_timeout_s``, not the call's own limit (60 s for control calls), while a live engine that is
+    merely slow keeps its call running to that limit."""
+    task = asyncio.ensure_future(call)
+    probe = None
+    try:
+        done, _ = await asyncio.wait({task}, timeout=grace_s)
+        if task in done:
+            return task.result()
+        probe = asyncio.ensure_future(liveness(client, probe_timeout_s))
+        done, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        why = probe.result()
+        if why is None:  # up, only slow: the call keeps its own limit
+            return await task
+        raise EngineHung(client.url, endpoint, f"no answer after {grace_s:g} s and {why}")
+    finally:
+        for t in (task, probe):
+            if t is not None and not t.done():
+                t.cancel()

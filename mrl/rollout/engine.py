@@ -313,13 +313,24 @@ class Engine:
         return out
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to the whole process group, SIGKILL whatever is left after ``timeout``."""
+        """SIGTERM to the whole process group, SIGKILL whatever is left after ``timeout``. A stopped
+        (SIGSTOPped) process only handles the SIGTERM once continued, so a SIGCONT follows it."""
+        self._end(((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)))
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group at once, and wait until none of it is left: for an engine
+        judged dead or hung, which has nothing to finish (SIGKILL also ends a stopped process)."""
+        self._end(((signal.SIGKILL, 10.0),))
+
+    def _end(self, signals) -> None:
         if self.proc is None:
             return
         pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        for sig, wait in signals:
             try:
                 os.killpg(pgid, sig)
+                if sig != signal.SIGKILL:
+                    os.killpg(pgid, signal.SIGCONT)
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait

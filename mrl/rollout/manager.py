@@ -11,6 +11,12 @@ the sample is resubmitted as prompt + partial with the remaining budget, and blo
 until it continues -- so partial rollouts survive weight updates, and each token keeps the version
 that produced it. A dead or hung engine is taken out of rotation and its samples go to the others.
 
+Hung engines (stopped, wedged: the port still accepts connections, nothing answers): an engine whose
+requests have gone ``probe_timeout_s`` without any answer is probed (``client.liveness``), and so is one
+that does not answer a drain's abort at once; when the probe fails, every call in flight there is
+abandoned (``EngineHung``) and its sample resumes on another engine, as for a killed engine -- so a
+hung engine holds neither the rollouts nor a drain.
+
 Routes: each call asks only for the rows its input adds (``routed_experts_start_len`` = rows the sample
 already holds, SGLang 0.5.14); a resumed segment or a later turn of an episode appends its rows, so no
 call returns the whole history again. ``generate_turn`` drives one model turn of a multi-turn episode
@@ -28,12 +34,13 @@ import asyncio
 import itertools
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from mrl.rollout.client import EngineClient
+from mrl.rollout.client import EngineClient, liveness, watched
 from mrl.rollout.lora import AdapterRouter
-from mrl.rollout.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable, GenerateOutput
+from mrl.rollout.protocol import EngineHTTPError, EngineHung, EngineProtocolError, EngineUnavailable, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.routing.codec import RoutesCodec, RoutesError
 from mrl.routing.sampling_mask import engine_support
@@ -52,6 +59,22 @@ class _Slot:
     failures: int = 0
     served: int = 0
     """Calls answered (segments), for per-engine accounting."""
+    progress: float = 0.0
+    """Loop time of the last answer from this engine, or of the start of its first call in flight since."""
+    why: str | None = None
+    """Why it was taken out of rotation."""
+    gone: asyncio.Future | None = field(default=None, repr=False)
+    """Done (with ``why``) once it is taken out: its calls in flight stop waiting on it."""
+    probing: asyncio.Task | None = field(default=None, repr=False)
+    """The liveness probe in progress, shared by every call waiting on this engine."""
+
+    def gone_future(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        if self.gone is None or self.gone.get_loop() is not loop:  # managers outlive the loops of tests
+            self.gone = loop.create_future()
+            if not self.healthy:
+                self.gone.set_result(self.why)
+        return self.gone
 
 
 @dataclass
@@ -73,10 +96,15 @@ class RolloutStats:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
                  max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None,
-                 top_logprobs_num: int = 0, adapters: AdapterRouter | None = None):
+                 top_logprobs_num: int = 0, adapters: AdapterRouter | None = None, probe_timeout_s: float = 15.0):
         """``top_logprobs_num`` > 0: ask for that many top logprobs per token and rebuild each token's
         sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``). ``adapters``: LoRA
-        runs, one router shared by every manager on these engines."""
+        runs, one router shared by every manager on these engines. ``probe_timeout_s``: an engine with
+        requests in flight and no answer for this long is probed, and judged hung when the probe is not
+        answered within it (``weight_sync.probe_timeout_s``)."""
+        if probe_timeout_s <= 0:
+            raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
+        self.probe_timeout_s = probe_timeout_s
         if not clients:
             raise ValueError("RolloutManager needs at least one engine client")
         self._per_engine = max_inflight_per_engine
@@ -177,6 +205,9 @@ class RolloutManager:
             await self._gate.wait()  # after the semaphore: a call queued on it must not slip past a drain
             if not slot.healthy:
                 return None
+            loop = asyncio.get_running_loop()
+            if not slot.inflight:  # the engine owes no answer yet: its silence is counted from now
+                slot.progress = loop.time()
             slot.inflight += 1
             adapter = self.adapters.acquire(slot.client.url) if self.adapters is not None else None
             try:
@@ -184,21 +215,20 @@ class RolloutManager:
                 if self.sampling.seed is not None:  # a function of the sample, not of timing or engine
                     params["sampling_seed"] = (self.sampling.seed * 1_000_003 + sample.group_id * 10_007
                                                + sample.index * 101 + sample.num_segments) % (1 << 31)
-                out = await slot.client.generate(inputs, params, rid=rid,
-                                                 return_logprob=True, return_routed_experts=self.codec is not None,
-                                                 top_logprobs_num=self.top_logprobs_num,
-                                                 routed_experts_start_len=start_row or None,
-                                                 lora_path=adapter[0] if adapter else None)
+                out = await self._answer(slot, slot.client.generate(
+                    inputs, params, rid=rid, return_logprob=True, return_routed_experts=self.codec is not None,
+                    top_logprobs_num=self.top_logprobs_num, routed_experts_start_len=start_row or None,
+                    lora_path=adapter[0] if adapter else None))
             except (EngineUnavailable, EngineProtocolError) as e:
                 # crash, hang or garbage: take the engine out, retry the sample elsewhere
-                slot.healthy = False
+                self._evict(slot, str(e))
                 slot.failures += 1
                 self.stats.engine_failures += 1
                 self._retry_or_fail(sample, e)
                 return None
             except EngineHTTPError as e:
                 if adapter is not None and "never been loaded" in str(e):  # it lost its adapters: restarted
-                    slot.healthy = False
+                    self._evict(slot, str(e))
                     slot.failures += 1
                     self.stats.engine_failures += 1
                     self._retry_or_fail(sample, e)
@@ -207,6 +237,7 @@ class RolloutManager:
                 return None
             finally:
                 slot.inflight -= 1
+                slot.progress = loop.time()
                 if adapter is not None:
                     self.adapters.release(slot.client.url, adapter)
         slot.served += 1
@@ -215,6 +246,47 @@ class RolloutManager:
         except (RoutesError, ValueError) as e:
             self._retry_or_fail(sample, e)
             return None
+
+    async def _answer(self, slot: _Slot, call) -> Any:
+        """Await ``call`` (a request to ``slot``'s engine). Every ``probe_timeout_s`` the engine has had
+        calls in flight without answering any, it is probed (one probe shared by its calls); a failed probe
+        takes it out of rotation, and then every call waiting on it raises ``EngineHung`` at once instead of
+        waiting out its own limit (an hour for /generate: generation may legitimately be long)."""
+        task = asyncio.ensure_future(call)
+        gone = slot.gone_future()
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task, gone}, timeout=self.probe_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                if gone.done():
+                    raise EngineHung(slot.client.url, "/generate", f"call abandoned: {gone.result()}")
+                if loop.time() - slot.progress >= self.probe_timeout_s:
+                    await self._probe(slot)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _probe(self, slot: _Slot) -> None:
+        """Probe ``slot``'s engine (``client.liveness``), joining a probe already under way; take it out of
+        rotation when the probe fails."""
+        if slot.probing is None or slot.probing.done() or slot.probing.get_loop() is not asyncio.get_running_loop():
+            slot.probing = asyncio.ensure_future(liveness(slot.client, self.probe_timeout_s))
+        why = await asyncio.shield(slot.probing)  # a caller cancelled must not cancel the others' probe
+        if why is None:
+            slot.progress = asyncio.get_running_loop().time()  # up, only busy: next probe one period later
+        else:
+            self._evict(slot, f"judged hung: {why}")
+
+    def _evict(self, slot: _Slot, why: str) -> None:
+        """Out of rotation for good; its calls in flight end now (``_answer``) and their samples resume
+        elsewhere."""
+        if slot.healthy:
+            slot.healthy, slot.why = False, why
+        if slot.gone is not None and not slot.gone.done():
+            slot.gone.set_result(slot.why)
 
     def _retry_or_fail(self, sample: Sample, err: Exception) -> None:
         sample.num_retries += 1
@@ -282,9 +354,21 @@ class RolloutManager:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"drain: {sum(s.inflight for s in busy)} requests still in flight on "
                                    f"{[s.client.url for s in busy]} {timeout:.0f} s after abort_all")
-            await asyncio.gather(*(s.client.abort(abort_all=True) for s in busy), return_exceptions=True)
+            await asyncio.gather(*(self._abort_all(s) for s in busy))
             await asyncio.sleep(0.02)
         return n
+
+    async def _abort_all(self, slot: _Slot) -> None:
+        """Abort every request on ``slot``'s engine. One that does not answer at once is probed meanwhile
+        (``client.watched``): a hung or dead engine is taken out of rotation, so its calls come back
+        (their samples resume elsewhere after ``undrain``) instead of holding the drain to its limit."""
+        try:
+            await watched(slot.client, slot.client.abort(abort_all=True), "/abort_request",
+                          probe_timeout_s=self.probe_timeout_s)
+        except EngineUnavailable as e:  # refused, silent or 5xx: its requests cannot be aborted
+            self._evict(slot, str(e))
+        except Exception:  # noqa: BLE001 -- anything else (a 4xx): the next round aborts again, the deadline holds
+            pass
 
     def undrain(self) -> None:
         self._gate.set()

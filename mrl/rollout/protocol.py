@@ -32,7 +32,18 @@ class EngineProtocolError(EngineError):
 
 
 class EngineUnavailable(EngineError):
-    """Connection refused/reset, or a timeout: the engine may be dead or hung (retry elsewhere)."""
+    """Connection refused/reset, a timeout, or a 502/503/504: the engine may be dead or hung (retry elsewhere)."""
+
+    def __init__(self, url: str, endpoint: str, message: str, status: int | None = None):
+        super().__init__(url, endpoint, message)
+        self.status = status
+        """The HTTP status when the engine answered one (5xx), else None."""
+
+
+class EngineHung(EngineUnavailable):
+    """The engine did not pass a liveness probe (``mrl.rollout.client.liveness``): it refused, or accepted the
+    connection and answered nothing within the probe's limit (a stopped or wedged server: its kernel still
+    accepts connections), or answered 5xx to every probe. Its calls are abandoned; the engine is dropped."""
 
 
 class EngineGuardError(EngineError):

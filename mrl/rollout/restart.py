@@ -9,6 +9,9 @@ background while the loop goes on with the survivors, and joins at the first wei
 healthy: the sync rebuilds the weight-update groups with it and pushes the current weights, and only
 then does the rollout side send it requests. A replacement that fails to start is counted and reported,
 never retried past ``max_restarts`` in all.
+
+The dead engine's whole process group is SIGKILLed first, replaced or not: one judged hung (stopped,
+wedged) is still there, holding its cores and memory, and would never handle a SIGTERM.
 """
 
 from __future__ import annotations
@@ -29,11 +32,10 @@ class EngineRestarter:
         self._lock = threading.Lock()
 
     def replace(self, dead_urls: list[str]) -> list[Engine]:
-        """Start a replacement for each dead engine of ours, while restarts are left."""
+        """Kill each dead engine of ours and start a replacement for it, while restarts are left."""
         started = []
-        for url in dead_urls:
-            old = next((e for e in self.engines if e.url == url), None)
-            if old is None or self.restarted >= self.max_restarts:
+        for old in kill_engines(self.engines, dead_urls):
+            if self.restarted >= self.max_restarts:
                 continue
             self.restarted += 1
             new = dataclasses.replace(old, port=None, name=f"{old.name.split('-r')[0]}-r{self.restarted}")
@@ -57,3 +59,12 @@ class EngineRestarter:
         with self._lock:
             ready, self._ready = self._ready, []
         return ready
+
+
+def kill_engines(engines: list[Engine], urls: list[str]) -> list[Engine]:
+    """SIGKILL the process groups of those of ``engines`` at ``urls`` (judged dead or hung) and wait until
+    nothing of them is left; returns them. URLs of engines the job did not start are skipped."""
+    dead = [e for e in engines if e.url in urls]
+    for e in dead:
+        e.kill()
+    return dead

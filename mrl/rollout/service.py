@@ -189,10 +189,10 @@ class LocalRollout:
             if t.sampling_mask else 0
         self.manager = RolloutManager(clients, sampling=sampling, codec=codec if t.replay else None,
                                       max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top,
-                                      adapters=self.adapters)
+                                      adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s)
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids),
-            adapters=self.adapters)
+            adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s)
         self.scorer = RewardScorer(cfg.reward)
         self.eval_source = build_prompt_source(cfg.data, split="eval") if t.eval_every else None
         source = build_prompt_source(cfg.data)

@@ -86,6 +86,7 @@ class DistributedWeightSync:
         self.is_sender = self.group_name is not None
         self.is_controller = me == 0
         self._pg = None
+        self._members_gone = False  # an engine of the groups was found dead or hung (``forget``)
         self._io = LoopThread() if self.is_controller else None
         self._clients = [EngineClient(e.url) for e in engines] if self.is_controller else []
 
@@ -171,6 +172,15 @@ class DistributedWeightSync:
                 raise RuntimeError(f"weight sync: engines failed to join the weight-update groups: {errs}")
         dist.barrier()
 
+    def forget(self, urls: list[str]) -> None:
+        """Dead or hung engines: no teardown requests to them, and the groups they belong to are aborted,
+        not destroyed (an NCCL communicator's destroy can wait on a stopped peer)."""
+        gone = [c for c in self._clients if c.url in urls]
+        if gone:
+            self._clients = [c for c in self._clients if c.url not in urls]
+            self._io.submit(close_clients(gone)).result(30)
+        self._members_gone = self._members_gone or any(e.url in urls for e in self.engines)
+
     def close(self) -> None:
         fut = None
         if self.is_controller:
@@ -178,7 +188,7 @@ class DistributedWeightSync:
             fut = self._post_in_order(lambda: [lambda c, g=g: c.destroy_weights_update_group(g)
                                                for g in self.plan.groups.values()])
         if self._pg is not None:  # None after an abort (a failed push): already torn down
-            destroy_sender_group(self._pg)
+            (abort_sender_group if self._members_gone else destroy_sender_group)(self._pg)
             self._pg = None
         self.release_buffers()
         if fut is not None:
@@ -410,6 +420,9 @@ class DistributedTransport(Transport):
         if engines is not None and set(engines) != set(self.executor.engines):
             raise ValueError("the distributed transport pushes to every engine of its groups at once")
         return self.executor.push()
+
+    def forget(self, urls: list[str]) -> None:
+        self.executor.forget(urls)
 
     def close(self) -> None:
         self.executor.close()

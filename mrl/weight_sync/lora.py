@@ -5,6 +5,8 @@
     rollout.set_adapter(report.name, 7)                     # new requests use v7; v6 unloaded when idle
     sync.add_engines([url]); rollout.add_engine(url)        # a restarted engine: the current adapter first
 
+The train loop drives this through ``AdapterChannel`` (every trainer rank; the calls of ``EngineSync``).
+
 ``tensors`` are the full (unsharded) HF PEFT tensors, ``base_model.model.model.layers.L.self_attn.q_proj.
 lora_A.weight`` ..., and ``adapter_config`` the ``adapter_config.json`` dict. The base weights never change
 in a LoRA run, so nothing is paused, flushed or re-stamped: an engine serves every live version at once,
@@ -31,12 +33,17 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mrl.rollout.client import ClientTimeouts, EngineClient
 from mrl.rollout.lora import NAME_PREFIX, LoraEngineSpec, adapter_name, adapter_version
 from mrl.rollout.protocol import EngineError, EngineHTTPError
+
+if TYPE_CHECKING:
+    from mrl.weight_sync.sync import SyncReport
+    from mrl.weight_sync.transport import EngineEndpoint
 
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
@@ -293,3 +300,109 @@ def random_adapter(hf_config, *, targets: tuple[str, ...], r: int, alpha: float,
     config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
               "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}
     return out, config
+
+
+class AdapterChannel:
+    """The train loop's weight-update channel in a LoRA run, with the calls it makes of ``EngineSync``
+    (``connect``, ``sync``, ``add``, ``close``, ``engines``, ``dropped``): each policy version reaches the
+    engines as an adapter (``AdapterSync``), never as full weights, so there is no weight-update group and
+    nothing is paused, flushed or re-stamped.
+
+    Collective like ``EngineSync.sync``: every rank joins the export (``Policy.export_lora`` gathers the
+    TP/EP shards), rank 0 pushes and switches the rollout side (``on_loaded(name, version)``:
+    ``rollout.set_adapter``), and every rank learns the outcome -- the adapter name and the engines
+    dropped -- or stops with rank 0's error."""
+
+    pauses_engines = False
+    """Versions live side by side on an engine, each request on the one it started with: no drain."""
+
+    def __init__(self, policy, layout, engines: list[EngineEndpoint], *, spec: LoraEngineSpec,
+                 timeout_s: float, probe_timeout_s: float = 15.0, export_dir: str | None = None,
+                 dtype: torch.dtype | None = None, on_loaded=None):
+        """``export_dir``: the disk transport's directory (adapters loaded by path); ``dtype``: the engines'
+        (the export is cast to it); ``on_loaded``: rank 0's switch of the rollout side to a loaded version."""
+        self.policy, self.layout, self.engines = policy, layout, list(engines)
+        self.probe_timeout_s, self.dtype, self.on_loaded = probe_timeout_s, dtype, on_loaded
+        self.dropped: list[str] = []
+        self.adapter: str | None = None
+        """The adapter the engines serve the trainer's weights under; None = the base model (version 0)."""
+        self._joining: list[EngineEndpoint] = []
+        self._pusher = AdapterSync([e.url for e in engines], spec=spec, timeout_s=timeout_s,
+                                   export_dir=export_dir) if layout.world_rank == 0 else None
+
+    def connect(self) -> None:
+        """Nothing to set up: each push is HTTP calls of its own."""
+
+    def close(self) -> None:
+        """Nothing to tear down (the engines unload retired versions through the rollout side's router)."""
+
+    def add(self, new: list[EngineEndpoint]) -> None:
+        """Engines that join (restarted ones) get the adapter of the next ``sync`` before any request."""
+        self._joining += list(new)
+
+    def sync(self, version: str) -> SyncReport:
+        from mrl.megatron.collectives import broadcast_object
+        from mrl.weight_sync.sync import SyncReport, check_finite_weights
+
+        t0 = time.perf_counter()
+        check_finite_weights(self.policy.module, f"adapter sync v{version}")
+        exported = self.policy.export_lora(dst=0, dtype=self.dtype)
+        outcome: dict | str | None = None
+        if self._pusher is not None:
+            try:
+                outcome = self._push(*exported, int(version))
+            except Exception as e:
+                broadcast_object(f"{type(e).__name__}: {e}", what=f"the outcome of adapter sync v{version}")
+                raise
+        outcome = broadcast_object(outcome, what=f"the outcome of adapter sync v{version}")
+        if isinstance(outcome, str):
+            raise RuntimeError(f"adapter sync v{version} failed on rank 0: {outcome}")
+        dead = outcome["dead"]
+        self.engines = [e for e in self.engines + self._joining if e.url not in dead]
+        self._joining, self.dropped, self.adapter = [], self.dropped + list(dead), outcome["name"]
+        return SyncReport(version=version, transport=f"lora-{outcome['mode']}", seconds=time.perf_counter() - t0,
+                          push_seconds=outcome["seconds"], bytes_sent=outcome["bytes"], bytes_in_place=None,
+                          dropped_engines=list(dead), dead_reasons=dead)
+
+    def _push(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> dict:
+        """Rank 0: the version into every engine, then into the joining ones (whose current adapter it now
+        is), dropping engines found dead on the way; then the rollout side names it in new requests."""
+        dead: dict[str, str] = {}
+        report = self._without_dead(lambda: self._pusher.push(tensors, config, version), dead)
+        joining = [e.url for e in self._joining]
+        if joining:
+            self._without_dead(lambda: self._pusher.add_engines([u for u in joining if u not in dead]), dead)
+        if self.on_loaded is not None:
+            self.on_loaded(report.name, version)
+        return {"name": report.name, "mode": report.mode, "seconds": report.seconds,
+                "bytes": report.tensor_bytes, "dead": dead}
+
+    def _without_dead(self, call, dead: dict[str, str]):
+        """``call()``; when engines fail it, those that fail a liveness probe too are dropped (their
+        replacements join at a later sync) and it runs once more for the others. An engine that answers
+        the probe but refused the adapter stops the run: it would serve another policy than the trainer's."""
+        try:
+            return call()
+        except AdapterSyncError as e:
+            gone = _dead_engines(list(e.failed), self.probe_timeout_s)
+            if set(e.failed) - set(gone) or not set(self._pusher.urls) - set(gone):
+                raise
+            for url, why in gone.items():
+                print(f"[mrl] adapter sync {e.name}: engine {url} dropped: {why}", flush=True)
+            self._pusher.remove_engines(list(gone))
+            dead |= gone
+            return call()
+
+
+def _dead_engines(urls: list[str], probe_timeout_s: float) -> dict[str, str]:
+    """{url: why} of those engines that fail a liveness probe (killed, stopped or wedged)."""
+    from mrl.rollout.client import liveness
+
+    async def go():
+        clients = [EngineClient(u) for u in urls]
+        try:
+            return await asyncio.gather(*(liveness(c, probe_timeout_s) for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    return {u: why for u, why in zip(urls, asyncio.run(go()) if urls else []) if why is not None}

@@ -10,6 +10,7 @@ faults into a sync.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from mrl.config.schema import WeightTransport
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import EngineClient
+from mrl.rollout.client import EngineClient, liveness, watched
+from mrl.rollout.protocol import EngineHung
 from mrl.weight_sync.disk import DiskTransport
 from mrl.weight_sync.distributed import DistributedTransport, DistributedWeightSync
 from mrl.weight_sync.tensor import TensorTransport
@@ -118,12 +120,15 @@ class SyncReport:
     seconds: float
     push_seconds: float
     bytes_sent: int
-    bytes_in_place: int = 0
-    """This rank's bytes broadcast straight from its params (no copy)."""
+    bytes_in_place: int | None = 0
+    """This rank's bytes broadcast straight from its params (no copy); None where nothing is streamed from
+    them (adapters)."""
     failed_engines: dict[str, str] = field(default_factory=dict)
     repaired_from_disk: list[str] = field(default_factory=list)
     dropped_engines: list[str] = field(default_factory=list)
     """Engines found dead during this sync and removed from the weight-update groups."""
+    dead_reasons: dict[str, str] = field(default_factory=dict)
+    """Why each dropped engine was judged dead (``EngineSync.verdict``)."""
 
 
 class EngineSync:
@@ -131,17 +136,31 @@ class EngineSync:
     pause(abort) + flush -> push -> engines that failed are reloaded from disk -> stamp -> continue.
 
     Partial rollouts survive: requests aborted by the pause come back to the rollout manager, which
-    resumes them on the new weights (per-token versions tell the trainer which tokens are stale)."""
+    resumes them on the new weights (per-token versions tell the trainer which tokens are stale).
+
+    An engine that fails a step is dropped when it is dead (``verdict``): killed, or hung -- a stopped
+    or wedged server still accepts connections, so only a liveness probe with its own limit tells. A
+    control call that does not return at once is probed meanwhile (``client.watched``), so a hung
+    engine costs about ``probe_timeout_s``, not the call's limit."""
+
+    pauses_engines = True
+    """The engines stop generating during a sync: the loop drains the rollout side around it."""
+    adapter: str | None = None
+    """The adapter the engines serve the trainer's weights under: none, they hold the weights themselves
+    (a LoRA run syncs through ``mrl.weight_sync.lora.AdapterChannel`` instead)."""
 
     def __init__(self, transport: Transport, disk: Transport, layout: Layout,
                  engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, probe_timeout_s: float = 15.0):
         """``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
         one died mid-sync (its weight-update groups are broken for every member); None = fail instead.
-        ``model``: checked for non-finite weights before every sync (``check_finite_weights``)."""
+        ``model``: checked for non-finite weights before every sync (``check_finite_weights``).
+        ``probe_timeout_s``: ``weight_sync.probe_timeout_s``, the liveness probe's limit."""
         self.transport, self.disk, self.layout, self.engines = transport, disk, layout, engines
         self.pause_mode, self.rebuild, self.model = pause_mode, rebuild, model
+        self.probe_timeout_s = probe_timeout_s
         self.dropped: list[str] = []
+        self._hung: dict[str, str] = {}  # controller: engines a watched call already found hung, and why
 
     def connect(self) -> None:
         t0 = time.monotonic()
@@ -165,11 +184,13 @@ class EngineSync:
             check_finite_weights(self.model, f"weight sync v{version}")
         controller = self.layout.world_rank == 0
         errs = run_on(self.engines, self._pause) if controller else {}
-        dead = self._dead(errs)  # collective: every rank learns which engines are gone
+        reasons = self.verdict(errs)  # collective: every rank learns which engines are gone
+        dead = list(reasons)
         if controller and set(errs) - set(dead):
-            raise RuntimeError(f"weight sync v{version}: could not pause engines: {errs}")
-        if dead:  # died before the sync (mid-rollout): sync the others
-            self._drop(dead, version, errs)
+            raise RuntimeError(f"weight sync v{version}: could not pause engines (they answer a liveness probe, "
+                               f"so they were not dropped): { {u: e for u, e in errs.items() if u not in dead} }")
+        if dead:  # died or hung before the sync (mid-rollout): sync the others
+            self._drop(dead, version, reasons)
         try:
             with contextlib.ExitStack() as hooks:
                 for hook in PUSH_HOOKS:
@@ -179,11 +200,12 @@ class EngineSync:
             raise CollectiveError(f"weight sync v{version}: engines {[x.url for x in self.engines]} did not answer "
                                   "every bucket request within weight_sync.timeout_s per bucket (one stopped "
                                   "mid-push?)") from e
-        if not stats.ok and ((more := self._dead(stats.failed_engines)) or stats.groups_broken):
+        if not stats.ok and ((more := self.verdict(stats.failed_engines)) or stats.groups_broken):
             # died mid-sync, or a broadcast failed: its groups are broken for every member (the sender tore
             # them down so no engine waits in them); rebuild them without the dead, push again
-            self._drop(more, version, stats.failed_engines)
-            dead += more
+            self._drop(list(more), version, more)
+            dead += list(more)
+            reasons |= more
             stats = self.transport.push(version)
         repaired: list[str] = []
         if not stats.ok and self.transport is not self.disk:  # never leave an engine on partial weights
@@ -195,15 +217,21 @@ class EngineSync:
             repaired = [e.url for e in bad]
         elif not stats.ok:
             raise RuntimeError(f"weight sync v{version} over disk failed: {stats.failed_engines}")
-        if controller:
-            errs = run_on(self.engines, lambda c: self._finish(c, version))
-            if errs:
-                raise RuntimeError(f"weight sync v{version}: could not stamp/continue engines: {errs}")
+        errs = run_on(self.engines, lambda c: self._finish(c, version)) if controller else {}
+        late = self.verdict(errs)  # hung after the push: the others hold the weights and go on
+        if controller and set(errs) - set(late):
+            raise RuntimeError(f"weight sync v{version}: could not stamp/continue engines: "
+                               f"{ {u: e for u, e in errs.items() if u not in late} }")
+        if late:
+            self._drop(list(late), version, late)
+            dead += list(late)
+            reasons |= late
         with named(f"the barrier closing weight sync v{version}"):
             dist.barrier()
         return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
                           push_seconds=stats.seconds, bytes_sent=stats.bytes_sent, bytes_in_place=stats.bytes_in_place,
-                          failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead)
+                          failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead,
+                          dead_reasons=reasons)
 
     def add(self, new: list[EngineEndpoint]) -> None:
         """Engines joining (restarted ones): new channels with every engine; the next ``sync`` pushes to all
@@ -215,9 +243,13 @@ class EngineSync:
     def _drop(self, dead: list[str], version: str, why: dict[str, str]) -> None:
         """New channels for the engines still alive (all of them when ``dead`` is empty: broken groups)."""
         if self.rebuild is None or len(dead) == len(self.engines):
-            raise RuntimeError(f"weight sync v{version}: " + (f"engines died: {dead}" if dead else
+            raise RuntimeError(f"weight sync v{version}: " + (f"engines died or hung: {dead}" if dead else
                                "a broadcast failed and its groups cannot be rebuilt") + f" ({why})")
+        if self.layout.world_rank == 0:
+            for url in dead:
+                print(f"[mrl] weight sync v{version}: engine {url} dropped: {why.get(url, 'dead')}", flush=True)
         self.dropped += dead
+        self.transport.forget(dead)  # no teardown requests to them: a hung engine would hold each to its limit
         self._rechannel([e for e in self.engines if e.url not in dead])
 
     def _rechannel(self, engines: list[EngineEndpoint]) -> None:
@@ -227,32 +259,45 @@ class EngineSync:
         self.transport, self.disk = self.rebuild(engines)
         self.connect()
 
-    def _dead(self, failed: dict[str, str]) -> list[str]:
-        """Failed engines whose port refuses connections (killed), agreed on by every rank."""
-        import socket
-        from urllib.parse import urlparse
+    def verdict(self, failed: dict[str, str]) -> dict[str, str]:
+        """Of the engines in ``failed`` (the controller's {url: error}), those that are dead, with why:
+        hung in a watched call already, or failing a liveness probe now (``client.liveness``: refused, no
+        answer within ``probe_timeout_s``, or 5xx to every probe). Collective: every rank gets rank 0's
+        verdict. Engines that answer are alive: their failure is an error of its own."""
+        dead: dict[str, str] = {}
+        if self.layout.world_rank == 0 and failed:
+            dead = {u: self._hung[u] for u in failed if u in self._hung}
+            rest = [u for u in failed if u not in dead]
 
-        dead = []
-        if self.layout.world_rank == 0:
-            for url in failed:
-                u = urlparse(url)
+            async def probe_all() -> list[str | None]:
+                clients = [EngineClient(u) for u in rest]
                 try:
-                    socket.create_connection((u.hostname, u.port), timeout=3).close()
-                except OSError:
-                    dead.append(url)
+                    return await asyncio.gather(*(liveness(c, self.probe_timeout_s) for c in clients))
+                finally:
+                    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+            dead |= {u: why for u, why in zip(rest, asyncio.run(probe_all()) if rest else []) if why is not None}
+        self._hung.clear()
         box = [dead]
         with named("broadcast of the engines found dead during a weight sync", src=0):
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    async def _pause(self, c: EngineClient) -> None:
-        await c.pause(self.pause_mode)
-        await c.flush_cache()
+    async def _watch(self, c: EngineClient, call, endpoint: str):
+        """``call`` on engine ``c``, probed meanwhile when slow; a hung engine is remembered for ``verdict``."""
+        try:
+            return await watched(c, call, endpoint, probe_timeout_s=self.probe_timeout_s)
+        except EngineHung as e:
+            self._hung[c.url] = str(e)
+            raise
 
-    @staticmethod
-    async def _finish(c: EngineClient, version: str) -> None:
-        await c.update_weight_version(version, abort_all_requests=False)
-        await c.resume()
+    async def _pause(self, c: EngineClient) -> None:
+        await self._watch(c, c.pause(self.pause_mode), "/pause_generation")
+        await self._watch(c, c.flush_cache(), "/flush_cache")
+
+    async def _finish(self, c: EngineClient, version: str) -> None:
+        await self._watch(c, c.update_weight_version(version, abort_all_requests=False), "/update_weight_version")
+        await self._watch(c, c.resume(), "/continue_generation")
 
 
 def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge,

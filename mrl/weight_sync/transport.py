@@ -68,6 +68,10 @@ class Transport(abc.ABC):
     def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
         """Move the current weights into ``engines`` (default: all); engines are already paused."""
 
+    def forget(self, urls: list[str]) -> None:
+        """Engines found dead or hung: ``close`` sends them nothing (a hung engine would hold each request to
+        its limit). Not collective."""
+
     def close(self) -> None:
         """Tear the channels down."""
 

@@ -5,6 +5,9 @@
   the survivor serves the trainer's weights;
 - the same kill between two buckets of a multi-bucket push: the sender tears the broken group down so the
   survivor stops waiting in it, then as above;
+- an engine SIGKILLed, then (once its replacement joined) the other SIGSTOPped -- hung: its port still
+  accepts connections, nothing answers -- in one run: each is dropped, killed for good (no process of the
+  hung one is left while the job goes on) and replaced, the replacements join and serve, no sample is lost;
 - a trainer rank SIGKILLed after the first checkpoint: the job exits non-zero within seconds, one line names
   the rank, the signal and the checkpoint, no engine process is left, and the same command resumes.
 """
@@ -203,14 +206,56 @@ def test_engine_killed_between_buckets_is_survived(tmp_path, reliability):
                  "job_seconds": round(time.time() - t0, 1)})
 
 
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.info["pid"]) == pgid:
+                out.append(p.info["pid"])
+        except ProcessLookupError:
+            continue
+    return out
+
+
 def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     """Two engines; engine1's process group is SIGKILLed from outside at step 2. The next sync drops it and
     starts a replacement (same server, new port); once healthy it joins at a sync -- new groups, the current
-    weights pushed -- and then serves rollouts (``max_staleness=0``: engine logprobs equal the trainer's)."""
+    weights pushed -- and then serves rollouts (``max_staleness=0``: engine logprobs equal the trainer's).
+
+    Then, in the same run, engine0's process group is SIGSTOPped: hung, its port still accepting
+    connections. Its requests are abandoned after the liveness probe (``weight_sync.probe_timeout_s``)
+    fails -- by the drain's abort or the rollout side's own probe -- and resume on the replacement; the
+    sync judges it dead, drops it, kills its whole group (checked while the job runs) and starts a second
+    replacement, which joins and serves too. A replacement boots in 30 s on an idle box and minutes on a
+    loaded one, so the run does not end after a fixed number of steps: once the second replacement has
+    served two steps, SIGUSR1 (a preemption warning) makes it checkpoint and stop."""
     run = tmp_path / "restart"
-    proc = _start(run, "rollout.num_engines=2", "train.steps=45", "train.max_staleness=0",
-                  "reward.fn=tests.e2e.reward_fns.response_length", *QUICK)
+    proc = _start(run, "rollout.num_engines=2", "train.steps=400", "train.max_staleness=0",
+                  "weight_sync.probe_timeout_s=5", "reward.fn=tests.e2e.reward_fns.response_length", *QUICK)
     t_kill, killed_at = _kill_engine_at_step_2(proc, run, "engine1")
+
+    def served_two_steps(drops: int) -> bool:  # the replacement after the drops-th drop joined 2 steps ago
+        rows = _steps(run)
+        first = next((i for i, r in enumerate(rows) if r["engines_dropped"] >= drops), None)
+        if first is None:
+            return False
+        back = next((i for i in range(first, len(rows)) if rows[i]["engines_alive"] == 2), None)
+        return back is not None and len(rows) - back >= 3
+
+    _wait_for(proc, lambda: served_two_steps(1), "the replacement of engine1 serving", timeout=900)
+    pgid = _engine_pgid(run, "engine0")
+    hung_pids = _group_pids(pgid)
+    t_stop = time.time()
+    os.killpg(pgid, signal.SIGSTOP)
+    stopped_at = max(r["step"] for r in _steps(run))
+    _wait_for(proc, lambda: any(r["engines_dropped"] >= 2 for r in _steps(run)), "the hung engine's drop",
+              timeout=300)
+    t_drop = time.time()
+    time.sleep(1)  # the kill is done by the time the step is logged; a moment for the kernel to reap
+    left = [p for p in hung_pids if _pid_alive(p)]
+    assert not left and proc.poll() is None, f"processes of the hung engine left while the job runs: {left}"
+    _wait_for(proc, lambda: served_two_steps(2), "the replacement of engine0 serving", timeout=900)
+    proc.send_signal(signal.SIGUSR1)  # checkpoint and stop (forwarded to the trainer ranks)
     rc, out, err = _finish(proc, run)
     assert rc == 0, err[-5000:]
     steps = _steps(run)
@@ -218,12 +263,18 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     dropped = alive.index(1)
     assert alive[:killed_at] == [2] * killed_at and 1 in alive, alive
     rejoined = next(i for i in range(dropped, len(alive)) if alive[i] == 2)  # step index of the joining sync
-    assert all(a == 2 for a in alive[rejoined:]), alive
-    assert steps[-1]["engines_restarted"] == 1 and steps[-1]["engines_restart_failed"] == 0
+    hung_dropped = next(i for i, r in enumerate(steps) if r["engines_dropped"] >= 2)
+    assert all(a == 2 for a in alive[rejoined:hung_dropped]) and alive[hung_dropped] == 1, alive
+    rejoined2 = next(i for i in range(hung_dropped, len(alive)) if alive[i] == 2)
+    assert all(a == 2 for a in alive[rejoined2:]), alive
+    assert steps[-1]["engines_restarted"] == 2 and steps[-1]["engines_restart_failed"] == 0
     served = steps[-1]["rollout/served_by_engine"]
-    replacement = next(u for u in served if u not in served_before(steps, rejoined))
-    assert served[replacement] > 0, served  # it took requests after joining
-    _assert_engines_hold_trainer_weights(steps)  # the replacement included, once it joined
+    replacement, replacement2 = (next(u for u in served if u not in served_before(steps, i))
+                                 for i in (rejoined, rejoined2))
+    assert served[replacement] > 0 and served[replacement2] > 0, served  # they took requests after joining
+    line = [x for x in out.splitlines() if "dropped: " in x][-1]  # the hung engine's: the second drop
+    assert "liveness probe failed" in line and "(no answer)" in line, line  # silent, not refused
+    _assert_engines_hold_trainer_weights(steps)  # the replacements included, once they joined
     samples = _nothing_lost(steps)
     reliability.record(
         category="fault", name="engine SIGKILLed and restarted", survived=True, samples=samples,
@@ -236,6 +287,18 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
                      steps[rejoined]["wall_seconds"] - steps[dropped]["wall_seconds"], 1),
                  "requests_served_by_replacement": served[replacement],
                  "run_seconds_after_kill": round(time.time() - t_kill, 1)})
+    reliability.record(
+        category="fault", name="engine SIGSTOPped (hung) and restarted", survived=True, samples=samples,
+        injected="SIGSTOP to the process group of 1 of 2 SGLang engines (outside the job) once the first "
+                 "replacement serves; weight_sync.probe_timeout_s=5",
+        expected="its requests abandoned after a failed liveness probe and retried on the other; dropped at the "
+                 "next sync, its process group SIGKILLed, a replacement joins and serves; run completes",
+        message=re.sub(r"http://[\w.:-]+", "http://<engine>", line.split("[mrl] ", 1)[-1].strip()),
+        details={"stopped_during_step": stopped_at + 1, "dropped_at_the_sync_of_step": hung_dropped + 1,
+                 "seconds_from_stop_to_drop_logged": round(t_drop - t_stop, 1),
+                 "hung_engine_processes_left_after_drop": len(left),
+                 "replacement_joined_at_the_sync_of_step": rejoined2 + 1,
+                 "requests_served_by_its_replacement": served[replacement2]})
 
 
 def served_before(steps: list[dict], i: int) -> set[str]:
@@ -259,6 +322,13 @@ def _cmdline(p: psutil.Process) -> str:
 def _alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return _alive(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
@@ -307,18 +377,20 @@ def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, vi
     done_before = max(r["step"] for r in _steps(run))
 
     t_resume = time.time()
-    rc2, _, err2 = _finish(_start(run, *args), run)  # the same command again
-    assert rc2 == 0, err2[-5000:]
-    n0 = int(newest.split("_")[1])
-    steps = [r["step"] for r in _steps(run)]
-    assert len(steps) == rows_before + 4 - n0 and steps[rows_before:] == list(range(n0 + 1, 5)), steps
-    assert (run / "checkpoints" / "step_4" / "loop_state.json").exists()
+    if victim_rank == 0:  # the resume is the same whichever rank died: run once, after the controller's loss
+        rc2, _, err2 = _finish(_start(run, *args), run)  # the same command again
+        assert rc2 == 0, err2[-5000:]
+        n0 = int(newest.split("_")[1])
+        steps = [r["step"] for r in _steps(run)]
+        assert len(steps) == rows_before + 4 - n0 and steps[rows_before:] == list(range(n0 + 1, 5)), steps
+        assert (run / "checkpoints" / "step_4" / "loop_state.json").exists()
     reliability.record(
         category="fault", name=f"trainer rank {victim_rank} SIGKILLed", survived=True,
         message=(line + " " + err.split("[mrl] mrl.jobs.train failed")[1].split("\n")[1].strip()).replace(
             str(run), "<run_dir>"),
         injected=f"SIGKILL to trainer rank {victim_rank} of 2 (parallel=ep2) after checkpoint step_2",
-        expected="job exits non-zero naming rank and signal, no engine or rollout process left, the same "
-                 "command resumes",
+        expected="job exits non-zero naming rank and signal, no engine or rollout process left"
+                 + (", the same command resumes" if victim_rank == 0 else ""),
         details={"exit_seconds_after_kill": round(exit_s, 1), "steps_done_before_kill": done_before,
-                 "resumed_from": newest, "resume_run_seconds": round(time.time() - t_resume, 1)})
+                 **({"resumed_from": newest, "resume_run_seconds": round(time.time() - t_resume, 1)}
+                    if victim_rank == 0 else {})})

@@ -6,7 +6,11 @@ and pauses have something to interrupt). Faults:
 
 - ``crash_after``: the n-th /generate emits some tokens, then the connection drops and the server is
   dead (every later request is dropped too), like a SIGKILLed engine;
-- ``hang``: /generate never answers (the client must time out); ``hang_endpoints``: these never answer;
+- ``hang``: /generate never answers (the client must time out); ``hang_endpoints``: these never answer
+  (``"*"``: none answers);
+- ``unavailable_endpoints``: these answer 503 (``"*"``: every one, like a proxy in front of a dead server);
+- run as a process (``python -m tests.fakes.fake_sglang``, it prints its URL) and SIGSTOP it: the port
+  still accepts connections and nothing answers, like a stopped SGLang server;
 - ``http_400`` / ``http_503``: /generate answers with that status and the recorded error body;
 - ``malformed``: /generate answers 200 with a body whose logprobs are null (NaN) or keys missing;
 - ``partial_update``: /update_weights_from_distributed answers the recorded "partially updated" 400.
@@ -60,7 +64,8 @@ class Faults:
     crash_after: int | None = None  # crash during the n-th /generate (1-based)
     crash_after_tokens: int = 2
     hang: bool = False
-    hang_endpoints: tuple[str, ...] = ()  # any endpoint: accepted, never answered
+    hang_endpoints: tuple[str, ...] = ()  # any endpoint: accepted, never answered ("*": all)
+    unavailable_endpoints: tuple[str, ...] = ()  # any endpoint: 503 ("*": all)
     http_400: bool = False
     http_503: bool = False
     malformed: str | None = None  # "null_logprob" | "no_meta" | "not_json"
@@ -171,9 +176,12 @@ class FakeSGLang:
 
     @web.middleware
     async def _hang(self, request: web.Request, handler):
-        if request.path in self.faults.hang_endpoints:  # never answers (until the test server shuts down)
+        f = self.faults
+        if request.path in f.hang_endpoints or "*" in f.hang_endpoints:  # never answers (until shut down)
             await self._closing.wait()
             self._drop(request)
+        if request.path in f.unavailable_endpoints or "*" in f.unavailable_endpoints:
+            return web.json_response({"error": {"message": "Service Unavailable"}}, status=503)
         return await handler(request)
 
     @property
@@ -338,3 +346,21 @@ class FakeSGLang:
             self._drop(request)
         await self._resume.wait()
         return web.Response(text="")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until killed, printing the URL first (tests SIGSTOP the process: a hung server)."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tick-s", type=float, default=0.002)
+    a = ap.parse_args(argv)
+    with FakeSGLang(state=FakeState(tick_s=a.tick_s)) as srv:
+        print(srv.url, flush=True)
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

@@ -107,3 +107,41 @@ def test_invalid_values_fail_at_load_of_resolved_config(tmp_path):
     with pytest.raises(ValidationError) as e:
         load_resolved(str(p))
     assert "dispatcher" in str(e.value) and "alltoall" in str(e.value)
+
+
+def test_lora_experiment_composes():
+    cfg = compose(["+experiment=lora_tiny"])
+    assert cfg.model.lora.enabled and cfg.model.lora.targets == ["attention"]
+    assert cfg.model.tiny_preset.value == "tiny_lora" and cfg.run_dir == "runs/lora_tiny"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.lora_max_rank=4"], r"^model\.lora\.rank: 8 > rollout\.lora_max_rank 4"),
+    (["model.lora.targets=[attention,experts]"], r"^model\.lora\.targets: .*on CPU engines"),
+    (["model.lora.targets=[dense_mlp]"], r"^model\.lora\.targets: .*on CPU engines"),
+    (["model.lora.targets=[attention,router]"], r"^model\.lora\.targets: 'router'"),
+    (["rollout.engine_dp=2"], r"^rollout\.engine_dp: SGLang loads adapters only"),
+    (["+rollout.server_args.max_lora_rank=16"], r"^rollout\.server_args: \['max_lora_rank'\] are set by mrl"),
+    (["+rollout.server_args.max_loaded_loras=2"], r"^rollout\.server_args\.max_loaded_loras"),
+])
+def test_lora_engine_refusals_at_config_load(overrides, message):
+    """What the engines could not serve is refused when the config loads (``Config.__post_init__``), naming
+    the field, not when the engines start minutes later."""
+    with pytest.raises(ValueError, match=message):
+        compose(["+experiment=lora_tiny", *overrides])
+
+
+def test_lora_engine_checks_at_load_of_resolved_config(tmp_path):
+    """The per-rank workers load the resolved config.yaml: the same refusal there."""
+    from mrl.config.load import load_resolved
+
+    p = tmp_path / "config.yaml"
+    p.write_text("model:\n  lora: {rank: 8, targets: [experts]}\n")
+    with pytest.raises(ValueError, match=r"^model\.lora\.targets: .*on CPU engines"):
+        load_resolved(str(p))
+
+
+def test_expert_lora_accepted_for_gpu_engines():
+    """GPU engines serve expert adapters (SGLang's Triton MoE runner): the same targets pass there."""
+    cfg = compose(["model.lora.rank=8", "model.lora.targets=[attention,experts]", "rollout=gpu", "model.dtype=bf16"])
+    assert cfg.model.lora.hf_target_modules[-3:] == ["gate_proj", "up_proj", "down_proj"]

@@ -19,7 +19,7 @@ from mrl.rollout.lora import ATTENTION, MLP, AdapterRouter, LoraEngineSpec, adap
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineHTTPError, EngineUnavailable, FinishReason, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
-from mrl.weight_sync.lora import AdapterSync, check_adapter_tensors, random_adapter, serialize_adapter
+from mrl.weight_sync.lora import AdapterSync, AdapterSyncError, check_adapter_tensors, random_adapter, serialize_adapter
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
             moe_intermediate_size=32, num_hidden_layers=2, num_local_experts=4)
@@ -223,3 +223,49 @@ def test_manager_names_the_current_adapter_and_versions_tokens_by_it():
         assert router.in_use() == {}
 
     asyncio.run(go())
+
+
+class _Pusher:
+    """``AdapterSync`` on rank 0 as ``AdapterChannel`` drives it: engines in ``refuse`` fail every load."""
+
+    def __init__(self, urls, refuse):
+        self.urls, self.refuse, self.calls = list(urls), refuse, []
+
+    def push(self, tensors, config, version):
+        self.calls.append(("push", tuple(self.urls)))
+        if failed := {u: why for u, why in self.refuse.items() if u in self.urls}:
+            raise AdapterSyncError(adapter_name(version), failed, [u for u in self.urls if u not in failed])
+        return SimpleNamespace(name=adapter_name(version), mode="tensors", seconds=0.01, tensor_bytes=64)
+
+    def add_engines(self, urls):
+        self.calls.append(("add", tuple(urls)))
+
+    def remove_engines(self, urls):
+        self.urls = [u for u in self.urls if u not in urls]
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_adapter_channel_drops_dead_engines_and_stops_on_a_live_refusal(monkeypatch, dead):
+    """Rank 0's push (``AdapterChannel._push``): an engine that fails the load and a liveness probe is dropped
+    and the others get the version; one that answers the probe stops the sync before the rollout side
+    switches (it would serve another policy). A joining engine gets the version once it is current."""
+    import mrl.weight_sync.lora as wl
+    from mrl.weight_sync.transport import EngineEndpoint
+
+    spec = LoraEngineSpec(max_rank=8, targets=ATTENTION)
+    ch = wl.AdapterChannel(None, SimpleNamespace(world_rank=0), [EngineEndpoint("http://a"), EngineEndpoint("http://b")],
+                           spec=spec, timeout_s=5.0)
+    ch._pusher = pusher = _Pusher(["http://a", "http://b"], refuse={"http://b": "HTTP 500"})
+    monkeypatch.setattr(wl, "_dead_engines", lambda urls, _t: {u: "refused" for u in urls} if dead else {})
+    switched = []
+    ch.on_loaded = lambda name, version: switched.append((name, version))
+    ch.add([EngineEndpoint("http://c")])
+    if not dead:
+        with pytest.raises(AdapterSyncError, match="engine http://b: HTTP 500"):
+            ch._push({}, {}, 3)
+        assert switched == [] and pusher.urls == ["http://a", "http://b"]
+        return
+    out = ch._push({}, {}, 3)
+    assert out["dead"] == {"http://b": "refused"} and out["name"] == "policy@v3"
+    assert pusher.calls == [("push", ("http://a", "http://b")), ("push", ("http://a",)), ("add", ("http://c",))]
+    assert switched == [("policy@v3", 3)]
