@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from mrl._compat.te import te_linear_kinds
 from mrl.config.schema import LoraConfig
 from mrl.megatron.parallel import GroupInfo, Layout
-from mrl.megatron.weights import LocalParam, is_owner, segment_rows, unwrap, gather_full_many, global_name, \
+from mrl.megatron.weights import LocalParam, gather_hf, global_name, segment_rows, unwrap, \
     read_shard
-from mrl.models.bridge import ModelBridge, ParamMap, split_full
+from mrl.models.bridge import ModelBridge, ParamMap
 from mrl.models.peft import LoraSite, check_peft, load_peft, lora_sites, peft_config, peft_shapes
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -334,26 +334,9 @@ def export_peft(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, lor
     """The adapter as HF PEFT: (full, unsharded CPU tensors by PEFT name, ``adapter_config.json`` dict), on global
     rank ``dst`` (None elsewhere), or on every rank with ``dst=None``. Collective. ``dtype``: cast the tensors
     (the engine's dtype); default the trainer's."""
-    items = _local_items(model, layout)
-    mine: dict[str, torch.Tensor] = {}
-    for (lp, pm), full in zip(items, gather_full_many(items)):
-        if is_owner(lp, layout):
-            for k, v in split_full(pm, full.detach().cpu()).items():
-                mine[k] = v.to(dtype or v.dtype).clone()
-    if dst is None:
-        objs: list | None = [None] * layout.world_size
-        dist.all_gather_object(objs, mine)
-    else:
-        objs = [None] * layout.world_size if layout.world_rank == dst else None
-        dist.gather_object(mine, objs, dst=dst)
-        if layout.world_rank != dst:
-            return None
-    out: dict[str, torch.Tensor] = {}
-    for o in objs:
-        for k, v in o.items():
-            if k in out:
-                raise AssertionError(f"{k} exported by two ranks")
-            out[k] = v
+    out = gather_hf(_local_items(model, layout), layout, dst, dtype)
+    if out is None:
+        return None
     check_peft(out, peft_config(lora), peft_shapes(bridge, lora), lora, where="export")
     return out, peft_config(lora, base_model=bridge.path)
 

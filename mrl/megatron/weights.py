@@ -195,15 +195,27 @@ def export_hf(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padde
     maps = maps_by_name(bridge, padded_vocab)
     items = [(lp, maps[lp.global_name]) for lp in local_params(model, layout)
              if not (bridge.tied_embeddings and lp.global_name == "output_layer.weight")]  # embedding copy
+    return gather_hf(items, layout, dst)
+
+
+def gather_hf(items: list[tuple[LocalParam, ParamMap]], layout: Layout, dst: int | None = 0,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """The full HF-named CPU tensors of ``items`` (local params with their maps), each from its one
+    owner, on global rank ``dst`` (None elsewhere), or on every rank with ``dst=None``. Collective.
+    ``dtype``: cast on the way (e.g. to the engine's dtype)."""
     mine: dict[str, torch.Tensor] = {}
     for (lp, pm), full in zip(items, gather_full_many(items)):
         if is_owner(lp, layout):
-            for k, v in split_full(pm, full.cpu()).items():
-                mine[k] = v.clone()
-    objs = [None] * layout.world_size if layout.world_rank == dst else None
-    dist.gather_object(mine, objs, dst=dst)
-    if layout.world_rank != dst:
-        return None
+            for k, v in split_full(pm, full.detach().cpu()).items():
+                mine[k] = v.to(dtype or v.dtype).clone()
+    if dst is None:
+        objs: list | None = [None] * layout.world_size
+        dist.all_gather_object(objs, mine)
+    else:
+        objs = [None] * layout.world_size if layout.world_rank == dst else None
+        dist.gather_object(mine, objs, dst=dst)
+        if layout.world_rank != dst:
+            return None
     out: dict[str, torch.Tensor] = {}
     for o in objs:
         for k, v in o.items():
