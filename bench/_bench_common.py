@@ -222,3 +222,19 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def engine_call(url: str, fn):
+    """``fn(client)`` against one engine from synchronous bench code, the client closed after it."""
+    import asyncio
+
+    from mrl.rollout.client import EngineClient
+
+    async def go():
+        c = EngineClient(url)
+        try:
+            return await fn(c)
+        finally:
+            await c.close()
+
+    return asyncio.run(go())

@@ -15,7 +15,6 @@ of a probe against the trainer's, and a bitwise check of sampled tensors read ba
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
@@ -34,7 +33,7 @@ from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from mrl.megatron.weights import export_hf
-from mrl.rollout.client import EngineClient
+from _bench_common import engine_call
 from mrl.rollout.engine import free_port
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
@@ -65,14 +64,6 @@ print("raw receiver done", flush=True)
 """
 
 
-def _engine_call(url: str, fn):
-    async def go():
-        c = EngineClient(url)
-        try:
-            return await fn(c)
-        finally:
-            await c.close()
-    return asyncio.run(go())
 
 
 def _probe_logprobs(url: str, probe: list[int]) -> list[float]:
@@ -80,13 +71,13 @@ def _probe_logprobs(url: str, probe: list[int]) -> list[float]:
         out = await c.generate(probe, {"max_new_tokens": 1, "temperature": 0.0}, rid=f"probe-{time.time_ns()}",
                                logprob_start_len=0)
         return out.input_logprobs[1:]
-    return _engine_call(url, fn)
+    return engine_call(url, fn)
 
 
 def _checksums(url: str) -> list[dict[str, str]]:
     async def fn(c):
         return await c.weight_checksums()
-    return _engine_call(url, fn)
+    return engine_call(url, fn)
 
 
 # Engine params that are HF tensors unchanged (no fusion, no TP split at engine TP1): their hashes must

@@ -14,7 +14,6 @@ Repetitions interleave the kinds after one warm-up of each.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ from mrl.config.schema import WeightTransport
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
-from mrl.rollout.client import EngineClient
+from _bench_common import engine_call
 from mrl.rollout.lora import ATTENTION, LoraEngineSpec, adapter_name
 from mrl.rollout.protocol import EngineHTTPError
 from mrl.weight_sync.lora import AdapterSync, random_adapter
@@ -36,23 +35,14 @@ from mrl.weight_sync.transport import EngineEndpoint
 PROMPT = [1, 17, 42, 99, 7, 300, 5, 11, 12, 13, 250, 251, 64, 3, 77, 401] * 4
 
 
-def _call(url: str, fn):
-    async def go():
-        c = EngineClient(url)
-        try:
-            return await fn(c)
-        finally:
-            await c.close()
-
-    return asyncio.run(go())
 
 
 def first_use(url: str, lora: str | None) -> float:
     """One request of one new token on the new weights: prefill from scratch (a full sync flushes the cache;
     a new adapter version has a radix cache of its own)."""
     t = time.perf_counter()
-    _call(url, lambda c: c.generate(PROMPT, {"max_new_tokens": 1, "temperature": 0.0}, rid=f"first-{time.time_ns()}",
-                                    lora_path=lora))
+    engine_call(url, lambda c: c.generate(PROMPT, {"max_new_tokens": 1, "temperature": 0.0},
+                                          rid=f"first-{time.time_ns()}", lora_path=lora))
     return time.perf_counter() - t
 
 
@@ -109,7 +99,7 @@ def main() -> int:
         if prev is not None:
             t = time.perf_counter()
             try:
-                _call(a.engine, lambda c: c.unload_lora_adapter(prev[0]))
+                engine_call(a.engine, lambda c: c.unload_lora_adapter(prev[0]))
                 row["unload_previous_s"] = time.perf_counter() - t
             except EngineHTTPError as e:  # warm-up: another pusher's first contact unloaded it already
                 if "does not exist" not in str(e):
