@@ -13,7 +13,7 @@ train: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/mrl train $(ARGS)
 
 test: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q --durations=40 $(PYTEST_ARGS)
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests/unit -q $(PYTEST_ARGS)
