@@ -650,6 +650,10 @@ class WeightSyncConfig:
     whose natural routing flips experts on near ties and makes a max-difference probe unreliable."""
     verify_tol: float = 1e-3
     """Max abs logprob difference the probe accepts (fp32); bf16 runs need ~0.1."""
+    master_address: Optional[str] = None
+    """The address engines dial to join a trainer rank's weight-update group (the rank hosts its store).
+    null = each sending rank's own address on the interface that routes to the engines, which is right on
+    one node and across nodes; set it only when that route is not the one engines can reach it by."""
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:

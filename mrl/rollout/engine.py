@@ -55,6 +55,13 @@ def child_setup(cpus: list[int] | None):
     return setup
 
 
+def route_address(peer: str) -> str:
+    """This node's address on the interface the kernel routes to ``peer`` (a host name or address) by."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))  # UDP: no packet is sent, the kernel only picks the route
+        return s.getsockname()[0]
+
+
 def interface_address(peer: str | None = None) -> str:
     """This node's address on the interface that reaches ``peer`` (default: the address its hostname
     resolves to, loopback excluded): where a cluster engine binds so that only the job's network reaches
@@ -62,9 +69,7 @@ def interface_address(peer: str | None = None) -> str:
     if os.environ.get("MRL_ENGINE_HOST"):
         return os.environ["MRL_ENGINE_HOST"]
     if peer:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((peer, 9))  # UDP: no packet is sent, the kernel only picks the route
-            return s.getsockname()[0]
+        return route_address(peer)
     for *_, addr in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
         if not addr[0].startswith("127."):
             return addr[0]

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
 from mrl.rollout.client import EngineClient, close_clients
-from mrl.rollout.engine import free_port
+from mrl.rollout.engine import free_port, route_address
 from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable,
                                   error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
@@ -69,7 +70,7 @@ def trainer_layout(layout: Layout, num_layers: int) -> TrainerLayout:
 class DistributedWeightSync:
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
-                 master_address: str = "127.0.0.1", group_prefix: str = "mrl", timeout_s: float = 300.0,
+                 master_address: str | None = None, group_prefix: str = "mrl", timeout_s: float = 300.0,
                  fault: SyncFault | None = None, chunk_bytes: int = 0):
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
         self.chunk_bytes = chunk_bytes  # shard transfers split into chunks of this size (copy_plan.build_steps)
@@ -148,22 +149,25 @@ class DistributedWeightSync:
     def connect(self) -> None:
         """One weight-update group per sender with every engine rank; all trainer ranks call it."""
         self.place_buckets()
-        port = free_port(self.master_address) if self.is_sender else None
-        ports = [None] * self.layout.world_size
-        dist.all_gather_object(ports, port)
+        # each sender hosts its own group's store: engines dial that sender's address (on its interface
+        # towards the engines, unless configured), so senders on several trainer nodes each get theirs
+        addr = (self.master_address or route_address(urlsplit(self.engines[0].url).hostname)) if self.is_sender else None
+        port = free_port(addr) if self.is_sender else None
+        stores = [None] * self.layout.world_size
+        dist.all_gather_object(stores, (addr, port))
         world = 1 + sum(e.tp for e in self.engines)
         offsets = {e.url: 1 + sum(x.tp for x in self.engines[:i]) for i, e in enumerate(self.engines)}
         fut = None
         if self.is_controller:
             def calls():
                 return [lambda c, r=r, g=g: c.init_weights_update_group(
-                    master_address=self.master_address, master_port=ports[r], rank_offset=offsets[c.url],
+                    master_address=stores[r][0], master_port=stores[r][1], rank_offset=offsets[c.url],
                     world_size=world, group_name=g, backend=compat.BACKEND)
                 for r, g in sorted(self.plan.groups.items())]
 
             fut = self._post_in_order(calls)
         if self.is_sender:
-            self._pg = create_sender_group(master_address=self.master_address, master_port=port, world_size=world,
+            self._pg = create_sender_group(master_address=addr, master_port=port, world_size=world,
                                            group_name=self.group_name, backend=compat.BACKEND,
                                            timeout_s=self.timeout_s)
         if fut is not None:
