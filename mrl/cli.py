@@ -129,9 +129,11 @@ def engine(cfg: Config) -> int:
     import threading
 
     from mrl.cluster.engines import announce, withdraw
+    from mrl.console import route_library_output
     from mrl.rollout.engine import engines_from_config
 
     secure_run_dir(cfg.run_dir)
+    route_library_output(cfg.run_dir, f"engine_node_{socket.gethostname()}")  # health polls, library warnings
     path = ensure_model(cfg)
     r = cfg.rollout
     # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as

@@ -15,7 +15,7 @@ import logging
 import os
 import warnings
 
-LIBRARIES = ("py.warnings", "megatron", "transformers", "torch", "urllib3")
+LIBRARIES = ("py.warnings", "megatron", "transformers", "torch", "urllib3", "httpx", "httpcore")
 MRL_DIR = os.path.dirname(os.path.abspath(__file__))
 # compat's TorchFunctionMode forwards megatron's own tensor calls, so torch attributes the warnings they
 # raise (a non-leaf ``.grad`` read) to compat.py: they are megatron's
@@ -31,12 +31,13 @@ def _showwarning(message, category, filename, lineno, file=None, line=None) -> N
         logging.getLogger("py.warnings").warning(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-def log_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "logs", f"rank{rank}.log")
+def log_path(run_dir: str, rank: int | str) -> str:
+    return os.path.join(run_dir, "logs", f"rank{rank}.log" if isinstance(rank, int) else f"{rank}.log")
 
 
-def route_library_output(run_dir: str, rank: int) -> str:
-    """Send warnings and every library logger to this rank's log file; the path. Idempotent."""
+def route_library_output(run_dir: str, rank: int | str) -> str:
+    """Send warnings and every library logger to this rank's log file (``logs/rank<r>.log``; a name instead
+    of a rank: ``logs/<name>.log``); the path. Idempotent."""
     path = log_path(run_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     root = logging.getLogger()

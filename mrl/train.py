@@ -175,10 +175,10 @@ class Controller:
     process that feeds the buffer from them (``mrl.rollout.service``: producer, rewards, buffer,
     evaluation). The other ranks hold an ``OtherRank`` with the same methods, doing nothing."""
 
-    def __init__(self, cfg: Config, state: LoopState):
+    def __init__(self, cfg: Config, state: LoopState, engines: list | None = None):
         self.cfg = cfg
         self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history)
-        self.engines = []
+        self.engines = list(engines or [])  # started already (``launch_engines``)
         self.restarter: EngineRestarter | None = None
         self.rollout = None
 
@@ -191,10 +191,11 @@ class Controller:
         if not urls:
             from mrl.rollout.engine import engines_from_config
 
-            self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"),
-                                               lora=lora_engine_spec(self.cfg))
-            for e in self.engines:
-                e.start()
+            if not self.engines:
+                self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"),
+                                                   lora=lora_engine_spec(self.cfg))
+                for e in self.engines:
+                    e.start()
             for e in self.engines:
                 e.wait_healthy()
             urls = [e.url for e in self.engines]
@@ -427,6 +428,22 @@ def _keep_off_engine_cores(cfg: Config) -> None:
             os.sched_setaffinity(0, rest)
 
 
+def launch_engines(cfg: Config) -> list:
+    """Rank 0, before the trainer is built: start the engines the job owns, so that they boot while the
+    model loads and warms up (``Controller.start_engines`` waits for their health). Not for engines found
+    by URL, nor for colocated GPU runs (``rollout.memory_saver``): there the trainer takes its memory first."""
+    r = cfg.rollout
+    if r.engine_urls or r.engine_url_dir or r.memory_saver:
+        return []
+    from mrl.rollout.engine import engines_from_config
+
+    engines = engines_from_config(r, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
+                                  lora=lora_engine_spec(cfg))
+    for e in engines:
+        e.start()
+    return engines
+
+
 class Loop:
     """The RL loop on one trainer rank. Rank 0's extra work (engines, rollout process, metrics) sits
     behind ``self.duties``; every rank runs the same steps and collectives."""
@@ -436,6 +453,7 @@ class Loop:
         self.hf_path = cfg.model.hf_path
         _keep_off_engine_cores(cfg)
         self.layout = init_parallel(cfg.parallel, seed=cfg.seed)
+        early = launch_engines(cfg) if self.layout.world_rank == 0 else []
         self.policy = Policy(cfg, self.layout, self.hf_path)
         hc = self.policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
         check_tokenizer(self.hf_path, vocab_size=self.policy.bridge.vocab_size, special_ids={
@@ -449,7 +467,7 @@ class Loop:
         self.step, self.version = self.state.step, self.state.version
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
-        self.duties = Controller(cfg, self.state) if self.layout.world_rank == 0 else OtherRank()
+        self.duties = Controller(cfg, self.state, early) if self.layout.world_rank == 0 else OtherRank()
         self.syncer: EngineSync | AdapterChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
 

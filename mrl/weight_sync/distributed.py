@@ -151,7 +151,9 @@ class DistributedWeightSync:
         self.place_buckets()
         # each sender hosts its own group's store: engines dial that sender's address (on its interface
         # towards the engines, unless configured), so senders on several trainer nodes each get theirs
-        addr = (self.master_address or route_address(urlsplit(self.engines[0].url).hostname)) if self.is_sender else None
+        addr = None
+        if self.is_sender:
+            addr = self.master_address or route_address(urlsplit(self.engines[0].url).hostname)
         port = free_port(addr) if self.is_sender else None
         stores = [None] * self.layout.world_size
         dist.all_gather_object(stores, (addr, port))

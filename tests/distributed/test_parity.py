@@ -1,43 +1,58 @@
-"""mrl's Megatron model vs transformers' Qwen3MoeForCausalLM from the same checkpoint, per layout
-(gloo, fp32): logits and next-token logprobs within 1e-4, and HF -> Megatron -> HF bit-exact.
+"""mrl's Megatron model vs transformers from the same checkpoint, per layout (gloo, fp32): logits and
+next-token logprobs within 1e-4, every router picks transformers' experts, HF -> Megatron -> HF bit-exact.
 
-Each case runs ``mrl.jobs.check_model`` under torchrun (the production loader/exporter).
+The Qwen3-MoE stress checkpoints run every layout the foundation issue names within one launch per
+checkpoint and world size (``tests.jobs.parity``: one start-up, each layout built in the same processes);
+stress_a has a dense layer, head_dim != H/heads and vocab padding; stress_b tied embeddings, MoE every 2nd
+layer and norm_topk_prob off. The production job (``mrl.jobs.check_model``, what ``mrl check-model``
+runs) is checked on the tiny checkpoint and on a wrong mapping, which it must report.
 """
 
 import pytest
 
 from tests.conftest import read_json, run_torchrun
 
-# (checkpoint, nproc, layout args): each layout the foundation issue names, on the checkpoints that
-# can tell a mapping mistake apart (stress_a: dense layer, head_dim != H/heads, vocab padding;
-# stress_b: tied embeddings, MoE every 2nd layer, norm_topk_prob off). The tiny checkpoint runs
-# unsharded only: its sharded layouts add nothing the stress checkpoints do not check.
+TENSORS = {"tiny": 102, "stress_a": 113, "stress_b": 138, "glm4_moe": 97, "deepseek_v3": 91}
+# (checkpoint, processes, layouts): a layout smaller than the world runs data-parallel over the rest
 CASES = [
-    ("tiny", 1, []),
-    ("stress_a", 1, []),
-    ("stress_b", 2, ["--tp", "2"]),
-    ("stress_a", 2, ["--ep", "2"]),
-    ("stress_a", 2, ["--ep", "2", "--dispatcher", "allgather"]),
-    ("stress_a", 2, ["--tp", "2", "--ep", "2", "--etp", "1"]),
-    ("stress_a", 2, ["--pp", "2"]),
-    ("stress_b", 2, ["--pp", "2"]),
-    ("stress_a", 4, ["--tp", "2", "--ep", "2", "--etp", "2"]),
-    ("stress_b", 4, ["--tp", "2", "--pp", "2"]),
+    ("stress_a", 2, ["tp=1", "ep=2", "ep=2,dispatcher=allgather", "tp=2,ep=2,etp=1", "pp=2"]),
+    ("stress_b", 2, ["tp=2", "pp=2"]),
+    ("stress_a", 4, ["tp=2,ep=2,etp=2"]),
+    ("stress_b", 4, ["tp=2,pp=2"]),
+    # model families beyond Qwen3 (GLM-4.5, DeepSeek-V3: score-correction bias and group limits), PP2 uneven
+    ("glm4_moe", 2, ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"]),
+    ("deepseek_v3", 2, ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"]),
 ]
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("preset,nproc,args", CASES,
-                         ids=lambda v: "_".join(map(str, v)) if isinstance(v, list) else str(v))
-def test_megatron_matches_transformers_and_exports_bit_exact(ckpt_dir, tmp_path, preset, nproc, args):
+def check_layouts(ckpt_dir, tmp_path, preset: str, nproc: int, layouts: list[str]) -> None:
     out = tmp_path / "report.json"
-    r = run_torchrun("mrl.jobs.check_model", ["--hf", ckpt_dir[preset], "--out", str(out), *args], nproc)
+    r = run_torchrun("tests.jobs.parity",
+                     ["--hf", ckpt_dir[preset], "--out", str(out), "--layouts", *layouts], nproc, timeout=600)
+    assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    reports = read_json(out)
+    assert [rep["name"] for rep in reports] == layouts
+    for rep in reports:
+        assert rep["logits_max_abs_diff"] <= 1e-4, rep
+        assert rep["logprobs_max_abs_diff"] <= 1e-4, rep
+        assert rep["routed_tokens"] > 0 and rep["routing_mismatches"] == 0, rep
+        assert rep["roundtrip_bit_exact"] is True and rep["roundtrip_tensors"] == TENSORS[preset], rep
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("preset,nproc,layouts", CASES, ids=lambda v: "-".join(v) if isinstance(v, list) else str(v))
+def test_megatron_matches_transformers_in_every_layout(ckpt_dir, tmp_path, preset, nproc, layouts):
+    check_layouts(ckpt_dir, tmp_path, preset, nproc, layouts)
+
+
+@pytest.mark.dist
+def test_check_model_job_passes_the_tiny_checkpoint(ckpt_dir, tmp_path):
+    out = tmp_path / "report.json"
+    r = run_torchrun("mrl.jobs.check_model", ["--hf", ckpt_dir["tiny"], "--out", str(out)], 1)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     rep = read_json(out)
-    assert rep["logits_max_abs_diff"] <= 1e-4, rep
-    assert rep["logprobs_max_abs_diff"] <= 1e-4, rep
-    assert rep["roundtrip_bit_exact"] is True, rep
-    assert rep["roundtrip_tensors"] == {"tiny": 102, "stress_a": 113, "stress_b": 138}[preset]
+    assert rep["logits_max_abs_diff"] <= 1e-4 and rep["logprobs_max_abs_diff"] <= 1e-4, rep
+    assert rep["roundtrip_bit_exact"] is True and rep["roundtrip_tensors"] == TENSORS["tiny"], rep
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -6,7 +6,8 @@ transfer per group and in several chunks per bucket. Then
 with the params in megatron's DDP parameter buffer (as the trainer holds them): the in-place buckets
 are views of that buffer (no copy) with the same bytes, and copies again once the params moved.
 
-The worker is this file run under torchrun (``python -m tests.distributed.test_weight_sync_copy_plan``).
+The worker is this file run under torchrun (``python -m tests.distributed.test_weight_sync_copy_plan``), every
+layout in turn within one 2-process launch (TP1 runs data-parallel over both).
 """
 
 from __future__ import annotations
@@ -23,18 +24,22 @@ from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.dist
 
-LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"]),
-           "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1"]), "pp2": (2, ["--pp", "2"])}
+LAYOUTS = {"tp1": "tp=1", "tp2": "tp=2", "ep2": "ep=2", "tp2ep2": "tp=2,ep=2,etp=1", "pp2": "pp=2"}
+
+
+@pytest.fixture(scope="module")
+def rows_by_layout(ckpt_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("copy_plan") / "rows.json"
+    r = run_torchrun("tests.distributed.test_weight_sync_copy_plan",
+                     ["--hf", ckpt_dir["stress_a"], "--out", str(out), "--layouts", *LAYOUTS.values()], 2, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return {name: [row for row in rows if row["layout"] == text] for name, text in LAYOUTS.items()}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_copy_plan_bytes_equal_the_per_tensor_path(ckpt_dir, tmp_path, name):
-    nproc, args = LAYOUTS[name]
-    out = tmp_path / "rows.json"
-    r = run_torchrun("tests.distributed.test_weight_sync_copy_plan",
-                     ["--hf", ckpt_dir["stress_a"], "--out", str(out), *args], nproc, timeout=400)
-    assert r.returncode == 0, r.stderr[-4000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+def test_copy_plan_bytes_equal_the_per_tensor_path(rows_by_layout, name):
+    rows = rows_by_layout[name]
     assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]][:3]
     checked = {(row["config"], row["dtype"], row["phase"]) for row in rows if row["config"] != "ddp"}
     assert checked == {(f"chunk/{c}", d, p) for c in CHUNK_KIB for d in ("float32", "bfloat16")
@@ -108,24 +113,12 @@ def _phases(ex, tdtype, rows):
     _check(ex, tdtype, "moved", rows)
 
 
-def main() -> None:
-    import argparse
-
-    import torch.distributed as dist
-
-    from mrl.jobs.common import add_layout_args, load_model
+def check_layout(a, rows: list[dict]) -> None:
+    from mrl.jobs.common import load_model
     from mrl.megatron.optim import wrap_ddp
-    from mrl.megatron.parallel import destroy
     from mrl.weight_sync.distributed import DistributedWeightSync
 
-    ap = argparse.ArgumentParser()
-    add_layout_args(ap)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    if os.environ.get("MRL_DUMP_AFTER"):  # diagnosing hangs: every thread's stack, then exit
-        faulthandler.dump_traceback_later(int(os.environ["MRL_DUMP_AFTER"]), exit=True)
-    m = load_model(a)
-    rows: list[dict] = []
+    m = load_model(a)  # fresh weights: the phases change them
     for chunk_kib in CHUNK_KIB:
         for dtype in ("float32", "bfloat16"):
             ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
@@ -145,6 +138,28 @@ def main() -> None:
         _phases(ex, getattr(torch, dtype), phase_rows)
         rows += [dict(r, config="ddp", max_transfers=0) for r in phase_rows]
         ex.release_buffers()
+
+
+def main() -> None:
+    import argparse
+
+    import torch.distributed as dist
+
+    from mrl.megatron.parallel import destroy
+    from tests.jobs.parity import parse_layout
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--layouts", nargs="+", required=True, help="tp=2,ep=2,... each (tests.jobs.parity)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if os.environ.get("MRL_DUMP_AFTER"):  # diagnosing hangs: every thread's stack, then exit
+        faulthandler.dump_traceback_later(int(os.environ["MRL_DUMP_AFTER"]), exit=True)
+    rows: list[dict] = []
+    for text in a.layouts:
+        mine: list[dict] = []
+        check_layout(parse_layout(text, a.hf), mine)
+        rows += [dict(r, layout=text) for r in mine]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:

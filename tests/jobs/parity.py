@@ -1,6 +1,6 @@
-"""Parity of one checkpoint in several layouts, in one torchrun launch (the model families' check).
+"""Parity of one checkpoint in several layouts, in one torchrun launch (every family's check).
 
-    torchrun --nproc-per-node 2 -m tests.distributed.family_parity_job --hf DIR --out report.json \\
+    torchrun --nproc-per-node 2 -m tests.jobs.parity --hf DIR --out report.json \\
         --layouts "tp=1" "tp=2" "ep=2" "tp=2,ep=2,etp=1" "pp=2,pp_first=2"
 
 transformers runs once per process (fp32, eager) and gives the reference logits and, from each MoE
@@ -38,9 +38,13 @@ def hf_reference(path: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     routes: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(hf.model.layers):
         moe = layer.mlp
-        if hasattr(moe, "route_tokens_to_experts"):
+        if hasattr(moe, "route_tokens_to_experts"):  # GLM-4.5, DeepSeek-V3: the gate gives logits
             def hook(mod, _inp, logits, moe=moe, i=i):
                 routes[i] = moe.route_tokens_to_experts(logits)[0]
+            moe.gate.register_forward_hook(hook)
+        elif hasattr(moe, "experts") and hasattr(moe, "gate"):  # Qwen3-MoE: the gate gives (logits, scores, experts)
+            def hook(mod, _inp, out, i=i):
+                routes[i] = out[2]
             moe.gate.register_forward_hook(hook)
     with torch.no_grad():
         logits = hf(input_ids=ids).logits.float()
