@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,11 +15,19 @@ import pytest
 from mrl.rollout.engine import Engine, EngineStartError
 from tests.conftest import REPO
 
+# An engine started from a launcher process that is then SIGKILLed. Its first port, picked by free_port(),
+# is taken by another socket before the server binds it (free_port can only pick a port that is free now):
+# the engine must come up on a fresh one.
 LAUNCHER = """
 import json, sys, time
-from mrl.rollout.engine import Engine
-e = Engine(model_path=sys.argv[1], tp=1, log_dir=sys.argv[2], name="orphan").start().wait_healthy(600)
-print(json.dumps(e.pids()), flush=True)
+import mrl.rollout.engine as m
+busy, real = int(sys.argv[3]), m.free_port
+picks = iter([busy])
+m.free_port = lambda host="127.0.0.1": next(picks, None) or real(host)
+e = m.Engine(model_path=sys.argv[1], tp=1, log_dir=sys.argv[2], name="orphan")
+assert e.port == busy, e.port
+e.start().wait_healthy(600)
+print(json.dumps({"pids": e.pids(), "port": e.port}), flush=True)
 time.sleep(3600)
 """
 
@@ -34,11 +43,26 @@ def _alive(pids):
     return out
 
 
-def test_engine_dies_with_a_killed_launcher(ckpt_dir, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, ckpt_dir["tiny"], str(tmp_path)], cwd=REPO,
+def test_port_taken_before_bind_and_killed_launcher(ckpt_dir, tmp_path):
+    """A picked port taken before the server binds it is replaced; a port the caller chose is never swapped
+    (that start fails, naming the cause); the engine's processes die with a SIGKILLed launcher."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    fixed = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path), name="fixed", port=busy)
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, ckpt_dir["tiny"], str(tmp_path), str(busy)], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     try:
-        pids = json.loads(proc.stdout.readline())
+        fixed.start()  # both boot at once
+        with pytest.raises(EngineStartError, match="address already in use"):
+            fixed.wait_healthy(timeout=300)
+        line = proc.stdout.readline()
+        assert line, f"the launcher exited ({proc.wait()}) without a healthy engine"
+        started = json.loads(line)
+        pids = started["pids"]
+        assert started["port"] != busy
+        assert f"port {busy} was taken before the server bound it" in open(tmp_path / "orphan.log").read()
         assert len(pids) >= 3, pids  # server, scheduler, detokenizer
         assert _alive(pids) == pids
         proc.send_signal(signal.SIGKILL)  # no atexit, no finally: only PDEATHSIG can clean up
@@ -49,38 +73,9 @@ def test_engine_dies_with_a_killed_launcher(ckpt_dir, tmp_path):
         assert not _alive(pids), f"engine processes survived their launcher: {_alive(pids)}"
     finally:
         proc.kill()
-
-
-def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(tmp_path, ckpt_dir, monkeypatch):
-    """free_port() can only pick a port that is free now; here another socket takes it first. A port
-    the caller chose is never swapped: that start fails, naming the cause."""
-    import socket
-
-    import mrl.rollout.engine as engine_mod
-
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    busy = taken.getsockname()[1]
-    picks = iter([busy])
-    real = engine_mod.free_port
-    monkeypatch.setattr(engine_mod, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
-    eng = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path), name="picked")
-    fixed = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path), name="fixed", port=busy)
-    assert eng.port == busy
-    try:
-        eng.start()
-        fixed.start()
-        eng.wait_healthy(timeout=300)
-        assert eng.port != busy
-        assert f"port {busy} was taken before the server bound it" in eng.log_tail(200)
-        with pytest.raises(EngineStartError, match="address already in use"):
-            fixed.wait_healthy(timeout=300)
-    finally:
-        eng.stop()
         fixed.stop()
         taken.close()
-    assert eng.pids() == [] and fixed.pids() == []
+    assert fixed.pids() == []
 
 
 def test_startup_failure_reports_the_log(tmp_path):

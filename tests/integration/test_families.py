@@ -37,8 +37,7 @@ from tests.integration.test_keep_routing import _check_routers, _logprobs_by_seq
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 5], [1, 11, 12, 13, 14, 15, 16], [1, 250, 251]]
-REPLAY_LAYOUTS = {"tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1", "--recompute"]),
-                  "pp2": (2, ["--pp", "2", "--pp-first", "2", "--recompute"])}
+REPLAY_LAYOUTS = {"tp2ep2": "tp=2,ep=2,etp=1,recompute=1", "pp2": "pp=2,pp_first=2,recompute=1"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -141,8 +140,7 @@ def test_keep_routing_replays_the_engine_routes(family, samples, reference, tmp_
     name, path, _ = family
     sj = json.loads(samples.read_text())
     routed = sum(len(x) - 1 for x in sj["sequences"]) * len(reference["moe_columns"])
-    for layout, (nproc, args) in REPLAY_LAYOUTS.items():
-        reps = _run(path, samples, tmp_path / layout, nproc, args)
+    for layout, reps in _run(path, samples, tmp_path, 2, [], REPLAY_LAYOUTS).items():
         for packed, prefix in ((False, ""), (True, "packed_")):
             # every (engine-routed token, MoE layer) exactly once over the ranks, forward and recompute
             assert sum(_check_routers(sj, rep, rep[prefix + "forward_calls"], packed) for rep in reps) == routed

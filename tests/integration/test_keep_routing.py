@@ -36,12 +36,12 @@ from tests.conftest import run_torchrun
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 5], [1, 11, 12, 13, 14, 15, 16], [1, 250, 251],
            [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 400], [1, 77, 78, 79], [1, 2, 3, 4, 5, 6]]
 PACK_LEN = 32  # 10 new tokens each: rows hold 1-2 samples, some a tail, some micro-batches an empty row
-LAYOUTS = {  # name: (nproc, args)
-    "tp2": (2, ["--tp", "2", "--recompute"]),
-    "ep2": (2, ["--ep", "2", "--recompute"]),
-    "tp2ep2": (2, ["--tp", "2", "--ep", "2", "--etp", "1", "--recompute"]),
-    "pp2": (2, ["--pp", "2", "--pp-first", "2", "--recompute"]),
-    "pp2_norecompute": (2, ["--pp", "2", "--pp-first", "2"]),
+LAYOUTS = {  # name: layout (tests.jobs.parity), all in one 2-process launch
+    "tp2": "tp=2,recompute=1",
+    "ep2": "ep=2,recompute=1",
+    "tp2ep2": "tp=2,ep=2,etp=1,recompute=1",
+    "pp2": "pp=2,pp_first=2,recompute=1",
+    "pp2_norecompute": "pp=2,pp_first=2",
 }
 
 
@@ -100,12 +100,20 @@ def ahead(ckpt_dir, tmp_path_factory):
     return str(dst)
 
 
-def _run(ahead, samples, out, nproc, args):
+def _run(ahead, samples, out, nproc, args, layouts: dict[str, str] | None = None):
+    """The replay job; its rank reports (or, with ``layouts``, {name: rank reports}, every layout in turn
+    within one launch)."""
+    if layouts:
+        args = [*args, "--layouts", *(f"{k}:{v}" for k, v in layouts.items())]
     r = run_torchrun("tests.jobs.replay_check", ["--hf", ahead, "--input", str(samples), "--out", str(out),
                                                "--micro-batches", "2", "--pack-len", str(PACK_LEN), *args],
-                     nproc, timeout=400)
+                     nproc, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads((out / f).read_text()) for f in sorted(os.listdir(out))]
+
+    def reports(d):
+        return [json.loads((d / f).read_text()) for f in sorted(os.listdir(d))]
+
+    return {name: reports(out / name) for name in layouts} if layouts else reports(out)
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +171,20 @@ def _logprobs_by_seq(reps, key):
     return out
 
 
+@pytest.fixture(scope="module")
+def replayed(ahead, samples, tmp_path_factory):
+    return _run(ahead, samples, tmp_path_factory.mktemp("layouts"), 2, [], LAYOUTS)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_replay_equals_engine_records_and_single_process(name, ahead, samples, reference, tmp_path):
-    nproc, args = LAYOUTS[name]
-    reps = _run(ahead, samples, tmp_path / name, nproc, args)
+def test_replay_equals_engine_records_and_single_process(name, samples, reference, replayed):
+    reps = replayed[name]
     sj = json.loads(samples.read_text())
     for packed, prefix in ((False, ""), (True, "packed_")):
         checked = sum(_check_routers(sj, rep, rep[prefix + "forward_calls"], packed) for rep in reps)
         # every (engine-routed token, MoE layer) exactly once over the ranks
         assert checked == sum(len(x) - 1 for x in sj["sequences"]) * len(reference["moe_columns"]), (packed, checked)
-        if "--recompute" in args:  # the recompute pass replays the same experts (REPLAY_BACKWARD queue)
+        if "recompute" in LAYOUTS[name]:  # the recompute pass replays the same experts (REPLAY_BACKWARD queue)
             assert all(_check_routers(sj, rep, rep[prefix + "recompute_calls"], packed) for rep in reps)
         else:
             assert all(rep[prefix + "recompute_calls"] == [] for rep in reps)

@@ -6,7 +6,7 @@
 - versions: an episode driven across two weight-version changes keeps each token's version;
 - prefix reuse: later turns find the earlier turns in the radix cache (hit rate reported).
 
-One engine of its own (not the session's TP1 + TP2 pair): one CPU engine at a time on a small box.
+On the session's TP1 engine; its weights are left as found (only the version label moves).
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from mrl.data.prompt import Prompt
 from mrl.env.base import Environment, Step
 from mrl.models import get_bridge
 from mrl.rollout.client import EngineClient
-from mrl.rollout.engine import Engine
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
 from mrl.rollout.sample import SamplingSpec
-from mrl.rollout.secrets import ENV_VAR, ensure_run_secrets
 from mrl.routing.codec import RoutesCodec
 
 OBSERVATIONS = [" tool says 7\nans=", " error: no key\n=", " ok\n"]
@@ -55,21 +53,8 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpt_dir, tmp_path_factory):
-    before = os.environ.get(ENV_VAR)
-    keys = ensure_run_secrets(str(tmp_path_factory.mktemp("mt_run")))
-    e = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path_factory.mktemp("mt_logs")), name="mt",
-               secrets=keys)
-    e.start()
-    try:
-        e.wait_healthy(timeout=600)
-        yield e
-    finally:
-        e.stop()
-        if before is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = before
+def engine(engines):
+    return engines["tp1"]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ an engine that cannot be asked is reported, not fatal (the next sync drops a dea
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -15,25 +14,12 @@ from tests.conftest import run_torchrun
 pytestmark = pytest.mark.reliability
 
 
-def test_verify_passes_equal_weights_and_stops_on_an_engine_with_other_weights(ckpt_dir, tmp_path, reliability):
-    from mrl.rollout.engine import Engine
-    from mrl.rollout.secrets import ENV_VAR, ensure_run_secrets
-
-    before = os.environ.get(ENV_VAR)
-    keys = ensure_run_secrets(str(tmp_path / "run"))
-    engine = Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path / "logs"), name="verify", secrets=keys)
-    engine.start()
+def test_verify_passes_equal_weights_and_stops_on_an_engine_with_other_weights(engines, ckpt_dir, tmp_path,
+                                                                              reliability):
+    """On the session's TP1 engine, which holds the tiny checkpoint (tests that change it put it back)."""
+    engine = engines["tp1"]
     out = tmp_path / "res.json"
-    try:
-        engine.wait_healthy(timeout=600)
-        r = run_torchrun("tests.integration.test_sync_verify", [ckpt_dir["tiny"], engine.url, str(out)], 1,
-                         timeout=300)
-    finally:
-        engine.stop()
-        if before is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = before
+    r = run_torchrun("tests.integration.test_sync_verify", [ckpt_dir["tiny"], engine.url, str(out)], 1, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["same"][engine.url] <= 1e-3, res

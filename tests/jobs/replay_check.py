@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m tests.jobs.replay_check --hf DIR --tp 2 --input samples.json \\
         --micro-batches 2 --recompute --pack-len 32 --out DIR
+    torchrun ... --layouts tp2:tp=2,recompute=1 pp2:pp=2,pp_first=2 --out DIR   # in turn, DIR/<name>/
 
 ``samples.json``: ``{"sequences": [[ids]], "routes": [[[[expert]*K]*L]*(n-1)]}`` (engine records, dense
 layers dropped). One training forward/backward with replay (``--micro-batches`` through megatron's
@@ -31,7 +32,8 @@ from mrl.megatron.train_step import MicroBatch, forward_backward
 from mrl.models import get_bridge
 from mrl.routing.codec import RoutesCodec
 from mrl.routing.replay import RankSlice, ReplayDriver, ReplayMode, align_routes, stage_moe_columns
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from tests.jobs.parity import parse_layout
 
 
 def _router_taps(model):
@@ -78,12 +80,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--pack-len", type=int, default=None, help="also run the replayed pass packed, rows of N tokens")
+    ap.add_argument("--layouts", nargs="+", default=None,
+                    help="NAME:tp=2,ep=2,...[,recompute=1] each (tests.jobs.parity), one after the other in these "
+                         "processes; reports in OUT/NAME/")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if not a.layouts:
+        check(a, a, a.out)
+    for item in a.layouts or []:
+        name, _, text = item.partition(":")
+        kv = dict(x.split("=") for x in text.split(","))
+        la = parse_layout(",".join(f"{k}={v}" for k, v in kv.items() if k != "recompute"), a.hf)
+        la.recompute = kv.get("recompute") == "1"
+        check(la, a, os.path.join(a.out, name))
+        RouterReplay.clear_global_router_replay_instances()
+    destroy()
+    return 0
 
+
+def check(la: argparse.Namespace, a: argparse.Namespace, out: str) -> None:
+    """One layout ``la`` (model and layout flags); the input and passes of ``a``; ``out/rank<r>.json``."""
     over = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if a.recompute else {}
-    m = load_model(a, **over)
+        if la.recompute else {}
+    m = load_model(la, **over)
     layout, bridge, model = m.layout, m.bridge, m.model
     pcfg = layout.config
     with open(a.input) as f:
@@ -144,11 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         "logprobs_natural": [o["logprobs"].tolist() for o in natural],
         **packed,
     }
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"rank{layout.world_rank}.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{layout.world_rank}.json"), "w") as f:
         json.dump(report, f)
-    destroy()
-    return 0
 
 
 if __name__ == "__main__":
