@@ -464,6 +464,8 @@ class Loop:
             self.policy.load(ckpt)
             with open(os.path.join(ckpt, LOOP_STATE_FILE)) as f:
                 self.state = state_from_json(json.load(f))
+            if self.layout.world_rank == 0:
+                print(f"[mrl] resuming from {ckpt} (step {self.state.step} of {t.steps})", flush=True)
         self.step, self.version = self.state.step, self.state.version
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue

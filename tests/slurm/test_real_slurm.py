@@ -1,9 +1,11 @@
-"""mrl's own batch script on a real Slurm cluster (one node on localhost): the tiny CPU run completes, a
-bad config fails and is reported with its Slurm log, USR1 becomes a checkpoint and one requeue."""
+"""mrl's own batch script on a real Slurm cluster (one node on localhost): the tiny CPU run, stopped by USR1
+with a checkpoint, requeues and completes; a bad config fails and is reported with its Slurm log."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,10 +14,11 @@ from mrl.cluster import slurm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
-STAND_IN_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_trainer.sh")
+STEPS = 12
 # What a successful `mrl train` (the RL loop) leaves in its run directory.
-EXPECTED_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints/step_2/loop_state.json")
-# two RL steps with a real CPU engine started by the trainer (num_rollout_nodes=0 in slurm_cpu)
+EXPECTED_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png",
+                    f"checkpoints/step_{STEPS}/loop_state.json")
+# RL steps with a real CPU engine started by the trainer (num_rollout_nodes=0 in slurm_cpu)
 TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "rollout=cpu", "train.steps=2",
             "train.prompts_per_step=4", "train.eval_every=0"]
 
@@ -28,20 +31,6 @@ def mrl_launch(cluster, args: list[str], *, env: dict | None = None, timeout: fl
 def read(path) -> str:
     with open(path) as f:
         return f.read()
-
-
-def test_tiny_cpu_run_completes(slurm_cluster, tmp_path):
-    run = tmp_path / "run"
-    p = mrl_launch(slurm_cluster, [*TINY_RUN, f"model.hf_path={tmp_path}/model", f"run_dir={run}", "--wait",
-                                   "--poll=1", "--timeout=420"], timeout=480)
-    assert p.returncode == 0, p.stdout + p.stderr + slurm_cluster.logs()
-    job_id = p.stdout.split("submitted job ")[1].split(":")[0]
-    assert f"job {job_id}: RUNNING" in p.stdout and f"job {job_id} completed" in p.stdout
-    log = read(run / "logs" / f"slurm-{job_id}.out")
-    assert f"job {job_id} attempt 0" in log and "trainer step exited with 0" in log
-    for name in EXPECTED_OUTPUTS:
-        assert (run / name).exists(), f"{name} missing after a completed job; log:\n{log}"
-    assert slurm.job_info(job_id, env=slurm_cluster.env).exit_code == "0:0"
 
 
 def test_failing_job_is_reported_with_its_slurm_log(slurm_cluster, tmp_path):
@@ -60,27 +49,41 @@ def test_config_error_is_refused_before_submitting(slurm_cluster, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_usr1_checkpoints_and_requeues_once(slurm_cluster, tmp_path):
-    """USR1 to the batch shell (what --signal=B:USR1@N delivers) reaches the trainer step, which checkpoints
-    and exits 0; the job requeues itself; the second attempt sees SLURM_RESTART_COUNT=1 and resumes."""
+def test_usr1_checkpoints_requeues_and_the_run_completes(slurm_cluster, tmp_path):
+    """The tiny CPU run (a real SGLang engine, the real trainer) under mrl's batch script. USR1 to the batch
+    shell (what --signal=B:USR1@N delivers) once step 1 is logged travels through srun and ``mrl train`` to
+    the trainer rank, which finishes its step, checkpoints and exits 0; the job requeues itself, and the
+    second attempt (SLURM_RESTART_COUNT=1) resumes from that checkpoint and completes with every output."""
     run = tmp_path / "run"
-    p = mrl_launch(slurm_cluster, [*TINY_RUN, f"run_dir={run}"], env={"MRL_TRAIN_CMD": f"bash {STAND_IN_TRAINER}"})
+    p = mrl_launch(slurm_cluster, [*TINY_RUN, f"train.steps={STEPS}", f"model.hf_path={tmp_path}/model",
+                                   f"run_dir={run}"])
     assert p.returncode == 0, p.stdout + p.stderr
     job_id = p.stdout.split("submitted job ")[1].split(":")[0]
-    deadline = time.monotonic() + 60
-    while not (run / "trainer_ready_0").exists():
-        assert time.monotonic() < deadline, slurm.tail(str(run / "logs" / f"slurm-{job_id}.out"))
+    deadline = time.monotonic() + 420
+    while not _steps(run):
+        assert time.monotonic() < deadline, slurm.tail(str(run / "logs" / f"slurm-{job_id}.out")) + slurm_cluster.logs()
         time.sleep(0.2)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm_cluster.env, check=True, timeout=30)
-    info = slurm.wait(job_id, poll_s=1, timeout_s=120, env=slurm_cluster.env)
+    info = slurm.wait(job_id, poll_s=1, timeout_s=480, env=slurm_cluster.env)
     log = read(run / "logs" / f"slurm-{job_id}.out")
     assert info.ok and info.restarts == 1, log
-    assert "stand-in trainer: got USR1, writing checkpoint step_3" in log
-    assert f"requeueing job {job_id} (attempt 1" in log
-    assert f"job {job_id} attempt 1" in log and "stand-in trainer: attempt 1" in log
-    assert "resumed from checkpoint step_3" in log and read(run / "resumed_attempt").strip() == "1"
+    assert f"requeueing job {job_id} (attempt 1" in log and f"job {job_id} attempt 1" in log, log
+    assert log.count("trainer step exited with 0") == 2 and "not requeueing" not in log, log
+    resumed = [x for x in log.splitlines() if "[mrl] resuming from " in x]
+    assert len(resumed) == 1, log
+    stopped = int(re.search(r"resuming from \S+/step_(\d+) ", resumed[0]).group(1))
+    assert 1 <= stopped < STEPS, resumed
+    # every step once: 1..k in attempt 0, k+1.. after the resume
+    assert [r["step"] for r in _steps(run)] == list(range(1, STEPS + 1))
+    for name in (*EXPECTED_OUTPUTS, f"checkpoints/step_{stopped}/loop_state.json"):
+        assert (run / name).exists(), f"{name} missing after the job; log:\n{log}"
     assert (run / "logs" / "attempt_0").is_dir() and (run / "logs" / "attempt_1").is_dir()
-    assert log.count("trainer step exited with 0") == 2 and "not requeueing" not in log
+    assert slurm.job_info(job_id, env=slurm_cluster.env).exit_code == "0:0"
+
+
+def _steps(run) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [r for r in map(json.loads, open(path)) if "step_seconds" in r] if path.exists() else []
 
 
 def test_every_rendered_preset_is_accepted_by_sbatch(slurm_cluster, tmp_path):
