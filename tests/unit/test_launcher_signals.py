@@ -1,7 +1,7 @@
 """Signals to the launcher (``mrl.process.torchrun``, what ``mrl train`` runs): SIGTERM, SIGHUP and SIGINT end
 every process under it within seconds, though the ranks and what they start (as engines do) run in sessions of
-their own; SIGUSR1 reaches the ranks. Stand-in ranks here (a sleeping job); ``tests/e2e/test_signals.py`` does
-the same to a real ``mrl train``."""
+their own; SIGUSR1 reaches the ranks. Stand-in ranks here (a sleeping job); ``tests/e2e/test_faults.py`` (the end of
+the engine-restart run) sends SIGTERM to a real ``mrl train``; the Slurm tests USR1."""
 
 from __future__ import annotations
 
