@@ -25,6 +25,17 @@ def die_with_parent() -> None:
 
 
 # torchrun's agent, run in-process so that its ChildFailedError (which ranks failed, and how) is ours to report
+def ignore_usr1() -> None:
+    """For a child that has no use for SIGUSR1 (an engine, the rollout process): under Slurm, srun hands a
+    USR1 (the warning before a preemption) to every process of the step, and its default action would end
+    the child while the ranks checkpoint. Ignored dispositions survive exec, so the child's own children
+    (SGLang's scheduler, reward workers) ignore it too. May run between fork and exec."""
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    except ValueError:  # forked from a thread other than the main one: block it instead (also inherited)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
 _AGENT = "import sys; from mrl.process import agent_main; sys.exit(agent_main(sys.argv[1:]))"
 
 
@@ -40,14 +51,17 @@ def _raise_terminated(signum: int, _frame) -> None:
     raise Terminated(signum)
 
 
-def _forward_usr1(agent: subprocess.Popen):
-    """SIGUSR1 (Slurm's warning before a preemption) goes to the ranks, torchrun's direct children: they
-    checkpoint and exit (``mrl.train``); the default action would end the launcher alone."""
+def _forward_usr1(agent: subprocess.Popen | int):
+    """SIGUSR1 (Slurm's warning before a preemption) goes to the ranks, torchrun's direct children (``agent``:
+    its process or pid): they checkpoint and exit (``mrl.train``); the default action would end the launcher
+    or the agent alone. A rank that gets it twice (from srun and from here) checkpoints once."""
+    pid = agent if isinstance(agent, int) else agent.pid
+
     def handler(_signum, _frame) -> None:
         import psutil
 
         try:
-            ranks = psutil.Process(agent.pid).children()
+            ranks = psutil.Process(pid).children()
         except psutil.NoSuchProcess:
             return
         for p in ranks:
@@ -122,6 +136,8 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    # the ranks (this agent's children) checkpoint on USR1; the agent passes one on rather than die of it
+    signal.signal(signal.SIGUSR1, _forward_usr1(os.getpid()))
     try:
         run(args)
     except ChildFailedError as e:

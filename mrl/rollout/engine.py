@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl.process import die_with_parent
+from mrl.process import die_with_parent, ignore_usr1
 from mrl.rollout import cpu_mode, engine_patches, gpu_mode
 from mrl.rollout.lora import LoraEngineSpec
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
@@ -49,6 +49,7 @@ def child_setup(cpus: list[int] | None):
 
     def setup() -> None:  # runs in the child between fork and exec
         die_with_parent()
+        ignore_usr1()
         if cpus:
             os.sched_setaffinity(0, cpus)  # inherited by the scheduler/detokenizer processes
 

@@ -334,7 +334,7 @@ def _rank_pid(proc, rank: int) -> int:
 
 
 @pytest.mark.parametrize("victim_rank", [1, 0])
-def test_trainer_rank_killed_exits_clearly_and_resumes(tmp_path, reliability, victim_rank):
+def test_trainer_rank_killed_exits_clearly_naming_the_checkpoint(tmp_path, reliability, victim_rank):
     """EP2 trainer (2 ranks), checkpoint every 2 steps; one rank is SIGKILLed once step_2 exists. Rank 0 is
     also the controller: it holds the engines and the rollout process, which must not outlive it."""
     run = tmp_path / "rank"
