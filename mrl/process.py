@@ -25,6 +25,9 @@ def die_with_parent() -> None:
 
 
 # torchrun's agent, run in-process so that its ChildFailedError (which ranks failed, and how) is ours to report
+_AGENT = "import sys; from mrl.process import agent_main; sys.exit(agent_main(sys.argv[1:]))"
+
+
 def ignore_usr1() -> None:
     """For a child that has no use for SIGUSR1 (an engine, the rollout process): under Slurm, srun hands a
     USR1 (the warning before a preemption) to every process of the step, and its default action would end
@@ -34,9 +37,6 @@ def ignore_usr1() -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     except ValueError:  # forked from a thread other than the main one: block it instead (also inherited)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-
-
-_AGENT = "import sys; from mrl.process import agent_main; sys.exit(agent_main(sys.argv[1:]))"
 
 
 class Terminated(BaseException):

@@ -189,13 +189,8 @@ class Controller:
         r = self.cfg.rollout
         urls = list(r.engine_urls) or self._discover(r)
         if not urls:
-            from mrl.rollout.engine import engines_from_config
 
-            if not self.engines:
-                self.engines = engines_from_config(r, hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"),
-                                                   lora=lora_engine_spec(self.cfg))
-                for e in self.engines:
-                    e.start()
+            self.engines = self.engines or start_own_engines(self.cfg)
             for e in self.engines:
                 e.wait_healthy()
             urls = [e.url for e in self.engines]
@@ -428,20 +423,23 @@ def _keep_off_engine_cores(cfg: Config) -> None:
             os.sched_setaffinity(0, rest)
 
 
+def start_own_engines(cfg: Config) -> list:
+    """Start the engines of ``cfg.rollout`` the job owns (their health is awaited by the caller)."""
+    from mrl.rollout.engine import engines_from_config
+
+    engines = engines_from_config(cfg.rollout, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
+                                  lora=lora_engine_spec(cfg))
+    for e in engines:
+        e.start()
+    return engines
+
+
 def launch_engines(cfg: Config) -> list:
     """Rank 0, before the trainer is built: start the engines the job owns, so that they boot while the
     model loads and warms up (``Controller.start_engines`` waits for their health). Not for engines found
     by URL, nor for colocated GPU runs (``rollout.memory_saver``): there the trainer takes its memory first."""
     r = cfg.rollout
-    if r.engine_urls or r.engine_url_dir or r.memory_saver:
-        return []
-    from mrl.rollout.engine import engines_from_config
-
-    engines = engines_from_config(r, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
-                                  lora=lora_engine_spec(cfg))
-    for e in engines:
-        e.start()
-    return engines
+    return [] if r.engine_urls or r.engine_url_dir or r.memory_saver else start_own_engines(cfg)
 
 
 class Loop:
