@@ -47,14 +47,14 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 addr, name, device = sys.argv[1], sys.argv[3], sys.argv[6]
-port, nbytes, reps = int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5])
+port, nbytes, reps, rank, world = (int(sys.argv[i]) for i in (2, 4, 5, 7, 8))
 backend = "nccl" if device.startswith("cuda") else "gloo"
 if backend == "nccl":
     torch.cuda.set_device(torch.device(device))
-store = PrefixStore(name, TCPStore(addr, port, 2, is_master=False, timeout=timedelta(seconds=300)))
-pg, _ = _new_process_group_helper(2, 1, [], dist.Backend(backend), store, group_name=name,
+store = PrefixStore(name, TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=300)))
+pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), store, group_name=name,
                                   timeout=timedelta(seconds=300))
-_world.pg_group_ranks[pg] = {0: 0, 1: 1}
+_world.pg_group_ranks[pg] = {i: i for i in range(world)}
 buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
 for _ in range(reps):
     dist.broadcast(buf, src=0, group=pg)
@@ -90,7 +90,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     add_layout_args(ap)
     ap.add_argument("--engine", required=True, help="url@tp")
-    ap.add_argument("--engine-device", required=True, help="the engine's device, for the raw receiver")
+    ap.add_argument("--engine-device", required=True,
+                    help="the engine's devices (comma-separated, one per engine TP rank), for the raw receivers")
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", required=True)
@@ -111,14 +112,17 @@ def main() -> int:
     nbytes = transport.executor.plan.nbytes
     rank0 = layout.world_rank == 0
 
-    raw_pg = receiver = None
+    raw_pg = receivers = None
     if rank0:
         port = free_port()
         name = f"raw-{os.getpid()}"
-        receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), name, str(nbytes),
-                                     str(a.reps + 1), a.engine_device])
-        raw_pg = create_sender_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
-                                     backend=compat.BACKEND)
+        # one receiver per engine rank: the bytes every engine GPU receives in a sync
+        devices = a.engine_device.split(",")
+        receivers = [subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), name, str(nbytes),
+                                       str(a.reps + 1), d, str(i + 1), str(len(devices) + 1)])
+                     for i, d in enumerate(devices)]
+        raw_pg = create_sender_group(master_address="127.0.0.1", master_port=port, world_size=len(devices) + 1,
+                                     group_name=name, backend=compat.BACKEND)
         raw_buf = torch.empty(nbytes, dtype=torch.uint8, device=compat.DEVICE)
 
     def raw() -> float:
@@ -146,7 +150,8 @@ def main() -> int:
         push_s.append(p)
         raw_s.append(raw())
     if rank0:
-        receiver.wait(timeout=120)
+        for r in receivers:
+            r.wait(timeout=120)
         destroy_sender_group(raw_pg)
 
     # the engine follows the trainer: teacher-forced probe logprobs, and sampled tensors read back
@@ -169,7 +174,8 @@ def main() -> int:
             engine_sums = _checksums(url)[0]
         except Exception as e:  # e.g. SGLang's CPU mode cannot hash (its checker synchronises CUDA)
             engine_sums, bitwise = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        dev = a.engine_device if a.engine_device.startswith("cuda") else "cpu"  # the engine hashes on its device
+        dev = a.engine_device.split(",")[0]
+        dev = dev if dev.startswith("cuda") else "cpu"  # the engine hashes on its device
         for n in UNFUSED if engine_sums is not None else []:
             if n not in engine_sums or n not in hf:
                 bitwise[n] = "absent"
@@ -182,6 +188,8 @@ def main() -> int:
             "sync_s": sync_s, "push_s": push_s, "raw_s": raw_s, "sync_vs_raw_per_rep": ratio,
             "sync_median_s": statistics.median(sync_s), "raw_median_s": statistics.median(raw_s),
             "sync_vs_raw": statistics.median(sync_s) / statistics.median(raw_s),
+            "push_vs_raw": statistics.median(push_s) / statistics.median(raw_s),
+            "engine_tp": int(tp or 1), "trainer_ranks": layout.world_size,
             "sync_gb_per_s": nbytes / statistics.median(sync_s) / 1e9,
             "probe_max_abs_logprob_diff": max(abs(x - y) for x, y in zip(engine_lp, mine)),
             "probe_mean_abs_logprob_diff": sum(abs(x - y) for x, y in zip(engine_lp, mine)) / len(mine),

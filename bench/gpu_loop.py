@@ -234,16 +234,22 @@ def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
 
 
 # -- weight sync -----------------------------------------------------------------------------------
+def _engine_gpus(a) -> list[str]:
+    return [str(int(a.engine_gpu) + i) for i in range(a.engine_tp)]
+
+
 def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
     path = os.path.join(out, "sync.json")
     tg = a.trainer_gpus.split(",")
     env = dict(os.environ, PYTHONPATH=_pythonpath())
     if not a.cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(sorted(set(tg + [a.engine_gpu])))
-        # the worker sees the trainer GPUs first; the raw receiver addresses the engine GPU by its index there
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(sorted(set(tg + _engine_gpus(a)), key=int))
+        # the worker sees the trainer GPUs first; the raw receivers address the engine GPUs by their index there
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(tg)}",
-           os.path.join(HERE, "_live_sync_worker.py"), "--hf", hf, "--dtype", a.dtype, "--engine", f"{url}@1",
-           "--engine-device", engine_device, "--reps", str(a.reps), "--out", path, *a.sync_layout.split()]
+           os.path.join(HERE, "_live_sync_worker.py"), "--hf", hf, "--dtype", a.dtype,
+           "--engine", f"{url}@{a.engine_tp}",
+           "--engine-device", engine_device, "--reps", str(a.reps), "--out", path,
+           *a.sync_layout.replace(",", " ").split()]
     subprocess.run(cmd, env=env, check=True, timeout=900)
     with open(path) as f:
         return json.load(f)
@@ -256,7 +262,9 @@ def main() -> int:
     ap.add_argument("--model", default="probe", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     ap.add_argument("--sections", default="rollout,replay,sync")
-    ap.add_argument("--engine-gpu", default="1")
+    ap.add_argument("--engine-gpu", default="1", help="the engine's (first) GPU")
+    ap.add_argument("--engine-tp", type=int, default=1,
+                    help="engine tensor parallelism, on GPUs engine-gpu, engine-gpu + 1, ...")
     ap.add_argument("--trainer-gpus", default="0")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
@@ -267,10 +275,15 @@ def main() -> int:
     ap.add_argument("--replay-prompt-len", type=int, default=128)
     ap.add_argument("--replay-new", type=int, default=256)
     ap.add_argument("--replay-micro-batches", type=int, default=4)
-    ap.add_argument("--sync-layout", default="", help="extra layout flags for the sync trainer, e.g. '--tp 2'")
+    ap.add_argument("--sync-layout", default="",
+                    help="extra layout flags for the sync trainer, e.g. '--tp 2' (or --sync-layout=--tp,2)")
     ap.add_argument("--routes-int32", action="store_true",
                     help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
                          "mrl's compact routes")
+    ap.add_argument("--ckpt-root", default=None, help="where the random checkpoint is made or found (default: --out)")
+    ap.add_argument("--load-weights", action="store_true",
+                    help="the engine loads every weight bucket through the model's load_weights (MRL_REPLAYED_LOAD=0): "
+                         "the baseline for mrl's replayed loads")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
@@ -286,19 +299,22 @@ def main() -> int:
         hf = make_tiny_model(os.path.join(a.out, "tiny"))
         a.dtype, engine_device = "fp32", "cpu"
     else:
-        hf = make_checkpoint(os.path.join(a.out, f"model_{a.model}_{a.layers or 'all'}"), a.model, a.layers)
+        name = f"model_{a.model}_{a.layers or 'all'}"
+        hf = make_checkpoint(os.path.join(a.ckpt_root or a.out, name), a.model, a.layers)
         a.dtype = "bf16"
-        tg = a.trainer_gpus.split(",")
-        engine_device = f"cuda:{sorted(set(tg + [a.engine_gpu]), key=int).index(a.engine_gpu)}"
+        seen = sorted(set(a.trainer_gpus.split(",") + _engine_gpus(a)), key=int)
+        engine_device = ",".join(f"cuda:{seen.index(g)}" for g in _engine_gpus(a))
     bridge = get_bridge(hf)
     codec = RoutesCodec.from_bridge(bridge)
     ensure_run_secrets(a.out)
-    engine = Engine(model_path=hf, cpu_mode=a.cpu, log_dir=os.path.join(a.out, "engines"), name="engine",
+    engine = Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"),
+                    name="engine",
                     max_running_requests=max(a.batches + [a.replay_samples]), max_total_tokens=8192 if a.cpu else None,
                     base_gpu_id=int(a.engine_gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
                     dtype=None if a.cpu else "bfloat16",
                     server_args={} if a.cpu else {"cuda_graph_max_bs": max(a.batches)},
-                    env={"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1"})
+                    env={"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1",
+                         "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"})
     report = {"bench": "gpu_loop", "model": a.model, "layers": a.layers or bridge.num_layers, "hf": hf,
               "environment": environment(a.cpu), "args": vars(a)}
     t = time.perf_counter()

@@ -16,6 +16,13 @@ included. The conversion happens where a finished request's routes are gathered
 the detokenizer's, without ``--skip-tokenizer-init``) base64 the small tensor as is.
 ``mrl.routing.codec`` tells the types apart by the payload's length, and engines without the patch
 still send int32, which it reads as before.
+
+Replayed loads (``MRL_REPLAYED_LOAD=1``, the launcher's default): a ``flattened_bucket`` weight update
+is received into one flat buffer (SGLang allocates every tensor, then concatenates them into a second
+buffer of the same size) and, from the second bucket of a layout on, loaded by the copies its first
+load made (``mrl.rollout.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
+that is not pure copies (derived weights, conversions) keeps ``load_weights``; the engine log says which
+happened, once per layout.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import sys
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_shim")
 COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
 ROUTES_MODULE = "sglang.srt.state_capturer.routed_experts"
+REPLAYED_LOAD_ENV = "MRL_REPLAYED_LOAD"
+RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
+REPLAYED_LOAD_MARK = "mrl: bucket layout replayed as copies"
+"""Printed to the engine's log with the plan's size when a bucket layout's load was recorded."""
 COMPACT_ROUTES_MARK = "mrl: routes leave the scheduler in the smallest integer type (mrl.rollout.engine_patches)"
 """Printed to the engine's log when the patch is in place (once per server process that loads the module)."""
 
@@ -94,14 +105,67 @@ def compact_routes(module) -> None:
     print(COMPACT_ROUTES_MARK, file=sys.stderr, flush=True)
 
 
+def replayed_load(module) -> None:
+    runner = getattr(module, "ModelRunner", None)
+    update = getattr(runner, "update_weights_from_distributed", None)
+    if update is None or not hasattr(runner, "_update_bucketed_weights_from_distributed"):
+        print(f"mrl: {module.__name__} has no bucketed distributed update: weights load through load_weights",
+              file=sys.stderr, flush=True)
+        return
+    if getattr(update, "_mrl_replayed", False):
+        return
+
+    @functools.wraps(update)
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
+        if load_format != "flattened_bucket" or group_name not in getattr(self, "_model_update_group", {}):
+            return update(self, names, dtypes, shapes, group_name, load_format)
+        try:
+            return True, _receive_bucket(self, names, dtypes, shapes, group_name)
+        except Exception as e:  # SGLang's own wording: the trainer reads "partially updated" as a broken engine
+            return False, (f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
+                           "partially updated. Please discard the whole weights.")
+
+    update_weights_from_distributed._mrl_replayed = True
+    runner.update_weights_from_distributed = update_weights_from_distributed
+
+
+def _receive_bucket(runner, names, dtypes, shapes, group_name) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from mrl.rollout import replayed_load as rl
+
+    plans = runner.__dict__.setdefault("_mrl_load_plans", {})
+    key = (group_name, tuple(names), tuple(map(str, dtypes)), tuple(tuple(s) for s in shapes))
+    flat = torch.empty(rl.bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=runner.device)
+    dist.broadcast(flat, src=0, group=runner._model_update_group[group_name])
+    plan = plans.get(key)
+    if plan is not None and plan.valid():
+        plan.replay(flat)
+        return "Succeeded to update parameter online (replayed)."
+    views = rl.bucket_views(flat, names, dtypes, shapes)
+    if key in plans and plan is None:  # recorded before and refused: the model's own load, unrecorded
+        runner.model.load_weights(views)
+        return "Succeeded to update parameter online."
+    plan, why = rl.record_load(lambda: runner.model.load_weights(views), flat, runner.model)
+    plans[key] = plan
+    print(f"{REPLAYED_LOAD_MARK if plan else 'mrl: bucket layout loads through load_weights'}: {why}",
+          file=sys.stderr, flush=True)
+    return "Succeeded to update parameter online."
+
+
 def install() -> None:
     """Register the patches the environment asks for (called from the engines' ``sitecustomize``)."""
     if os.environ.get(COMPACT_ROUTES_ENV) == "1":
         sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
+    if os.environ.get(REPLAYED_LOAD_ENV) == "1":
+        sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, replayed_load))
 
 
 def engine_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` with the switches :func:`install` reads, on unless ``env`` already sets them (so
-    ``MRL_COMPACT_ROUTES=0`` in the launcher's environment sends int32 routes, for comparisons)."""
+    ``MRL_COMPACT_ROUTES=0`` in the launcher's environment sends int32 routes and ``MRL_REPLAYED_LOAD=0``
+    loads every bucket through ``load_weights``, for comparisons)."""
     env.setdefault(COMPACT_ROUTES_ENV, "1")
+    env.setdefault(REPLAYED_LOAD_ENV, "1")
     return env

@@ -11,6 +11,9 @@
 #   speed   bench/rl_step_vs_megatron.py once per ';'-separated argument list in SPEED_RUNS
 #   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
+#   loops   bench/gpu_loop.py once per ';'-separated argument list in LOOP_RUNS, one after another (GPU
+#           indices in the arguments count within the job's GPUs), e.g. the sync with and without
+#           --load-weights, the rollouts with and without --routes-int32
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
 # ",te" puts Transformer Engine on the job's path (megatron's TE spec); without it the local spec runs.
 set -uo pipefail
@@ -39,6 +42,11 @@ job() {  # name gpus te
              done ;;
       loop) timeout "$TIMEOUT" python3 bench/gpu_loop.py --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop" \
               ${LOOP_ARGS:-} ;;
+      loops) i=0; IFS=';' read -ra runs <<< "${LOOP_RUNS:?LOOP_RUNS}"
+             for args in "${runs[@]}"; do i=$((i + 1))
+               # shellcheck disable=SC2086
+               timeout "$TIMEOUT" python3 bench/gpu_loop.py $args --out "$WORK/loops_$i" || echo "loop run $i ($args) failed: $?"
+             done ;;
       loop30b) timeout "$TIMEOUT" python3 bench/gpu_loop.py --model qwen3_30b_a3b --layers 4 --sections replay \
                  --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop30b" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;

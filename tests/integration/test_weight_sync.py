@@ -13,6 +13,7 @@ import json
 import pytest
 
 from mrl.models.tiny import make_tiny_model
+from mrl.rollout.engine_patches import REPLAYED_LOAD_MARK
 from mrl.rollout.client import EngineClient
 from tests.conftest import run_torchrun
 
@@ -59,6 +60,34 @@ def test_sync_into_tp1_and_tp2_engines(engines, other_weights, restore, tmp_path
     assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3, rep
     assert min(rep["probe_max_abs_logprob_diff_before"]) > 0.05, rep  # the engines really changed
     assert rep["bytes"] > 0 and rep["senders"] == (2 if "--ep" in args or "--pp" in args else 1)
+
+
+def _load_lines(engine) -> list[str]:
+    with open(engine.log_path) as f:
+        return [ln for ln in f if ln.startswith("mrl: bucket layout")]
+
+
+def test_later_syncs_replay_the_recorded_loads(engines, other_weights, ckpt_dir, restore, tmp_path):
+    """The engines record each bucket layout's load once (``mrl.rollout.replayed_load``) and replay it as
+    copies afterwards: a second sync of the same layout adds no load line to the engine logs, and the
+    engines still end on exactly the trainer's weights (their probe logprobs equal megatron's)."""
+    eng = ",".join(f"{engines[n].url}@{engines[n].tp}" for n in ("tp1", "tp2"))
+    before = {n: len(_load_lines(engines[n])) for n in ("tp1", "tp2")}
+    for i, hf in enumerate((other_weights, ckpt_dir["tiny"], other_weights)):
+        out = tmp_path / f"sync{i}.json"
+        r = run_torchrun("mrl.jobs.sync_weights", ["--hf", hf, "--engines", eng, "--version", f"4{i}",
+                                                   "--out", str(out), "--bucket-mb", "0.1"], 1)
+        assert r.returncode == 0, r.stderr[-4000:]
+        rep = json.loads(out.read_text())
+        assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3, rep
+        assert min(rep["probe_max_abs_logprob_diff_before"]) > 0.05, rep
+        lines = {n: _load_lines(engines[n]) for n in ("tp1", "tp2")}
+        if i == 0:
+            recorded = lines
+            assert all(len(lines[n]) > before[n] for n in lines), lines
+            assert all(REPLAYED_LOAD_MARK in ln for n in lines for ln in lines[n][before[n]:]), lines
+        else:
+            assert lines == recorded  # nothing recorded again: the buckets were replayed
 
 
 def test_disk_transport_tp2(engines, other_weights, restore, tmp_path):

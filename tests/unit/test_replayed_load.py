@@ -1,0 +1,116 @@
+"""A bucket's load recorded once and replayed as copies (``mrl.rollout.replayed_load``), on loaders
+shaped like SGLang's: fused q/k/v and stacked experts filled by views + copies, a TP shard taken by
+narrowing, and loaders the plan must refuse (a derived weight, a dtype conversion, a computed source)."""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.rollout.replayed_load import bucket_nbytes, bucket_views, record_load
+
+H, E, FF, TP_RANK = 8, 4, 6, 1
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * H, H), requires_grad=False)
+        self.w13 = torch.nn.Parameter(torch.zeros(E, 2 * FF, H), requires_grad=False)
+        self.shard = torch.nn.Parameter(torch.zeros(H // 2, H), requires_grad=False)  # rows of TP rank 1 of 2
+        self.norm = torch.nn.Parameter(torch.zeros(H), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.zeros(()), requires_grad=False)
+        self.vocab = torch.nn.Parameter(torch.ones(H + 2, H), requires_grad=False)  # 2 rows of padding
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, "qkv".index(name) * H, H).copy_(w)
+            elif name.startswith("expert"):
+                e, part = int(name.split(".")[1]), name.split(".")[2]
+                self.w13.data[e].narrow(0, 0 if part == "gate" else FF, FF).copy_(w)
+            elif name == "o":
+                self.shard.data.copy_(w.narrow(0, TP_RANK * H // 2, H // 2))
+            elif name == "norm":
+                self.norm.data[:] = w
+            elif name == "scale":  # SGLang's default_weight_loader on one-element weights
+                self.scale.data.fill_(w.item())
+            elif name == "embed":  # a padded vocabulary shard: pad rows zeroed, an empty shard copied
+                self.vocab.data[H:].zero_()
+                self.vocab.data[:H].copy_(w)
+                self.vocab.data[H:H].copy_(torch.zeros_like(self.vocab.data.narrow(0, H, 0)))
+
+
+def _bucket(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    named = [(n, torch.randn(H, H, generator=g)) for n in ("q", "k", "v", "o")]
+    named += [(f"expert.{e}.{p}", torch.randn(FF, H, generator=g)) for e in range(E) for p in ("gate", "up")]
+    named += [("norm", torch.randn(H, generator=g)), ("scale", torch.randn((), generator=g)),
+              ("embed", torch.randn(H, H, generator=g))]
+    names, dtypes, shapes = [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named]
+    flat = torch.cat([t.flatten().view(torch.uint8) for _, t in named])
+    assert flat.numel() == bucket_nbytes(dtypes, shapes)
+    return flat, names, dtypes, shapes
+
+
+def _state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_replay_loads_what_load_weights_loads():
+    recorded, reference = Toy(), Toy()
+    flat, names, dtypes, shapes = _bucket(0)
+    plan, why = record_load(lambda: recorded.load_weights(bucket_views(flat, names, dtypes, shapes)), flat, recorded)
+    assert plan is not None, why
+    # q, k, v, the experts' halves, the shard, the norm, the scale, the embedding; the pad rows' fill
+    assert plan.copies == 3 + 2 * E + 4 and plan.fills == 1 and len(plan.steps) == 3, why
+
+    flat2 = _bucket(1)[0].clone()  # a later bucket of the same layout, in a buffer of its own
+    recorded.vocab.data[H:] = 5.0  # the replayed fill must put the pad rows back
+    plan.replay(flat2)
+    reference.load_weights(bucket_views(flat2, names, dtypes, shapes))
+    for k, v in _state(reference).items():
+        assert torch.equal(v, recorded.state_dict()[k]), k
+    assert not torch.equal(_state(reference)["qkv"], Toy().qkv)  # the load really wrote something
+
+
+def test_a_reallocated_parameter_invalidates_the_plan():
+    m = Toy()
+    flat, names, dtypes, shapes = _bucket(0)
+    plan, _ = record_load(lambda: m.load_weights(bucket_views(flat, names, dtypes, shapes)), flat, m)
+    assert plan.valid()
+    m.w13 = torch.nn.Parameter(torch.zeros(E, 2 * FF, H), requires_grad=False)  # a reload from disk swaps tensors
+    assert not plan.valid()
+
+
+class Derived(Toy):
+    """DeepSeek-style: a weight computed from loaded ones after the copies (it would go stale)."""
+
+    def load_weights(self, weights):
+        super().load_weights(weights)
+        self.absorbed = self.qkv.data[:H] @ self.qkv.data[H:2 * H].T
+
+
+class Converting(Toy):
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "norm":
+                self.norm.data.copy_(w.to(torch.float64).to(torch.float32))
+
+
+class Computed(Toy):
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "q":
+                self.qkv.data[:H].copy_(w * 2)
+
+
+def test_loads_that_are_not_pure_copies_are_refused():
+    for cls, word in ((Derived, "computes"), (Converting, "computes"), (Computed, "computes")):
+        m = cls()
+        flat, names, dtypes, shapes = _bucket(0)
+        plan, why = record_load(lambda: m.load_weights(bucket_views(flat, names, dtypes, shapes)), flat, m)
+        assert plan is None and word in why, (cls.__name__, why)
+    m = Toy()
+    flat, names, dtypes, shapes = _bucket(0)
+    plan, why = record_load(lambda: None, flat, m)
+    assert plan is None and "copied nothing" in why
