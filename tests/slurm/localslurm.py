@@ -20,7 +20,6 @@ import subprocess
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
 def _free_port() -> int:
@@ -103,9 +102,12 @@ class LocalSlurm:
         self._wait(lambda: os.path.exists(self.munge_socket), 10, "munged socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", self.conf])
         self._wait(lambda: self._ok(["scontrol", "ping"]), 30, "slurmctld")
-        self._spawn("slurmd", ["slurmd", "-D", "-f", self.conf])
+        self._start_slurmd()
         self._wait(self._node_idle, timeout, "node idle")
         return self
+
+    def _start_slurmd(self) -> None:
+        self._spawn("slurmd", ["slurmd", "-D", "-f", self.conf])
 
     def _ok(self, cmd: list[str]) -> bool:
         try:
@@ -130,7 +132,9 @@ class LocalSlurm:
 
     def logs(self, n: int = 20) -> str:
         out = []
-        for name in ("munged.log", "slurmctld.log", "slurmd.log", *(f"{d}.stdout" for d in DAEMONS)):
+        logdir = os.path.join(self.root, "log")
+        stdouts = sorted(f for f in os.listdir(logdir) if f.endswith(".stdout")) if os.path.isdir(logdir) else []
+        for name in ("munged.log", "slurmctld.log", "slurmd.log", *stdouts):
             path = os.path.join(self.root, "log", name)
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -148,9 +152,9 @@ class LocalSlurm:
                 if not out:
                     break
                 time.sleep(0.5)
-        for name in reversed(DAEMONS):
-            p = self.procs.pop(name, None)
-            if p is None or p.poll() is not None:
+        for name in reversed(list(self.procs)):  # slurmds, slurmctld, munged: the reverse of their start
+            p = self.procs.pop(name)
+            if p.poll() is not None:
                 continue
             p.send_signal(signal.SIGTERM)
             try:
