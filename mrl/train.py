@@ -28,6 +28,7 @@ import base64
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -310,10 +311,15 @@ class Controller:
     def save_loop_state(self, path: str, state: LoopState) -> None:
         state.prompt_index, state.buffered = self.rollout.state()
         state.history = self.log.history
+        sync_tree(path)  # every rank's shards on disk before the marker: a crash never leaves a "complete" hole
         final = os.path.join(path, LOOP_STATE_FILE)
         with open(final + ".tmp", "w") as f:
             json.dump(state_to_json(state), f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(final + ".tmp", final)  # its presence marks the checkpoint complete
+        sync_tree(path, files=False)
+        prune_checkpoints(_checkpoint_dir(self.cfg), self.cfg.train.keep_checkpoints)
 
     def close(self) -> None:
         if self.rollout is not None:
@@ -412,6 +418,36 @@ def _latest_checkpoint(cfg: Config) -> str | None:
                          f"an older mrl), which is no longer loaded; start afresh with train.resume=false or "
                          "another run_dir")
     return os.path.join(root, done[-1]) if done else None
+
+
+def sync_tree(path: str, *, files: bool = True) -> None:
+    """fsync every file under ``path`` (written by any rank: the page cache is the inode's), then the
+    directories, so their entries are durable too."""
+    for root, dirs, names in os.walk(path, topdown=False):
+        for name in (names if files else []):
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def prune_checkpoints(root: str, keep: int) -> list[str]:
+    """Delete the complete checkpoints under ``root`` older than the newest ``keep`` (0: none deleted).
+    A directory without its marker (being written, or left by a crash) is not counted and not touched."""
+    if keep <= 0 or not os.path.isdir(root):
+        return []
+    done = sorted((d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, LOOP_STATE_FILE))),
+                  key=lambda d: int(d.split("_")[-1]))
+    old = done[:-keep]
+    for d in old:
+        shutil.rmtree(os.path.join(root, d))
+    return old
 
 
 def _keep_off_engine_cores(cfg: Config) -> None:
@@ -606,6 +642,7 @@ class Loop:
             path = os.path.join(_checkpoint_dir(self.cfg), f"step_{self.step}")
             check_finite_weights(self.policy.module, f"checkpoint {path}")
             self.policy.save(path)
+            dist.barrier()  # every rank's shards written before rank 0 syncs them and marks the checkpoint
             self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
             dist.barrier()
         return stop

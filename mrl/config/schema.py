@@ -808,6 +808,9 @@ class TrainConfig:
     """A natural-routing (record) forward every N steps: disagreement and replay-on/off KL."""
     save_every: int = 0
     """Checkpoint (megatron dist_checkpointing + loop state) every N steps; 0 = only on SIGUSR1/end."""
+    keep_checkpoints: int = 0
+    """Keep the newest N complete checkpoints: older ones are deleted once a newer one is complete (its
+    files synced to disk before its marker is written); 0 = keep every one."""
     resume: bool = True
     """Resume from the newest checkpoint in run_dir/checkpoints if there is one."""
     stop_after: Optional[int] = None
@@ -841,6 +844,8 @@ class TrainConfig:
             _fail("train.max_staleness", f"must be >= 0, got {self.max_staleness}")
         if self.max_nonfinite_steps < 0:
             _fail("train.max_nonfinite_steps", f"must be >= 0, got {self.max_nonfinite_steps}")
+        if self.keep_checkpoints < 0:
+            _fail("train.keep_checkpoints", f"must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}")
         if self.pack_max_len is not None and self.pack_max_len < 2:
             _fail("train.pack_max_len", f"must be >= 2 or null, got {self.pack_max_len}")
 
