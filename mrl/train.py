@@ -198,7 +198,8 @@ class Controller:
         self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(self.cfg) else None
         self.codec = policy.codec
         self.rollout = start_rollout(self.cfg, hf_path, urls, policy.codec, {
-            "eos": policy.bridge.hf_config.eos_token_id, "buffered": state.buffered,
+            "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
+            "buffered": state.buffered,
             "prompt_index": state.prompt_index})
         return [EngineEndpoint(u, r.engine_tp) for u in urls]
 

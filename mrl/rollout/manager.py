@@ -96,15 +96,18 @@ class RolloutStats:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
                  max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None,
-                 top_logprobs_num: int = 0, adapters: AdapterRouter | None = None, probe_timeout_s: float = 15.0):
+                 top_logprobs_num: int = 0, adapters: AdapterRouter | None = None, probe_timeout_s: float = 15.0,
+                 vocab_size: int | None = None):
         """``top_logprobs_num`` > 0: ask for that many top logprobs per token and rebuild each token's
         sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``). ``adapters``: LoRA
         runs, one router shared by every manager on these engines. ``probe_timeout_s``: an engine with
         requests in flight and no answer for this long is probed, and judged hung when the probe is not
-        answered within it (``weight_sync.probe_timeout_s``)."""
+        answered within it (``weight_sync.probe_timeout_s``). ``vocab_size``: a reply with a token id at or
+        above it is refused (the sample retried elsewhere, counted), never trained on."""
         if probe_timeout_s <= 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
         self.probe_timeout_s = probe_timeout_s
+        self.vocab_size = vocab_size
         if not clients:
             raise ValueError("RolloutManager needs at least one engine client")
         self._per_engine = max_inflight_per_engine
@@ -299,6 +302,8 @@ class RolloutManager:
         new = out.output_ids
         if len(new) > budget:
             raise ValueError(f"engine returned {len(new)} tokens for a budget of {budget}")
+        if self.vocab_size is not None and new and max(new) >= self.vocab_size:
+            raise ValueError(f"engine returned token id {max(new)}, outside the vocabulary of {self.vocab_size}")
         try:
             version = adapter_version if adapter_version is not None else int(out.weight_version)
         except ValueError:

@@ -106,6 +106,9 @@ def _count(meta: dict, key: str, ctx, default: int | None = None) -> int | None:
     return v
 
 
+MAX_LOGPROB = 1e-3
+
+
 def _logprob(t: Any, where: str, ctx, *, nullable: bool = False) -> float | None:
     """The logprob of one ``[logprob, id, text]`` triple (orjson sends NaN/inf as null)."""
     if not isinstance(t, list) or len(t) < 2 or not isinstance(t[1], int) or isinstance(t[1], bool):
@@ -115,6 +118,8 @@ def _logprob(t: Any, where: str, ctx, *, nullable: bool = False) -> float | None
         return None
     if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
         raise EngineProtocolError(*ctx, f"{where}: logprob is {lp!r} (NaN from the engine?)")
+    if lp > MAX_LOGPROB:  # a log-probability is <= 0; rounding leaves a few ulps above it, never this much
+        raise EngineProtocolError(*ctx, f"{where}: logprob is {lp!r} > 0 (not a log-probability)")
     return float(lp)
 
 

@@ -70,6 +70,13 @@ class RoutesCodec:
         lo, hi = ids_TLK.min(), ids_TLK.max()
         if lo < 0 or hi >= self.num_experts:
             raise RoutesError(f"routed_experts has expert ids outside [0, {self.num_experts}): min {lo}, max {hi}")
+        if self.top_k > 1:  # a router picks k distinct experts per token and layer
+            dup = np.argwhere((np.diff(np.sort(ids_TLK, axis=-1), axis=-1) == 0).any(axis=-1))
+            if len(dup):
+                t, layer = (int(x) for x in dup[0])
+                raise RoutesError(f"routed_experts repeats an expert within one token's top-{self.top_k} "
+                                  f"(row {t}, MoE layer {layer}: {ids_TLK[t, layer].tolist()}); "
+                                  f"{len(dup)} such (row, layer) pairs")
         if itemsize == 2 and hi < 256:
             # mrl's engines send 16 bits only for an id that needs them: these bytes are more likely
             # another type's with a wrong row count (int32 of half the rows)

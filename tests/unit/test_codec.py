@@ -6,7 +6,7 @@ import base64
 import numpy as np
 import pytest
 
-from mrl.rollout.protocol import parse_generate, parse_generate_item
+from mrl.rollout.protocol import EngineProtocolError, parse_generate, parse_generate_item
 from mrl.routing.codec import RoutesCodec, RoutesError
 from tests.fakes.fake_sglang import fixture
 
@@ -109,3 +109,23 @@ def test_a_bad_length_names_the_sizes():
 def test_invalid_routes_are_refused(b64, kw, msg):
     with pytest.raises(RoutesError, match=msg):
         TINY.decode(b64, **kw)
+
+
+def test_a_token_routed_twice_to_one_expert_is_refused():
+    """A router picks top_k distinct experts per token and layer: a repeated one is an engine bug."""
+    ids = np.array([[[1, 2], [3, 4], [5, 6]]] * 4, dtype=np.uint8)  # 4 rows, 3 layers, top-2
+    ok = base64.b64encode(ids.tobytes()).decode()
+    assert TINY.decode(ok, prompt_len=3, response_len=2).shape == (4, 3, 2)
+    ids[2, 1] = [4, 4]
+    with pytest.raises(RoutesError, match=r"repeats an expert .* \(row 2, MoE layer 1: \[4, 4\]\)"):
+        TINY.decode(base64.b64encode(ids.tobytes()).decode(), prompt_len=3, response_len=2)
+
+
+def test_a_positive_logprob_is_refused():
+    body = fixture("gen_routed.json")["body"]
+    body = {**body, "meta_info": {**body["meta_info"]}}
+    triples = [list(t) for t in body["meta_info"]["output_token_logprobs"]]
+    triples[1][0] = 0.5
+    body["meta_info"]["output_token_logprobs"] = triples
+    with pytest.raises(EngineProtocolError, match=r"output_token_logprobs\[1\]: logprob is 0.5 > 0"):
+        parse_generate(body, CTX)

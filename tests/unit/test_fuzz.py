@@ -171,13 +171,15 @@ def codecs_and_routes(draw):
     num_layers = draw(st.integers(1, 6))
     moe = tuple(i for i in range(num_layers) if draw(st.booleans())) or (num_layers - 1,)
     num_experts = draw(st.sampled_from([1, 2, 8, 255, 256, 257, 1000, 65536]) | st.integers(1, 4096))
-    codec = RoutesCodec(num_layers=num_layers, top_k=draw(st.integers(1, 8)), num_experts=num_experts,
-                        moe_layers=moe)
+    codec = RoutesCodec(num_layers=num_layers, top_k=draw(st.integers(1, min(8, num_experts))),
+                        num_experts=num_experts, moe_layers=moe)
     prompt_len = draw(st.integers(1, 12))
     response_len = draw(st.integers(0, 12))
     rows = codec.expected_rows(prompt_len, response_len)
     seed = draw(st.integers(0, 2**32 - 1))
-    ids = np.random.default_rng(seed).integers(0, num_experts, size=(rows, num_layers, codec.top_k), dtype="<i4")
+    rng = np.random.default_rng(seed)  # a router's top-k: distinct experts per token and layer
+    ids = np.array([[rng.choice(num_experts, codec.top_k, replace=False) for _ in range(num_layers)]
+                    for _ in range(rows)], dtype="<i4").reshape(rows, num_layers, codec.top_k)
     dense = [i for i in range(num_layers) if i not in moe]
     ids[:, dense, :] = 0  # the engine reports dense layers as zeros
     return codec, ids, prompt_len, response_len
@@ -213,7 +215,8 @@ def test_codec_round_trip_on_the_compact_wire(case):
 
 @FUZZ
 @given(case=codecs_and_routes(), edit=st.sampled_from(["drop_row", "add_row", "cut_bytes", "bad_expert",
-                                                        "neg_expert", "garbage", "bad_padding", "non_ascii"]),
+                                                        "neg_expert", "dup_expert", "garbage", "bad_padding",
+                                                        "non_ascii"]),
        junk=st.text(max_size=30), cut=st.integers(1, 7))
 def test_codec_refuses_malformed_routes(case, edit, junk, cut):
     codec, ids, p, r = case
@@ -228,6 +231,12 @@ def test_codec_refuses_malformed_routes(case, edit, junk, cut):
     elif edit in ("bad_expert", "neg_expert"):
         ids = ids.copy()
         ids[-1, moe[-1], -1] = codec.num_experts if edit == "bad_expert" else -1
+        b64 = _b64(ids)
+    elif edit == "dup_expert":
+        if codec.top_k < 2 or ids.shape[0] == 0:
+            return
+        ids = ids.copy()
+        ids[-1, moe[-1], 1] = ids[-1, moe[-1], 0]
         b64 = _b64(ids)
     elif edit == "garbage":
         b64 = _b64(ids)[:-1] + "!" + junk

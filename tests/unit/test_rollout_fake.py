@@ -230,3 +230,19 @@ def test_partial_weight_update_is_reported():
 
     with FakeSGLang(faults=Faults(partial_update=True)) as srv:
         run(go(srv.url))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_counted():
+    """A reply with a token id at or above the model's vocabulary is never trained on: the sample is
+    retried (counted) and, when every reply is bad, fails naming the cause."""
+    async def go(url, vocab):
+        mgr = RolloutManager([EngineClient(url)], sampling=SamplingSpec(max_new_tokens=5), max_retries=2,
+                             vocab_size=vocab)
+        return mgr, await mgr.generate_group(PROMPT, n=2, group_id=0)
+
+    with FakeSGLang() as srv:
+        mgr, samples = run(go(srv.url, None))
+        top = max(t for s in samples for t in s.tokens[len(s.prompt_ids):])
+        mgr, samples = run(go(srv.url, top))  # the largest id the engine sends is one past the vocabulary
+    assert mgr.stats.retries >= 2 and any(s.error for s in samples)
+    assert all("outside the vocabulary" in s.error for s in samples if s.error), [s.error for s in samples]
