@@ -69,6 +69,8 @@ class LoopState:
     prompt_index: int = 0
     buffered: list[Group] | None = None
     history: list[dict] | None = None
+    redo_prompts: list[int] | None = None
+    """Prompts drawn whose groups were unfinished at the checkpoint: generated first after a resume."""
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -200,7 +202,7 @@ class Controller:
         self.rollout = start_rollout(self.cfg, hf_path, urls, policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
             "buffered": state.buffered,
-            "prompt_index": state.prompt_index})
+            "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or []})
         return [EngineEndpoint(u, r.engine_tp) for u in urls]
 
     @staticmethod
@@ -310,7 +312,7 @@ class Controller:
         self.rollout.allow(n)
 
     def save_loop_state(self, path: str, state: LoopState) -> None:
-        state.prompt_index, state.buffered = self.rollout.state()
+        state.prompt_index, state.buffered, state.redo_prompts = self.rollout.state()
         state.history = self.log.history
         sync_tree(path)  # every rank's shards on disk before the marker: a crash never leaves a "complete" hole
         final = os.path.join(path, LOOP_STATE_FILE)

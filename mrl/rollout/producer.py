@@ -38,11 +38,15 @@ def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
 class Producer:
     def __init__(self, *, manager: RolloutManager, scorer: RewardScorer, source: PromptSource, tokenizer,
                  buffer: RolloutBuffer, group_size: int, dynamic_sampling: bool, start_index: int = 0,
-                 episodes: EpisodeRunner | None = None):
+                 redo: list[int] | None = None, episodes: EpisodeRunner | None = None):
+        """``start_index``: the next prompt to draw; ``redo``: prompts drawn before a checkpoint whose groups
+        were still in flight at it (a resumed run generates them first, so no prompt is skipped)."""
         self.manager, self.scorer, self.source, self.tok = manager, scorer, source, tokenizer
         self.episodes = episodes
         self.buffer, self.group_size, self.dynamic_sampling = buffer, group_size, dynamic_sampling
         self.next_index = start_index
+        self._redo = list(redo or [])
+        self._inflight: set[int] = set()
         self.counts: Counter = Counter()
         self._credits = 0
         self._loop = asyncio.new_event_loop()
@@ -60,6 +64,10 @@ class Producer:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    def unfinished(self) -> list[int]:
+        """Prompts drawn whose groups are not buffered yet (in flight, or still to redo): for a checkpoint."""
+        return sorted(self._inflight.copy() | set(self._redo))
 
     def allow(self, n: int) -> None:
         """Let ``n`` more groups start."""
@@ -107,12 +115,16 @@ class Producer:
                     await self._wake.wait()
                     continue
                 self._credits -= 1
-                prompt = self.source.sample(self.next_index)
-                gid = self.next_index
-                self.next_index += 1
+                if self._redo:
+                    gid = self._redo.pop(0)
+                else:
+                    gid = self.next_index
+                    self.next_index += 1
+                prompt = self.source.sample(gid)
                 t = asyncio.create_task(self._group(prompt, gid))
                 tasks.add(t)
-                t.add_done_callback(tasks.discard)
+                self._inflight.add(gid)
+                t.add_done_callback(lambda t, gid=gid: (tasks.discard(t), self._inflight.discard(gid)))
         except BaseException as e:  # surfaced to the trainer by check()
             self.error = e
         finally:  # run over: in-flight groups are abandoned (counted), their cancellation awaited quietly

@@ -106,8 +106,8 @@ class RolloutService:
     def stats(self) -> dict:
         return self._call("stats")
 
-    def state(self) -> tuple[int, list]:
-        """(next prompt index, buffered groups) for a checkpoint."""
+    def state(self) -> tuple[int, list, list[int]]:
+        """(next prompt index, buffered groups, prompts drawn but unfinished) for a checkpoint."""
         return self._call("state")
 
     def count(self, key: str, n: int = 1) -> None:
@@ -215,7 +215,7 @@ class LocalRollout:
         self.producer = Producer(manager=self.manager, scorer=self.scorer, source=source,
                                  tokenizer=self.tok, buffer=self.buffer, group_size=r.n_samples_per_prompt,
                                  dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state["prompt_index"],
-                                 episodes=self.episodes)
+                                 redo=state.get("redo_prompts"), episodes=self.episodes)
         if t.mode == LoopMode.overlap:
             self.buffer.on_release = self.producer.allow
 
@@ -298,7 +298,12 @@ class LocalRollout:
                 "served_by_engine": {s.client.url: s.served for s in self.manager.slots}}
 
     def state(self):
-        return self.producer.next_index, self.buffer.state()
+        """(next prompt index, buffered groups, prompts to redo): unfinished groups read before the buffer,
+        so a group buffered in between is kept once (buffered), never twice."""
+        unfinished = self.producer.unfinished()
+        buffered = self.buffer.state()
+        done = {g.samples[0].group_id for g in buffered if g.samples}
+        return self.producer.next_index, buffered, [i for i in unfinished if i not in done]
 
     def stop(self) -> None:
         from mrl.rollout.client import close_clients
