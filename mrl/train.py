@@ -632,7 +632,7 @@ class Loop:
         diffs, unreachable = verify_engines(self.policy.module, self.layout, self.syncer.engines,
                                             vocab_size=self.policy.bridge.vocab_size, tol=ws.verify_tol,
                                             version=str(self.version), seed=self.cfg.seed,
-                                            lora_path=self.syncer.adapter)
+                                            lora_path=self.syncer.adapter, timeout_s=ws.timeout_s)
         return {"sync_verify_max_diff": max(diffs.values(), default=0.0),
                 "sync_verify_unreachable": float(len(unreachable))}
 

@@ -23,7 +23,7 @@ from mrl.config.schema import WeightTransport
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import EngineClient, liveness, watched
+from mrl.rollout.client import ClientTimeouts, EngineClient, liveness, watched
 from mrl.rollout.protocol import EngineHung
 from mrl.weight_sync.disk import DiskTransport
 from mrl.weight_sync.distributed import DistributedTransport, DistributedWeightSync
@@ -67,13 +67,15 @@ class SyncMismatch(RuntimeError):
 
 def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[EngineEndpoint], *, vocab_size: int,
                    tol: float, version: str, seed: int = 0, probe_len: int = 32,
-                   lora_path: str | None = None) -> tuple[dict[str, float], dict]:
+                   lora_path: str | None = None, timeout_s: float = 300.0) -> tuple[dict[str, float], dict]:
     """``weight_sync.verify``: teacher-forced logprobs of a fixed random probe, each engine's against the
     trainer's (both route naturally), after a sync. Collective. Returns ({url: max abs difference}, {url:
     error} of engines that could not be asked: a dead one is the next sync's to drop); raises
     ``SyncMismatch`` on every rank when an engine differs by more than ``tol``: it would generate every
     later sample from weights that are not the trainer's, and nothing else would show it. LoRA runs pass
-    ``lora_path``, the adapter name of ``version`` (``mrl.rollout.lora.adapter_name``)."""
+    ``lora_path``, the adapter name of ``version`` (``mrl.rollout.lora.adapter_name``). An engine that
+    does not answer its probe within ``timeout_s`` counts as unreachable (a one-token request: a hung
+    engine must not hold every rank for the client's generation limit of an hour)."""
     from mrl.megatron import compat
     from mrl.megatron.forward import forward_logits, token_logprobs
 
@@ -99,7 +101,7 @@ def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[Engine
                                    lora_path=lora_path)
             got[c.url] = out.input_logprobs[1:]  # the first token has none
 
-        errs = run_on(engines, probe_one)
+        errs = run_on(engines, probe_one, timeouts=ClientTimeouts(control=timeout_s, generate=timeout_s))
         result = [({url: max(abs(a - b) for a, b in zip(lps, mine)) for url, lps in got.items()}, errs)]
     with named(f"broadcast of the probe differences verifying weight sync v{version}", src=0):
         dist.broadcast_object_list(result, src=0)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
-from mrl.rollout.client import EngineClient
+from mrl.rollout.client import ClientTimeouts, EngineClient
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,12 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def run_on(engines: list[EngineEndpoint], call, loop: LoopThread | None = None) -> dict[str, str]:
+def run_on(engines: list[EngineEndpoint], call, loop: LoopThread | None = None,
+           timeouts: ClientTimeouts | None = None) -> dict[str, str]:
     """Run ``call(client)`` on every engine concurrently; {url: error} of those that failed."""
 
     async def go():
-        clients = [EngineClient(e.url) for e in engines]
+        clients = [EngineClient(e.url, **({"timeouts": timeouts} if timeouts else {})) for e in engines]
 
         async def one(c):
             try:

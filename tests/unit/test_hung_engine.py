@@ -323,3 +323,22 @@ def test_restarter_kills_the_dead_engine_before_its_replacement_starts(monkeypat
     seen["old"] = old = _stopped_group()
     new = EngineRestarter([old], max_restarts=1).replace([old.url])
     assert len(new) == 1 and new[0].name == "stopped-r1" and seen["old_pids_at_start"] == []
+
+
+def test_the_verify_probe_of_a_hung_engine_ends_at_its_limit():
+    """``weight_sync.verify`` asks each engine for a one-token probe with ``weight_sync.timeout_s`` as its
+    limit (``run_on(..., timeouts=...)``): an engine that accepts the request and never answers is reported
+    unreachable after that limit, not after the client's hour-long generation limit."""
+    from mrl.rollout.client import ClientTimeouts
+    from mrl.weight_sync.transport import EngineEndpoint, run_on
+
+    async def probe(c):
+        await c.generate([1, 2, 3], {"max_new_tokens": 1, "temperature": 0.0}, rid="verify-probe",
+                         logprob_start_len=0)
+
+    with FakeSGLang(faults=Faults(hang=True)) as hung, FakeSGLang() as ok:
+        t = time.monotonic()
+        errs = run_on([EngineEndpoint(hung.url), EngineEndpoint(ok.url)], probe,
+                      timeouts=ClientTimeouts(control=2.0, generate=2.0))
+        took = time.monotonic() - t
+    assert list(errs) == [hung.url] and took < 10, (errs, took)
