@@ -16,12 +16,32 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 
 def die_with_parent() -> None:
     """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)
+
+
+_SPAWNER: ThreadPoolExecutor | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def on_lasting_thread(fn):
+    """Call ``fn`` (a ``Popen`` whose child uses :func:`die_with_parent`) on a thread that lasts as long as
+    this process: the parent-death signal follows the *thread* that forked the child, so a child started
+    from a short-lived helper thread (a health watcher restarting a server on a fresh port) would be
+    killed when that thread ends. The main thread lasts; any other caller hands ``fn`` to one spawner
+    thread kept for the process's life."""
+    global _SPAWNER
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrl-spawner")
+    return _SPAWNER.submit(fn).result()
 
 
 # torchrun's agent, run in-process so that its ChildFailedError (which ranks failed, and how) is ours to report

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl.process import die_with_parent, ignore_usr1
+from mrl.process import die_with_parent, ignore_usr1, on_lasting_thread
 from mrl.rollout import cpu_mode, engine_patches, gpu_mode
 from mrl.rollout.lora import LoraEngineSpec
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
@@ -247,9 +247,9 @@ class Engine:
         log.write(self.secrets.redact("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
         try:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=child_setup(self.cpus if self.cpu_mode else None))
+            self.proc = on_lasting_thread(lambda: subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=child_setup(self.cpus if self.cpu_mode else None)))
         except BaseException:
             log.close()
             raise
