@@ -154,7 +154,9 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards = rewards + overlong_penalty(lengths, max_len=cfg.algo.max_response_len,
                                              buffer_len=cfg.algo.overlong_buffer_len)
-    adv = compute_advantages(rewards, n, cfg.algo)
+    sizes = [len(g.rewards) for g in groups]  # whole groups today; each normalized by its own size regardless
+    adv = (compute_advantages(rewards, n, cfg.algo) if set(sizes) == {n}
+           else torch.cat([compute_advantages(r, len(r), cfg.algo) for r in rewards.split(sizes)]))
     batch = RLBatch(tokens=[s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
                     behav_logp=[list(s.response_logprobs) for s in samples], advantages=adv.tolist(),
                     routes=[s.routes for s in samples] if with_routes else None,

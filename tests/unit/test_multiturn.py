@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from mrl.data import build_task
 from mrl.data.prompt import Prompt
@@ -283,3 +284,22 @@ def test_lookup_warm_start_is_the_solving_episode_token_for_token(tok):
 
     first, want = asyncio.run(episode_tokens())
     assert ids == want and n == len(first)
+
+
+def test_advantages_are_taken_within_each_group_of_its_own_size():
+    from mrl.algo import compute_advantages
+    from mrl.config.schema import AlgoConfig, Config, RolloutConfig
+    from mrl.rollout.buffer import Group
+    from mrl.rollout.sample import Sample
+    from mrl.train import build_batch
+
+    def sample():
+        return Sample(prompt_ids=[1, 2], group_id=0, index=0, max_new_tokens=2, response_ids=[3, 4],
+                      response_logprobs=[-1.0, -1.0], versions=[0, 0])
+
+    cfg = Config(rollout=RolloutConfig(n_samples_per_prompt=2), algo=AlgoConfig())
+    groups = [Group(PROMPT, [sample(), sample()], [1.0, 0.0]), Group(PROMPT, [sample()] * 3, [1.0, 1.0, 0.0])]
+    batch, _, _ = build_batch(groups, cfg, with_routes=False)
+    want = [*compute_advantages(torch.tensor([1.0, 0.0]), 2, cfg.algo).tolist(),
+            *compute_advantages(torch.tensor([1.0, 1.0, 0.0]), 3, cfg.algo).tolist()]
+    assert batch.advantages == pytest.approx(want) and batch.advantages[2] == batch.advantages[3] > 0
