@@ -110,8 +110,10 @@ class NetnsSlurm(LocalSlurm):
                              timeout=10).stdout.split()
         return len(out) == len(self.nodes) and set(out) == {"idle"}
 
-    def start(self, timeout: float = 60.0) -> "NetnsSlurm":
-        self.make_network()
+    def start(self, timeout: float = 60.0, *, network: bool = True) -> "NetnsSlurm":
+        """``network=False``: the caller made it already (``make_network``)."""
+        if network:
+            self.make_network()
         try:
             return super().start(timeout)
         except Exception:
