@@ -191,6 +191,32 @@ def run_layouts(worker: str, layouts: list[str], layout_args: dict, tmp: str, ar
     return rows
 
 
+def profile_steps(run_steps, out_dir: str, name: str, rank: int) -> dict:
+    """``run_steps()`` under the torch profiler: writes ``<name>_rank<r>.txt`` (top operators by device
+    time) and ``<name>_rank<r>.json`` (every operator: device and host microseconds, calls) to ``out_dir``,
+    so that two sides' steps can be compared operator by operator; returns the host syncs counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run_steps()
+    if cuda:
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}_rank{rank}.txt"), "w") as f:
+        f.write(ka.table(sort_by=dev_attr if cuda else "self_cpu_time_total", row_limit=40))
+    ops = sorted(({"op": e.key, "device_us": getattr(e, dev_attr, 0.0) if cuda else 0.0,
+                   "host_us": e.self_cpu_time_total, "calls": e.count} for e in ka),
+                 key=lambda r: -(r["device_us"] or r["host_us"]))
+    with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
+        json.dump(ops[:150], f, indent=0)
+    return {"host_syncs": {e.key: e.count for e in ka if e.key in (
+        "aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+        "aten::nonzero", "cudaMemcpyAsync")}}
+
+
 def timed(fn) -> float:
     """Wall time of ``fn()`` on the slowest rank (barrier before, CUDA synchronised around)."""
     import time

@@ -20,12 +20,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from _bench_common import step_worker_args
+from _bench_common import profile_steps, step_worker_args
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
 ap.add_argument("--phases", action="store_true", help="after the timing, two more steps with the schedule "
                 "(forward + backward) and the optimizer step each timed between device syncs")
+ap.add_argument("--profile", default=None, help="DIR: two more steps under the torch profiler (as the mrl side)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -155,6 +156,11 @@ def timed(fn) -> float:
 
 a.phases_on = False
 times = [timed(lambda b=b: train_step(b)) for b in batches]
+prof = None
+if a.profile:
+    prof = profile_steps(lambda: [train_step(b) for b in batches[-2:]], a.profile, "megatron_step_profile",
+                         dist.get_rank())
+    prof = {"host_syncs_per_step": {k: v // 2 for k, v in prof["host_syncs"].items()}}
 phase_times = None
 if a.phases:
     a.phases_on = True
@@ -164,7 +170,7 @@ if dist.get_rank() == 0:
                "warmup_s": times[:a.warmup], "median_s": statistics.median(times[a.warmup:]),
                "tokens_per_step": a.micro_batches * a.micro_batch_size * a.seq * ps.get_data_parallel_world_size(),
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               "phases_s": phase_times},
+               "phases_s": phase_times, "profile": prof},
               open(a.out, "w"))
 dist.barrier()
 dist.destroy_process_group()

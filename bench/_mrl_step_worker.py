@@ -17,7 +17,7 @@ import statistics
 import numpy as np
 import torch
 
-from _bench_common import record_routes, step_worker_args, timed
+from _bench_common import profile_steps, record_routes, step_worker_args, timed
 from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
@@ -73,23 +73,11 @@ times = [timed(lambda b=b: step(b)) for b in batches]
 
 
 def profile(out_dir: str) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if compat.HAS_CUDA else [])
-    with torch_profile(activities=acts) as prof:
+    def run():
         for b in batches[-2:]:
             step(b)
-    if compat.HAS_CUDA:
-        torch.cuda.synchronize()
-    ka = prof.key_averages()
-    sort = "self_cuda_time_total" if compat.HAS_CUDA else "self_cpu_time_total"
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"rl_step_profile_rank{layout.world_rank}.txt"), "w") as f:
-        f.write(ka.table(sort_by=sort, row_limit=40))
-    syncs = {e.key: e.count // 2 for e in ka if e.key in ("aten::item", "aten::_local_scalar_dense",
-                                                       "cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                       "aten::nonzero", "cudaMemcpyAsync")}
-    return {"host_syncs_per_step": syncs}
+    out = profile_steps(run, out_dir, "rl_step_profile", layout.world_rank)
+    return {"host_syncs_per_step": {k: v // 2 for k, v in out["host_syncs"].items()}}
 
 
 def phases() -> dict:

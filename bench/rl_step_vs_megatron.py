@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--packing", choices=["on", "off"], default="on")
     ap.add_argument("--router-fusion", choices=["on", "off"], default="on",
                     help="the baseline's fused router (mrl cannot use it: it skips routing replay)")
-    ap.add_argument("--profile", action="store_true", help="torch profiler over two more mrl steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch profiler over two more steps of each side (the first pair): every operator's time")
     ap.add_argument("--phases", action="store_true",
                     help="each side: two more steps with their phases timed between device syncs")
     ap.add_argument("--json", default=None)
@@ -83,7 +84,9 @@ def main() -> None:
                 out = os.path.join(tmp, f"{name}_{r}_{len(runs)}_{side}.json")
                 if side == "megatron":
                     nofuse = ["--no-router-fusion"] if a.router_fusion == "off" else []
-                    args = [*common, *extra, "--out", out, *nofuse, *(["--phases"] if a.phases else [])]
+                    prof = a.profile and r == 0 and not runs
+                    args = [*common, *extra, "--out", out, *nofuse, *(["--phases"] if a.phases else []),
+                            *(["--profile", os.path.join(tmp, "profile")] if prof else [])]
                     torchrun(nproc, "_megatron_step_worker.py", args)
                 else:
                     prof = a.profile and r == 0 and len(runs) == 1
@@ -108,8 +111,11 @@ def main() -> None:
                  for k in range(0, len(runs), 4) for i, j in ((k, k + 1), (k + 3, k + 2))]
         row["mrl_vs_megatron_per_pair"] = pairs
         if a.profile:
-            ptxt = os.path.join(tmp, "profile", "rl_step_profile_rank0.txt")
-            row["profile_top_ops"] = open(ptxt).read() if os.path.exists(ptxt) else None
+            for side, stem in (("mrl", "rl_step_profile"), ("megatron", "megatron_step_profile")):
+                base = os.path.join(tmp, "profile", f"{stem}_rank0")
+                row[f"profile_top_ops_{side}"] = open(base + ".txt").read() if os.path.exists(base + ".txt") else None
+                row[f"profile_ops_{side}"] = json.load(open(base + ".json")) if os.path.exists(base + ".json") else None
+            os.system(f"rm -rf {os.path.join(tmp, 'profile')}")  # the next layout writes its own
         layouts[name] = row
         m, b = row["mrl"], row["megatron"]
         print(f"{name}: megatron {b['tokens_per_s_per_gpu']:.0f} tok/s/GPU ({b['model_tflops_per_gpu']:.1f} TFLOP/s), "

@@ -51,6 +51,7 @@ from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.process import LOOP_STATE_FILE
+from mrl.rollout.engine import launch_job_engines, start_job_engines
 from mrl.rollout.lora import lora_engine_spec
 from mrl.rollout.restart import EngineRestarter, kill_engines
 from mrl.rollout.sample import Sample
@@ -183,7 +184,7 @@ class Controller:
     def __init__(self, cfg: Config, state: LoopState, engines: list | None = None):
         self.cfg = cfg
         self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history)
-        self.engines = list(engines or [])  # started already (``launch_engines``)
+        self.engines = list(engines or [])  # started already (``launch_job_engines``)
         self.restarter: EngineRestarter | None = None
         self.rollout = None
 
@@ -195,7 +196,7 @@ class Controller:
         urls = list(r.engine_urls) or self._discover(r)
         if not urls:
 
-            self.engines = self.engines or start_own_engines(self.cfg)
+            self.engines = self.engines or start_job_engines(self.cfg)
             for e in self.engines:
                 e.wait_healthy()
             urls = [e.url for e in self.engines]
@@ -464,35 +465,17 @@ def _keep_off_engine_cores(cfg: Config) -> None:
             os.sched_setaffinity(0, rest)
 
 
-def start_own_engines(cfg: Config) -> list:
-    """Start the engines of ``cfg.rollout`` the job owns (their health is awaited by the caller)."""
-    from mrl.rollout.engine import engines_from_config
-
-    engines = engines_from_config(cfg.rollout, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
-                                  lora=lora_engine_spec(cfg))
-    for e in engines:
-        e.start()
-    return engines
-
-
-def launch_engines(cfg: Config) -> list:
-    """Rank 0, before the trainer is built: start the engines the job owns, so that they boot while the
-    model loads and warms up (``Controller.start_engines`` waits for their health). Not for engines found
-    by URL, nor for colocated GPU runs (``rollout.memory_saver``): there the trainer takes its memory first."""
-    r = cfg.rollout
-    return [] if r.engine_urls or r.engine_url_dir or r.memory_saver else start_own_engines(cfg)
-
-
 class Loop:
     """The RL loop on one trainer rank. Rank 0's extra work (engines, rollout process, metrics) sits
     behind ``self.duties``; every rank runs the same steps and collectives."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, engines: list | None = None):
+        """``engines``: rank 0's, started by the caller already (``launch_job_engines``); None: started here."""
         self.cfg, t = cfg, cfg.train
         self.hf_path = cfg.model.hf_path
         _keep_off_engine_cores(cfg)
         self.layout = init_parallel(cfg.parallel, seed=cfg.seed)
-        early = launch_engines(cfg) if self.layout.world_rank == 0 else []
+        early = engines if engines is not None else launch_job_engines(cfg) if self.layout.world_rank == 0 else []
         self.policy = Policy(cfg, self.layout, self.hf_path)
         hc = self.policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
         check_tokenizer(self.hf_path, vocab_size=self.policy.bridge.vocab_size, special_ids={
@@ -671,8 +654,8 @@ class Loop:
         self.preempted = True
 
 
-def main(cfg: Config) -> int:
-    code = Loop(cfg).run()
+def main(cfg: Config, engines: list | None = None) -> int:
+    code = Loop(cfg, engines).run()
     destroy()
     return code
 

@@ -2,8 +2,9 @@
 
     python -m mrl.jobs.train <run_dir>/config.yaml
 
-Library warnings go to ``<run_dir>/logs/rank<r>.log`` before megatron, transformers and torch are imported
-(they warn on import), then the loop runs (``mrl.train``).
+Rank 0 starts the engines the job owns first of all: they boot while the ranks import megatron and build
+the model. Library warnings go to ``<run_dir>/logs/rank<r>.log`` before megatron, transformers and torch are
+imported (they warn on import), then the loop runs (``mrl.train``).
 """
 
 from __future__ import annotations
@@ -14,19 +15,21 @@ import sys
 from mrl.cluster.rundir import secure_run_dir
 from mrl.config.load import load_resolved
 from mrl.console import route_library_output
+from mrl.rollout.engine import launch_job_engines
 
 
 def main(config_path: str) -> int:
     cfg = load_resolved(config_path)
     secure_run_dir(cfg.run_dir)  # also on nodes where ``mrl train`` did not create it (Slurm)
     rank = int(os.environ.get("RANK", "0"))
+    engines = launch_job_engines(cfg) if rank == 0 else []
     import torch  # noqa: F401  importing torch gives its logger a console handler: the routing replaces it
 
     route_library_output(cfg.run_dir, rank)
     from mrl.train import main as run_loop  # after the routing: importing megatron warns
 
     route_library_output(cfg.run_dir, rank)  # again: transformers installs its own console handler on import
-    return run_loop(cfg)
+    return run_loop(cfg, engines)
 
 
 if __name__ == "__main__":

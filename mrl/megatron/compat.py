@@ -364,24 +364,20 @@ def _patch_distopt_torch_adam() -> None:
     shim.applied = True
 
 
-def checkpoint_writer_dies_with_rank() -> None:
-    """``dist_checkpointing/strategies/filesystem_async.py:65`` keeps the checkpoint writer's results
-    queue in a ``multiprocessing`` Manager: a spawned server process per rank that is shut down only by
-    a finalizer, so a killed rank leaves it running for good (two idle ~900 MB orphans per rank-kill
-    fault test). Start that Manager here, before megatron's first save does, as a process that dies
-    with its rank (``PR_SET_PDEATHSIG``). Call before ``dist_checkpointing.save``; idempotent."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
+def checkpoint_writes_in_process() -> None:
+    """``dist_checkpointing/strategies/filesystem_async.py:65`` keeps the checkpoint writer's results queue
+    in a ``multiprocessing`` Manager: a spawned server process per rank, seconds to start at the first save
+    and to join at exit, shut down only by a finalizer (a killed rank leaves it running for good). mrl saves
+    synchronously (``dist_checkpointing.save`` without ``async_sharded_save``): the writer threads and the
+    reader of their results are all in the rank's own process, so a plain in-process queue carries them.
+    An asynchronous save would have to pickle it and fails saying so. Call before ``dist_checkpointing.save``;
+    idempotent."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from mrl.process import die_with_parent
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager referenced
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _apply() -> None:

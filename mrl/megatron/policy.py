@@ -386,7 +386,7 @@ class Policy:
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         sd = self._sharded(False)
-        compat.checkpoint_writer_dies_with_rank()
+        compat.checkpoint_writes_in_process()
         dist_checkpointing.save(sd, path)
         name, keys, pos, has_gauss, gauss = np.random.get_state()  # its key array as a tensor: weights_only loads it
         rng = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,

@@ -17,6 +17,7 @@ engine process outlives the launcher even when it crashes. ``stop`` terminates t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -293,7 +294,7 @@ class Engine:
                 self.stop()
                 raise EngineStartError(f"{self.name} not healthy after {timeout:.0f}s; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
-            time.sleep(1.0)
+            time.sleep(0.25)
 
     def _restart_on_a_fresh_port(self) -> None:
         taken, self._port_retries = self.port, self._port_retries - 1
@@ -304,48 +305,59 @@ class Engine:
         self.start()
 
     def pids(self) -> list[int]:
-        """The server and every process it started (same session)."""
+        """The server and every process it started (same session) that has not exited (zombies left out)."""
         import psutil
 
         if self.proc is None:
             return []
         out = []
-        for p in psutil.process_iter(["pid"]):
+        for p in psutil.process_iter(["pid", "status"]):
             try:
-                if os.getsid(p.info["pid"]) == self.proc.pid:
+                if os.getsid(p.info["pid"]) == self.proc.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
                     out.append(p.info["pid"])
             except (ProcessLookupError, PermissionError):
                 continue
         return out
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to the whole process group, SIGKILL whatever is left after ``timeout``. A stopped
-        (SIGSTOPped) process only handles the SIGTERM once continued, so a SIGCONT follows it."""
-        self._end(((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)))
+        """End the server at once: SIGKILL to its processes but multiprocessing's resource tracker, which
+        then unlinks the shared memory and semaphores they registered and exits by itself; whatever is left
+        after ``timeout`` is killed. SGLang ends its own children with SIGKILL too. A SIGTERM instead has it
+        drain requests first, or, when a child goes first (a SIGTERM to the group), wait 5 s before its
+        cleanup, while the tracker dies of it and the segments stay in /dev/shm."""
+        self._end(spare_trackers=timeout)
 
     def kill(self) -> None:
         """SIGKILL to the whole process group at once, and wait until none of it is left: for an engine
         judged dead or hung, which has nothing to finish (SIGKILL also ends a stopped process)."""
-        self._end(((signal.SIGKILL, 10.0),))
+        self._end(spare_trackers=None)
 
-    def _end(self, signals) -> None:
+    def _end(self, spare_trackers: float | None) -> None:
         if self.proc is None:
             return
-        pgid = self.proc.pid
-        for sig, wait in signals:
-            try:
-                os.killpg(pgid, sig)
-                if sig != signal.SIGKILL:
-                    os.killpg(pgid, signal.SIGCONT)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and (self.alive() or self.pids()):
-                time.sleep(0.2)
-            if not self.pids():
-                break
+        leftovers = _shm_files_of(self.pids())
+        if spare_trackers is not None:
+            deadline = time.monotonic() + spare_trackers
+            while (rest := [p for p in self.pids() if not _is_resource_tracker(p)]) or self.alive():
+                for pid in rest:
+                    _signal(pid, signal.SIGKILL)
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            while self.pids() and time.monotonic() < deadline:  # the trackers' cleanup
+                time.sleep(0.1)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 10.0
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.proc.poll() is None:
             self.proc.wait(timeout=5)
+        for path in leftovers:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if self._pump is not None:
             self._pump.join(timeout=5)  # EOF once the whole group has exited
         _LIVE.discard(self)
@@ -355,6 +367,38 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def _shm_files_of(pids: list[int]) -> set[str]:
+    """The load-report files SGLang's schedulers keep in /dev/shm: SGLang never unlinks them (one per
+    engine start would pile up on a node)."""
+    out = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/sglang_loads_"):
+                    out.add(target)
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | None = None,
@@ -375,6 +419,25 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None, lora=lora)
             for i, n in enumerate(names)]
+
+
+def start_job_engines(cfg) -> list["Engine"]:
+    """Start the engines of a run's ``cfg.rollout`` that the job owns; the caller awaits their health."""
+    from mrl.rollout.lora import lora_engine_spec
+
+    engines = engines_from_config(cfg.rollout, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
+                                  lora=lora_engine_spec(cfg))
+    for e in engines:
+        e.start()
+    return engines
+
+
+def launch_job_engines(cfg) -> list["Engine"]:
+    """Rank 0, first thing: start the engines the job owns, so that they boot while the rank imports
+    megatron, builds the model and warms up. None for engines found by URL, nor for colocated GPU runs
+    (``rollout.memory_saver``): there the trainer takes its memory first, and starts them itself."""
+    r = cfg.rollout
+    return [] if r.engine_urls or r.engine_url_dir or r.memory_saver else start_job_engines(cfg)
 
 
 def stop_all() -> None:

@@ -14,6 +14,11 @@ sync) with a full ``gc.collect()`` of the scheduler's heap: half a second per sy
 for reference cycles that Python's own generational collector frees anyway. Here it does nothing, as
 on SGLang versions whose CPU platform had no ``empty_cache``.
 
+SGLang starts its scheduler and detokenizer processes with ``spawn`` (CUDA cannot be forked): each
+imports torch and SGLang again, the larger part of an engine's start on a small CPU box. Without CUDA
+nothing forbids ``fork``, and the children start from the server's imported modules; the server has not
+started a thread or a torch thread pool when it forks them.
+
 The patches GPU engines get as well (``mrl.rollout.engine_patches``: compact routes) are installed
 here too; this file takes the place of ``mrl/rollout/engine_shim`` on a CPU engine's path.
 """
@@ -55,7 +60,19 @@ def _no_gc_on_empty_cache(module):
         platform.empty_cache = lambda self: None
 
 
+def _fork_instead_of_spawn() -> None:
+    import multiprocessing
+
+    set_method = multiprocessing.set_start_method
+
+    def set_start_method(method, force=False):
+        set_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = set_start_method
+
+
 engine_patches.install()
+_fork_instead_of_spawn()
 sys.meta_path.insert(0, PatchOnImport("sglang.srt.platforms.cpu", _no_gc_on_empty_cache))
 if os.environ.get("MRL_CPU_BATCHED_ATTENTION") == "1":
     sys.meta_path.insert(0, PatchOnImport("sglang.srt.layers.attention.torch_native_backend", _batched_attention))
