@@ -30,6 +30,8 @@ expert ids, loss mask 0). Shape legend: n samples, T the longest of them, b rows
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -160,17 +162,19 @@ class Packing:
             raise PackingError(f"packing format must be 'mask' or 'thd', got {self.fmt!r}")
 
     def _thd_params(self, segs: list[tuple[int, int, int]], device: torch.device):
-        """Transformer Engine path. NOT RUN: no machine we have has TE (CPU here, GPUs without TE);
-        written to megatron 0.19.2's PackedSeqParams / TE's THD contract: ``cu_seqlens_q`` counts real
-        tokens, ``cu_seqlens_q_padded`` the slots (they differ only when slots are aligned for CP)."""
+        """Transformer Engine path (GPUs; megatron's local attention refuses packed sequences), to megatron
+        0.19.2's PackedSeqParams / TE's THD contract: ``cu_seqlens_q`` counts real tokens,
+        ``cu_seqlens_q_padded`` the slots (they differ only when slots are aligned for CP). Both are known
+        on the host: comparing them there costs no device sync."""
         if not HAVE_TE:
             raise PackingError("packing format 'thd' needs Transformer Engine attention: megatron's local "
                                "DotProductAttention refuses packed_seq_params. Without TE use the 'mask' format.")
         from megatron.core.packed_seq_params import PackedSeqParams
 
         padded = self.cu_seqlens_padded
-        real = torch.tensor([0] + [n for _, _, n in segs], dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
-        same = bool(torch.equal(real, padded))
+        real_ends = list(itertools.accumulate([n for _, _, n in segs], initial=0))
+        same = real_ends == [0] + [st + sl for st, sl, _ in segs]  # the values of cu_seqlens_padded
+        real = torch.tensor(real_ends, dtype=torch.int32, device=device)
         longest = max(sl for _, sl, _ in segs)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
                                cu_seqlens_q_padded=None if same else padded,

@@ -86,6 +86,21 @@ def test_thd_and_context_parallel_need_transformer_engine():
     check_context_parallel(1)
 
 
+def test_thd_parameters_count_real_tokens_and_slots(monkeypatch):
+    # the THD parameters TE's attention reads, built here without TE (megatron's PackedSeqParams is plain)
+    from mrl.megatron import packing
+
+    monkeypatch.setattr(packing, "HAVE_TE", True)
+    unaligned = Packing.build([5, 3], [[0, 1]], row_len=10, fmt="thd")
+    p = unaligned.packed_seq_params
+    assert p.cu_seqlens_q.tolist() == [0, 5, 8, 10]  # the row's tail is a segment of its own
+    assert p.cu_seqlens_q_padded is None and p.max_seqlen_q == 5 and p.total_tokens == 10
+    aligned = Packing.build([5, 3], [[0, 1]], row_len=16, align=4, fmt="thd")
+    p = aligned.packed_seq_params
+    assert p.cu_seqlens_q.tolist() == [0, 5, 8, 12] and p.cu_seqlens_q_padded.tolist() == [0, 8, 12, 16]
+    assert aligned.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 0, 1, 2, 3]]
+
+
 def test_every_dp_rank_gets_the_same_number_of_micro_batches():
     # rank 0: four short samples (1 row); rank 1: four long ones (4 rows)
     lengths = [3, 3, 3, 3, 9, 9, 9, 9]
