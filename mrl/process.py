@@ -207,3 +207,22 @@ def resume_hint(module: str, args: list[str]) -> str:
     if not cfg.get("train", {}).get("resume", True):
         return f"\n      Last checkpoint: {os.path.join(root, done[-1])} (train.resume=false: a rerun ignores it)."
     return f"\n      Last checkpoint: {os.path.join(root, done[-1])} -- rerun the same command to resume from it."
+
+
+def open_files(pids: list[int], prefix: str) -> set[str]:
+    """The paths starting with ``prefix`` that any of ``pids`` holds open (from ``/proc``; processes
+    gone or not ours are skipped)."""
+    out = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                out.add(target)
+    return out

@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl.process import die_with_parent, ignore_usr1, on_lasting_thread
+from mrl.process import die_with_parent, ignore_usr1, on_lasting_thread, open_files
 from mrl.rollout import cpu_mode, engine_patches, gpu_mode
 from mrl.rollout.lora import LoraEngineSpec
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
@@ -335,7 +335,8 @@ class Engine:
     def _end(self, spare_trackers: float | None) -> None:
         if self.proc is None:
             return
-        leftovers = _shm_files_of(self.pids())
+        # SGLang never unlinks the load-report files its schedulers keep there (one per start would pile up)
+        leftovers = open_files(self.pids(), "/dev/shm/sglang_loads_")
         if spare_trackers is not None:
             deadline = time.monotonic() + spare_trackers
             while (rest := [p for p in self.pids() if not _is_resource_tracker(p)]) or self.alive():
@@ -375,23 +376,6 @@ def _is_resource_tracker(pid: int) -> bool:
             return b"multiprocessing.resource_tracker" in f.read()
     except OSError:
         return False
-
-
-def _shm_files_of(pids: list[int]) -> set[str]:
-    """The load-report files SGLang's schedulers keep in /dev/shm: SGLang never unlinks them (one per
-    engine start would pile up on a node)."""
-    out = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/sglang_loads_"):
-                    out.add(target)
-    return out
 
 
 def _signal(pid: int, sig: int) -> None:

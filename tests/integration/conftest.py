@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from mrl.process import open_files
 from mrl.rollout.engine import Engine
 from mrl.rollout.secrets import ENV_VAR, ensure_run_secrets
 
@@ -29,7 +30,7 @@ def engines(ckpt_dir, tmp_path_factory):
         yield specs
     finally:
         pids = {n: e.pids() for n, e in specs.items()}
-        shm = {path for ps in pids.values() for path in _dev_shm_files(ps)}
+        shm = {path for ps in pids.values() for path in open_files(ps, "/dev/shm/")}
         for e in specs.values():
             e.stop()
         left = {n: e.pids() for n, e in specs.items()}
@@ -40,19 +41,3 @@ def engines(ckpt_dir, tmp_path_factory):
         assert shm, "the engines held no file in /dev/shm (SGLang's load reports): nothing was checked"
         assert not [p for p in shm if os.path.exists(p)], f"/dev/shm files the engines held outlived them: {shm}"
 
-
-def _dev_shm_files(pids: list[int]) -> set[str]:
-    out = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/dev/shm/"):
-                out.add(target)
-    return out
