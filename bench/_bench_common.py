@@ -191,10 +191,11 @@ def run_layouts(worker: str, layouts: list[str], layout_args: dict, tmp: str, ar
     return rows
 
 
-def profile_steps(run_steps, out_dir: str, name: str, rank: int) -> dict:
-    """``run_steps()`` under the torch profiler: writes ``<name>_rank<r>.txt`` (top operators by device
-    time) and ``<name>_rank<r>.json`` (every operator: device and host microseconds, calls) to ``out_dir``,
-    so that two sides' steps can be compared operator by operator; returns the host syncs counted."""
+def profile_steps(run_steps, steps: int, out_dir: str, name: str, rank: int) -> dict:
+    """``run_steps()`` (``steps`` training steps) under the torch profiler: writes ``<name>_rank<r>.txt``
+    (top operators by device time) and ``<name>_rank<r>.json`` (the 150 largest operators: device and host
+    microseconds, calls) to ``out_dir``, so that two sides' steps can be compared operator by operator;
+    returns the host syncs per step."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -212,7 +213,7 @@ def profile_steps(run_steps, out_dir: str, name: str, rank: int) -> dict:
                  key=lambda r: -(r["device_us"] or r["host_us"]))
     with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
         json.dump(ops[:150], f, indent=0)
-    return {"host_syncs": {e.key: e.count for e in ka if e.key in (
+    return {"host_syncs_per_step": {e.key: e.count // steps for e in ka if e.key in (
         "aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
         "aten::nonzero", "cudaMemcpyAsync")}}
 

@@ -156,11 +156,8 @@ def timed(fn) -> float:
 
 a.phases_on = False
 times = [timed(lambda b=b: train_step(b)) for b in batches]
-prof = None
-if a.profile:
-    prof = profile_steps(lambda: [train_step(b) for b in batches[-2:]], a.profile, "megatron_step_profile",
-                         dist.get_rank())
-    prof = {"host_syncs_per_step": {k: v // 2 for k, v in prof["host_syncs"].items()}}
+prof = profile_steps(lambda: [train_step(b) for b in batches[-2:]], 2, a.profile, "megatron_step_profile",
+                     dist.get_rank()) if a.profile else None
 phase_times = None
 if a.phases:
     a.phases_on = True

@@ -72,14 +72,6 @@ def step(b) -> None:
 times = [timed(lambda b=b: step(b)) for b in batches]
 
 
-def profile(out_dir: str) -> dict:
-    def run():
-        for b in batches[-2:]:
-            step(b)
-    out = profile_steps(run, out_dir, "rl_step_profile", layout.world_rank)
-    return {"host_syncs_per_step": {k: v // 2 for k, v in out["host_syncs"].items()}}
-
-
 def phases() -> dict:
     """Seconds per phase of ``rl_step`` (each between device syncs, so phases do not overlap; the sum
     exceeds an unsynchronised step): where the RL step's extra time over megatron's goes."""
@@ -109,7 +101,8 @@ def phases() -> dict:
     return {"step_s": total, **{k: v for k, v in spent.items()}}
 
 
-prof = profile(a.profile) if a.profile else None
+prof = profile_steps(lambda: [step(b) for b in batches[-2:]], 2, a.profile, "rl_step_profile",
+                     layout.world_rank) if a.profile else None
 phase_times = phases() if a.phases else None
 if layout.world_rank == 0:
     json.dump({"side": "mrl", "step_s": times[a.warmup:], "warmup_s": times[:a.warmup],

@@ -17,6 +17,7 @@ and backward (x3); MFU against the GPU's dense bf16 peak.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 
@@ -115,7 +116,7 @@ def main() -> None:
                 base = os.path.join(tmp, "profile", f"{stem}_rank0")
                 row[f"profile_top_ops_{side}"] = open(base + ".txt").read() if os.path.exists(base + ".txt") else None
                 row[f"profile_ops_{side}"] = json.load(open(base + ".json")) if os.path.exists(base + ".json") else None
-            os.system(f"rm -rf {os.path.join(tmp, 'profile')}")  # the next layout writes its own
+            shutil.rmtree(os.path.join(tmp, "profile"), ignore_errors=True)  # the next layout writes its own
         layouts[name] = row
         m, b = row["mrl"], row["megatron"]
         print(f"{name}: megatron {b['tokens_per_s_per_gpu']:.0f} tok/s/GPU ({b['model_tflops_per_gpu']:.1f} TFLOP/s), "

@@ -475,7 +475,8 @@ class Loop:
         self.hf_path = cfg.model.hf_path
         _keep_off_engine_cores(cfg)
         self.layout = init_parallel(cfg.parallel, seed=cfg.seed)
-        early = engines if engines is not None else launch_job_engines(cfg) if self.layout.world_rank == 0 else []
+        if engines is None:
+            engines = launch_job_engines(cfg) if self.layout.world_rank == 0 else []
         self.policy = Policy(cfg, self.layout, self.hf_path)
         hc = self.policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
         check_tokenizer(self.hf_path, vocab_size=self.policy.bridge.vocab_size, special_ids={
@@ -491,7 +492,7 @@ class Loop:
         self.step, self.version = self.state.step, self.state.version
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
-        self.duties = Controller(cfg, self.state, early) if self.layout.world_rank == 0 else OtherRank()
+        self.duties = Controller(cfg, self.state, engines) if self.layout.world_rank == 0 else OtherRank()
         self.syncer: EngineSync | AdapterChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
 

@@ -31,7 +31,6 @@ expert ids, loss mask 0). Shape legend: n samples, T the longest of them, b rows
 from __future__ import annotations
 
 import itertools
-
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Sequence

@@ -324,33 +324,24 @@ class Engine:
         then unlinks the shared memory and semaphores they registered and exits by itself; whatever is left
         after ``timeout`` is killed. SGLang ends its own children with SIGKILL too. A SIGTERM instead has it
         drain requests first, or, when a child goes first (a SIGTERM to the group), wait 5 s before its
-        cleanup, while the tracker dies of it and the segments stay in /dev/shm."""
-        self._end(spare_trackers=timeout)
-
-    def kill(self) -> None:
-        """SIGKILL to the whole process group at once, and wait until none of it is left: for an engine
-        judged dead or hung, which has nothing to finish (SIGKILL also ends a stopped process)."""
-        self._end(spare_trackers=None)
-
-    def _end(self, spare_trackers: float | None) -> None:
+        cleanup, while the tracker dies of it and the segments stay in /dev/shm. SIGKILL also ends a
+        stopped (SIGSTOPped) process."""
         if self.proc is None:
             return
         # SGLang never unlinks the load-report files its schedulers keep there (one per start would pile up)
         leftovers = open_files(self.pids(), "/dev/shm/sglang_loads_")
-        if spare_trackers is not None:
-            deadline = time.monotonic() + spare_trackers
-            while (rest := [p for p in self.pids() if not _is_resource_tracker(p)]) or self.alive():
-                for pid in rest:
-                    _signal(pid, signal.SIGKILL)
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            while self.pids() and time.monotonic() < deadline:  # the trackers' cleanup
-                time.sleep(0.1)
-        try:
+        deadline = time.monotonic() + timeout
+        while (rest := [p for p in self.pids() if not _is_resource_tracker(p)]) or self.alive():
+            for pid in rest:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        while self.pids() and time.monotonic() < deadline:  # the trackers' cleanup
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + 10.0
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -362,6 +353,10 @@ class Engine:
         if self._pump is not None:
             self._pump.join(timeout=5)  # EOF once the whole group has exited
         _LIVE.discard(self)
+
+    def kill(self) -> None:
+        """For an engine judged dead or hung, which has nothing to finish: ``stop`` with a 10 s bound."""
+        self.stop(timeout=10.0)
 
     def __enter__(self) -> "Engine":
         return self.start() if self.proc is None else self
@@ -376,13 +371,6 @@ def _is_resource_tracker(pid: int) -> bool:
             return b"multiprocessing.resource_tracker" in f.read()
     except OSError:
         return False
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | None = None,

@@ -40,4 +40,3 @@ def engines(ckpt_dir, tmp_path_factory):
         assert not any(left.values()), f"engine processes survived stop(): {left}"
         assert shm, "the engines held no file in /dev/shm (SGLang's load reports): nothing was checked"
         assert not [p for p in shm if os.path.exists(p)], f"/dev/shm files the engines held outlived them: {shm}"
-
