@@ -192,30 +192,108 @@ def run_layouts(worker: str, layouts: list[str], layout_args: dict, tmp: str, ar
 
 
 def profile_steps(run_steps, steps: int, out_dir: str, name: str, rank: int) -> dict:
-    """``run_steps()`` (``steps`` training steps) under the torch profiler: writes ``<name>_rank<r>.txt``
-    (top operators by device time) and ``<name>_rank<r>.json`` (the 150 largest operators: device and host
-    microseconds, calls) to ``out_dir``, so that two sides' steps can be compared operator by operator;
-    returns the host syncs per step."""
+    """``run_steps()`` (``steps`` training steps) under the torch profiler (with Python stacks): writes
+    ``<name>_rank<r>.txt`` (top operators by device time), ``<name>_rank<r>.json`` (the 150 largest
+    operators: device and host microseconds, calls), ``<name>_rank<r>_gaps.json`` (where the GPU sat idle
+    and what the host did meanwhile: ``trace_gaps``) and the compressed timeline
+    ``<name>_rank<r>.trace.json.gz`` (chrome://tracing, Perfetto) to ``out_dir``, so that two sides' steps
+    can be compared operator by operator and stall by stall; returns the host syncs per step."""
+    import gzip
+    import shutil
+
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 with_stack=True) as prof:
         run_steps()
     if cuda:
         torch.cuda.synchronize()
     ka = prof.key_averages()
     dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}_rank{rank}.txt"), "w") as f:
+    stem = os.path.join(out_dir, f"{name}_rank{rank}")
+    with open(stem + ".txt", "w") as f:
         f.write(ka.table(sort_by=dev_attr if cuda else "self_cpu_time_total", row_limit=40))
     ops = sorted(({"op": e.key, "device_us": getattr(e, dev_attr, 0.0) if cuda else 0.0,
                    "host_us": e.self_cpu_time_total, "calls": e.count} for e in ka),
                  key=lambda r: -(r["device_us"] or r["host_us"]))
-    with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
+    with open(stem + ".json", "w") as f:
         json.dump(ops[:150], f, indent=0)
+    prof.export_chrome_trace(stem + ".trace.json")
+    with open(stem + "_gaps.json", "w") as f:
+        json.dump(trace_gaps(stem + ".trace.json", steps), f, indent=1)
+    with open(stem + ".trace.json", "rb") as src, gzip.open(stem + ".trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(stem + ".trace.json")
     return {"host_syncs_per_step": {e.key: e.count // steps for e in ka if e.key in (
         "aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-        "aten::nonzero", "cudaMemcpyAsync")}}
+        "cudaEventSynchronize", "aten::nonzero", "cudaMemcpyAsync")}}
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+             "cudaMemcpy")
+
+
+def _own_frames(frames: list[str], n: int = 6) -> list[str]:
+    """The innermost ``n`` Python frames of mrl, megatron or the bench (library internals left out)."""
+    keep = [f for f in frames if any(k in f for k in ("mrl/", "megatron/", "bench/", "_worker.py"))]
+    return keep[-n:]
+
+
+def trace_gaps(trace_path: str, steps: int, min_gap_us: float = 50.0, top: int = 30) -> dict:
+    """Where a profiled run's GPU sat idle, from its chrome trace: idle time per step (no kernel, copy or
+    memset on any stream), and the ``top`` longest gaps, each with the device work that ended it, the
+    Python stack that launched that work, and the longest blocking CUDA call (a synchronize or a
+    blocking copy) the launching thread made during the gap, with its own stack: the host sync that
+    held the launch back. Call sites are summed over all gaps too (``by_site``)."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS), key=lambda e: e["ts"])
+    if not device:
+        return {"idle_us_per_step": None, "gaps": [], "by_site": []}
+    runtime = {e["args"]["correlation"]: e for e in events
+               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    blocking = sorted((e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in _BLOCKING),
+                      key=lambda e: e["ts"])
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op")]
+
+    def stack(tid, ts):  # enclosing Python frames, outermost first; on a thread without Python (autograd's
+        # backward) the innermost operators instead
+        enc = sorted((e for e in host if e["tid"] == tid and e["ts"] <= ts <= e["ts"] + e["dur"]),
+                     key=lambda e: e["ts"])
+        frames = _own_frames([e["name"] for e in enc if e["cat"] == "python_function"])
+        return frames or [e["name"][:100] for e in enc if e["cat"] == "cpu_op"][-3:]
+
+    gaps, end, idle = [], device[0]["ts"] + device[0]["dur"], 0.0
+    for e in device[1:]:
+        if e["ts"] - end >= min_gap_us:
+            gaps.append((e["ts"] - end, end, e))
+            idle += e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
+    span = end - device[0]["ts"]
+    rows, sites = [], {}
+    for gap, start, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = runtime.get(nxt.get("args", {}).get("correlation"))
+        row = {"gap_us": round(gap, 1), "at_us": round(start - device[0]["ts"], 1), "next": nxt["name"][:120]}
+        if launch is not None:
+            row["launch"] = launch["name"]
+            row["launch_stack"] = stack(launch["tid"], launch["ts"])
+            held = [b for b in blocking if b["tid"] == launch["tid"] and b["ts"] < launch["ts"]
+                    and b["ts"] + b["dur"] > start]
+            if held:
+                b = max(held, key=lambda b: b["dur"])
+                row["blocked_by"] = {"call": b["name"], "us": round(b["dur"], 1), "stack": stack(b["tid"], b["ts"])}
+        rows.append(row)
+        site = " <- ".join(reversed((row.get("blocked_by") or {}).get("stack") or row.get("launch_stack") or ["?"]))
+        s = sites.setdefault(site, {"site": site, "gaps": 0, "gap_us": 0.0})
+        s["gaps"] += 1
+        s["gap_us"] = round(s["gap_us"] + gap, 1)
+    return {"span_us_per_step": round(span / steps, 1), "idle_us_per_step": round(idle / steps, 1),
+            "idle_fraction": round(idle / span, 4) if span else None, "gaps_over_min": len(gaps),
+            "min_gap_us": min_gap_us, "gaps": rows,
+            "by_site": sorted(sites.values(), key=lambda s: -s["gap_us"])}
 
 
 def timed(fn) -> float:

@@ -94,6 +94,9 @@ def main() -> int:
                     help="the engine's devices (comma-separated, one per engine TP rank), for the raw receivers")
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--compare-per-bucket", action="store_true",
+                    help="each repetition also syncs with one update request per bucket (the engine takes a "
+                         "sync's buckets in one request otherwise)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -135,16 +138,27 @@ def main() -> int:
         dist.barrier()
         return time.perf_counter() - t
 
-    def sync(v: int) -> tuple[float, float]:
+    batched: list[str] = []
+
+    def sync(v: int, per_bucket: bool = False) -> tuple[float, float]:
+        transport.executor.batch_requests = not per_bucket
         dist.barrier()
         t = time.perf_counter()
         rep = syncer.sync(str(v))
         dist.barrier()
+        if not per_bucket:
+            batched[:] = rep.stamped_with_push
         return time.perf_counter() - t, rep.push_seconds
 
     sync(1), raw()  # warm-up: the first NCCL broadcast on a group builds its communicator
-    sync_s, push_s, raw_s = [], [], []
+    if a.compare_per_bucket:
+        sync(1, per_bucket=True)
+    sync_s, push_s, raw_s, pb_sync_s, pb_push_s = [], [], [], [], []
     for v in range(2, a.reps + 2):
+        if a.compare_per_bucket:  # alternating: one request per bucket, all buckets in one, raw
+            s, p = sync(v, per_bucket=True)
+            pb_sync_s.append(s)
+            pb_push_s.append(p)
         s, p = sync(v)
         sync_s.append(s)
         push_s.append(p)
@@ -195,7 +209,13 @@ def main() -> int:
             "probe_mean_abs_logprob_diff": sum(abs(x - y) for x, y in zip(engine_lp, mine)) / len(mine),
             "bitwise_sampled_tensors": bitwise,
             "host": socket.gethostname(),
+            "batched_request_engines": batched,
         }
+        if pb_sync_s:
+            report |= {"per_bucket_sync_s": pb_sync_s, "per_bucket_push_s": pb_push_s,
+                       "per_bucket_sync_vs_raw": statistics.median(pb_sync_s) / statistics.median(raw_s),
+                       "per_bucket_push_vs_raw": statistics.median(pb_push_s) / statistics.median(raw_s),
+                       "batched_vs_per_bucket_per_rep": [b / p for b, p in zip(sync_s, pb_sync_s)]}
         print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}), flush=True)
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

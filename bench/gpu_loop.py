@@ -249,6 +249,7 @@ def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
            os.path.join(HERE, "_live_sync_worker.py"), "--hf", hf, "--dtype", a.dtype,
            "--engine", f"{url}@{a.engine_tp}",
            "--engine-device", engine_device, "--reps", str(a.reps), "--out", path,
+           *(["--compare-per-bucket"] if a.compare_per_bucket else []),
            *a.sync_layout.replace(",", " ").split()]
     subprocess.run(cmd, env=env, check=True, timeout=900)
     with open(path) as f:
@@ -277,6 +278,8 @@ def main() -> int:
     ap.add_argument("--replay-micro-batches", type=int, default=4)
     ap.add_argument("--sync-layout", default="",
                     help="extra layout flags for the sync trainer, e.g. '--tp 2' (or --sync-layout=--tp,2)")
+    ap.add_argument("--compare-per-bucket", action="store_true",
+                    help="sync: each repetition also with one update request per bucket (A/B)")
     ap.add_argument("--routes-int32", action="store_true",
                     help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
                          "mrl's compact routes")

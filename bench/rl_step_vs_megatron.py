@@ -116,6 +116,15 @@ def main() -> None:
                 base = os.path.join(tmp, "profile", f"{stem}_rank0")
                 row[f"profile_top_ops_{side}"] = open(base + ".txt").read() if os.path.exists(base + ".txt") else None
                 row[f"profile_ops_{side}"] = json.load(open(base + ".json")) if os.path.exists(base + ".json") else None
+                row[f"profile_gaps_{side}"] = {}
+                for r in range(nproc):  # every rank: one rank's stall is the other's collective wait
+                    rbase = os.path.join(tmp, "profile", f"{stem}_rank{r}")
+                    if os.path.exists(rbase + "_gaps.json"):
+                        row[f"profile_gaps_{side}"][f"rank{r}"] = json.load(open(rbase + "_gaps.json"))
+                    if a.json and os.path.exists(rbase + ".trace.json.gz"):  # the timelines beside the report
+                        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+                        shutil.copy(rbase + ".trace.json.gz", f"{os.path.splitext(a.json)[0]}_{name}_{side}_rank{r}"
+                                                              ".trace.json.gz")
             shutil.rmtree(os.path.join(tmp, "profile"), ignore_errors=True)  # the next layout writes its own
         layouts[name] = row
         m, b = row["mrl"], row["megatron"]

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                   "probe_max_abs_logprob_diff_before": diffs_before, "engine_versions": [v for _, v in res],
                   "sync_seconds": rep.seconds, "push_seconds": rep.push_seconds, "bytes": rep.bytes_sent,
                   "senders": len(ex.plan.groups) if ex else 1, "buckets_total": len(ex.plan.buckets) if ex else 1,
-                  "failed_engines": rep.failed_engines, "repaired_from_disk": rep.repaired_from_disk}
+                  "failed_engines": rep.failed_engines, "repaired_from_disk": rep.repaired_from_disk,
+                  "batched_engines": rep.stamped_with_push}
         print(json.dumps(report), flush=True)
         with open(a.out, "w") as f:
             json.dump(report, f)

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from mrl.rollout.protocol import (
+    BATCHED_BUCKETS_MARK,
     EngineError,
     EngineGuardError,
     EngineHTTPError,
@@ -84,6 +85,8 @@ class EngineClient:
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}  # one per event loop
         self._max_connections = max_connections
         self.groups: set[str] = set()  # weight-update groups this client created
+        # of those, the ones whose engine takes every bucket of a sync in one request (protocol.BATCHED_BUCKETS_FORMAT)
+        self.batched_groups: set[str] = set()
         self.paused: str | None = None  # pause mode in force, if any
 
     # -- transport -------------------------------------------------------------------------------
@@ -231,13 +234,16 @@ class EngineClient:
                     world_size=world_size, group_name=group_name, backend=backend)
         _, data, _ = await self._call("POST", "/init_weights_update_group", json=body,
                                       timeout=self.timeouts.weight_update, admin=True, ok=(200, 400))
-        parse_success(data, (self.url, "/init_weights_update_group"))
+        message = parse_success(data, (self.url, "/init_weights_update_group"))
         self.groups.add(group_name)
+        if BATCHED_BUCKETS_MARK in message:
+            self.batched_groups.add(group_name)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         _, data, _ = await self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name},
                                       timeout=self.timeouts.control, admin=True, ok=(200, 400))
         self.groups.discard(group_name)
+        self.batched_groups.discard(group_name)
         parse_success(data, (self.url, "/destroy_weights_update_group"))
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],

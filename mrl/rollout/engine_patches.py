@@ -22,7 +22,10 @@ is received into one flat buffer (SGLang allocates every tensor, then concatenat
 buffer of the same size) and, from the second bucket of a layout on, loaded by the copies its first
 load made (``mrl.rollout.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
 that is not pure copies (derived weights, conversions) keeps ``load_weights``; the engine log says which
-happened, once per layout.
+happened, once per layout. The same patch lets one request carry every bucket of a sync
+(``mrl.rollout.protocol.BATCHED_BUCKETS_FORMAT``; announced in the answer to
+``/init_weights_update_group``), so the engine posts its receives back to back instead of answering and
+waiting for the next request between buckets.
 """
 
 from __future__ import annotations
@@ -108,37 +111,107 @@ def compact_routes(module) -> None:
 def replayed_load(module) -> None:
     runner = getattr(module, "ModelRunner", None)
     update = getattr(runner, "update_weights_from_distributed", None)
-    if update is None or not hasattr(runner, "_update_bucketed_weights_from_distributed"):
+    init = getattr(runner, "init_weights_update_group", None)
+    if update is None or init is None or not hasattr(runner, "_update_bucketed_weights_from_distributed"):
         print(f"mrl: {module.__name__} has no bucketed distributed update: weights load through load_weights",
               file=sys.stderr, flush=True)
         return
     if getattr(update, "_mrl_replayed", False):
         return
+    from mrl.rollout.protocol import BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK
 
     @functools.wraps(update)
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
+        if load_format is not None and load_format.startswith(BATCHED_BUCKETS_FORMAT):
+            return _receive_batch(self, names, dtypes, shapes, load_format[len(BATCHED_BUCKETS_FORMAT):])
         if load_format != "flattened_bucket" or group_name not in getattr(self, "_model_update_group", {}):
             return update(self, names, dtypes, shapes, group_name, load_format)
         try:
             return True, _receive_bucket(self, names, dtypes, shapes, group_name)
-        except Exception as e:  # SGLang's own wording: the trainer reads "partially updated" as a broken engine
-            return False, (f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
-                           "partially updated. Please discard the whole weights.")
+        except Exception as e:
+            return False, _partial(e)
+
+    @functools.wraps(init)
+    def init_weights_update_group(self, *args, **kwargs):  # tells the trainer it may batch the buckets
+        ok, message = init(self, *args, **kwargs)
+        return ok, f"{message} {BATCHED_BUCKETS_MARK}" if ok else message
 
     update_weights_from_distributed._mrl_replayed = True
     runner.update_weights_from_distributed = update_weights_from_distributed
+    runner.init_weights_update_group = init_weights_update_group
 
 
-def _receive_bucket(runner, names, dtypes, shapes, group_name) -> str:
+_BUCKETS_IN_FLIGHT = 3
+"""Buckets of a batched request queued on the GPU at most (received and loaded, or on their way): the
+next receive waits for the oldest, so a model of many buckets never holds more than this many buffers."""
+
+
+def _partial(e: Exception) -> str:
+    # SGLang's own wording: the trainer reads "partially updated" as a broken engine
+    return (f"Failed to update parameter online: {e}. The full weights of the ModelRunner are partially "
+            "updated. Please discard the whole weights.")
+
+
+def _receive_batch(runner, names, dtypes, shapes, layout_json: str):
+    """Every bucket of a sync from one request (``protocol.BATCHED_BUCKETS_FORMAT``): no request, answer and
+    scheduler round trip between buckets, so on GPUs the broadcasts and the loads' copies queue back to back.
+    A bucket whose load fails does not stop the receiving (the senders' broadcasts must stay matched); its
+    error fails the request. A failed broadcast does (the sender tore its group down)."""
+    import json
+
+    try:
+        layout = [(str(g), int(n)) for g, n in json.loads(layout_json)]
+    except (ValueError, TypeError) as e:
+        return False, f"Failed to update parameter online: bad batched bucket layout {layout_json[:200]!r}: {e}"
+    groups = getattr(runner, "_model_update_group", {})
+    unknown = sorted({g for g, _ in layout} - set(groups))
+    if unknown or sum(n for _, n in layout) != len(names) or not len(names) == len(dtypes) == len(shapes):
+        return False, (f"Failed to update parameter online: batched buckets name groups {unknown} that do not "
+                       f"exist or count {sum(n for _, n in layout)} tensors for {len(names)} names, "
+                       f"{len(dtypes)} dtypes, {len(shapes)} shapes")
+    import collections
+
+    import torch
+
+    first, at = None, 0
+    done = collections.deque()  # GPU: an event after each queued bucket's load
+    for i, (group, n) in enumerate(layout):
+        part = slice(at, at + n)
+        at += n
+        if len(done) >= _BUCKETS_IN_FLIGHT:  # the host runs ahead of the GPU: bound the receive buffers it holds
+            done.popleft().synchronize()
+        try:
+            flat = _receive(runner, dtypes[part], shapes[part], group)
+        except Exception as e:
+            return False, _partial(RuntimeError(f"bucket {i} over {group}: {e}"))
+        try:
+            _load(runner, flat, names[part], dtypes[part], shapes[part], group)
+        except Exception as e:
+            first = first or RuntimeError(f"bucket {i} over {group}: {e}")
+        if isinstance(flat, torch.Tensor) and flat.is_cuda:
+            done.append(torch.cuda.Event())
+            done[-1].record()
+    if first is not None:
+        return False, _partial(first)
+    return True, f"Succeeded to update parameter online ({len(layout)} buckets in one request)."
+
+
+def _receive(runner, dtypes, shapes, group_name):
     import torch
     import torch.distributed as dist
 
     from mrl.rollout import replayed_load as rl
 
-    plans = runner.__dict__.setdefault("_mrl_load_plans", {})
-    key = (group_name, tuple(names), tuple(map(str, dtypes)), tuple(tuple(s) for s in shapes))
     flat = torch.empty(rl.bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=runner.device)
     dist.broadcast(flat, src=0, group=runner._model_update_group[group_name])
+    return flat
+
+
+def _load(runner, flat, names, dtypes, shapes, group_name) -> str:
+    from mrl.rollout import replayed_load as rl
+
+    plans = runner.__dict__.setdefault("_mrl_load_plans", {})
+    key = (group_name, tuple(names), tuple(map(str, dtypes)), tuple(tuple(s) for s in shapes))
     plan = plans.get(key)
     if plan is not None and plan.valid():
         plan.replay(flat)
@@ -152,6 +225,10 @@ def _receive_bucket(runner, names, dtypes, shapes, group_name) -> str:
     print(f"{REPLAYED_LOAD_MARK if plan else 'mrl: bucket layout loads through load_weights'}: {why}",
           file=sys.stderr, flush=True)
     return "Succeeded to update parameter online."
+
+
+def _receive_bucket(runner, names, dtypes, shapes, group_name) -> str:
+    return _load(runner, _receive(runner, dtypes, shapes, group_name), names, dtypes, shapes, group_name)
 
 
 def install() -> None:

@@ -41,8 +41,8 @@ from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
 from mrl.rollout.client import EngineClient, close_clients
 from mrl.rollout.engine import free_port, route_address
-from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable,
-                                  error_message, parse_success)
+from mrl.rollout.protocol import (BATCHED_BUCKETS_FORMAT, EngineGuardError, EngineHTTPError, EngineProtocolError,
+                                  EngineUnavailable, error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
 from mrl.weight_sync.http_pipeline import post_pipelined
@@ -89,6 +89,9 @@ class DistributedWeightSync:
         self._pg = None
         self._members_gone = False  # an engine of the groups was found dead or hung (``forget``)
         self._io = LoopThread() if self.is_controller else None
+        self.batch_requests = True
+        """Engines that announce it get every bucket of a sync in one request; False: one request per bucket
+        to every engine (comparisons)."""
         self._clients = [EngineClient(e.url) for e in engines] if self.is_controller else []
 
     def _replan(self, plan: SyncPlan) -> None:
@@ -100,6 +103,7 @@ class DistributedWeightSync:
         self._steps: list[BucketStep] | None = None  # the copy plan, built on the first push
         self._sources: tuple[list[torch.Tensor], list[int]] = ([], [])  # params the plan's views read, data_ptrs
         self._bodies: list[bytes] | None = None  # controller: each bucket's request, in the global order
+        self._batched: tuple[bytes, bytes] | None = None  # controller: every bucket in one request, around its version
 
     def place_buckets(self) -> None:
         """Collective: re-plan with every sender's in-place params (``planner.Placement``: in megatron's
@@ -249,15 +253,16 @@ class DistributedWeightSync:
         """Free the send and gather buffers (2 buckets + one bucket's shards); the next push rebuilds them."""
         self._steps, self._sources = None, ([], [])
 
-    def push(self) -> PushStats:
+    def push(self, version: str | None = None) -> PushStats:
         """Stream every bucket to every engine; all trainer ranks call it. Engines must be paused (and
         flushed) by the controller. Never raises for engine-side failures: they are collected (all
-        ranks get the union) so the controller can repair those engines -- never a silent partial update."""
+        ranks get the union) so the controller can repair those engines -- never a silent partial update.
+        Engines that take a sync's buckets in one request get ``version`` stamped with it (``PushStats.stamped``)."""
         if self.broken:
             raise RuntimeError("weight sync: push without a weight-update group (not connected, or torn down by "
                                "a failed push: EngineSync reconnects)")
         t0 = time.perf_counter()
-        posted = self._post_updates() if self.is_controller else None
+        posted = self._post_updates(version) if self.is_controller else None
         steps = self.steps()
         in_flight: dict[int, tuple] = {}  # send buffer slot -> (work, bucket) of its last broadcast
         sent = nbytes = in_place = 0
@@ -287,13 +292,16 @@ class DistributedWeightSync:
             self._settle(work, bucket, failed, block=True)
         if failed and self._pg is not None:
             self._abort(in_flight)
+        stamped: list[str] = []
         if posted is not None:  # EngineHTTPError "...partially updated..." when an engine rejected a bucket
-            for url, err in posted.result(self.timeout_s * max(1, len(self._global))).items():
+            errs, stamped = posted.result(self.timeout_s * max(1, len(self._global)))
+            for url, err in errs.items():
                 failed.setdefault(url, err)
         failed = union_failures(self.layout, failed)
         broken = bool(failed) and any_rank(self.layout, self.broken)  # only then a collective: ranks agree on failed
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
-                         bytes_in_place=in_place, failed_engines=failed, groups_broken=broken)
+                         bytes_in_place=in_place, failed_engines=failed, groups_broken=broken,
+                         stamped=[u for u in stamped if u not in failed])
 
     @property
     def broken(self) -> bool:
@@ -342,16 +350,36 @@ class DistributedWeightSync:
                     load_format="flattened_bucket")).encode())
         return self._bodies
 
-    def _post_updates(self) -> Future:
-        """Every bucket request to every engine, pipelined per engine; a future of {url: first error}."""
+    def _batched_body(self, version: str | None) -> bytes:
+        """Every bucket in one request, in the global order (``protocol.BATCHED_BUCKETS_FORMAT``), with the
+        weight version the engine takes on success; encoded once around the version."""
+        if self._batched is None:
+            metas = [self._bucket_meta(b) for b in self._global]
+            body = json.dumps(dict(
+                names=[t.name for m in metas for t in m], dtypes=[t.dtype for m in metas for t in m],
+                shapes=[list(t.shape) for m in metas for t in m], group_name=self._global[0].group,
+                flush_cache=False, load_format=BATCHED_BUCKETS_FORMAT + json.dumps(
+                    [[b.group, len(m)] for b, m in zip(self._global, metas)]), weight_version=None))
+            cut = body.rindex("null")  # weight_version, the last key
+            self._batched = body[:cut].encode(), body[cut + 4:].encode()
+        head, tail = self._batched
+        return head + json.dumps(version).encode() + tail
+
+    def _post_updates(self, version: str | None) -> Future:
+        """Every bucket request to every engine, pipelined per engine (or, where the engine takes them, all
+        buckets in one request); a future of ({url: first error}, [urls stamped with ``version``])."""
         bodies = self._request_bodies()
+        groups = {b.group for b in self._global}
+        batched = self._batched_body(version)
         ep = "/update_weights_from_distributed"
 
-        async def one_engine(client: EngineClient) -> str | None:
-            missing = sorted({b.group for b in self._global} - client.groups)
+        async def one_engine(client: EngineClient) -> tuple[str | None, bool]:
+            missing = sorted(groups - client.groups)
             if missing:  # an unknown group kills the 0.5.10 scheduler: send nothing
-                return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client"))
-            answers = await post_pipelined(client.url, ep, bodies, timeout=client.timeouts.weight_update,
+                return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client")), False
+            one = self.batch_requests and groups <= client.batched_groups
+            answers = await post_pipelined(client.url, ep, [batched] if one else bodies,
+                                           timeout=client.timeouts.weight_update,
                                            connect_timeout=client.timeouts.connect,
                                            headers=client.auth_headers(admin=True))  # weight updates: admin key
             first = None
@@ -360,11 +388,12 @@ class DistributedWeightSync:
                     _check_answer(client.url, ep, a)
                 except Exception as e:  # record, and keep going: the senders' broadcasts stay matched
                     first = first or str(e)
-            return first
+            return first, one and first is None and version is not None
 
         async def all_engines():
-            errs = await asyncio.gather(*(one_engine(c) for c in self._clients))
-            return {c.url: e for c, e in zip(self._clients, errs) if e is not None}
+            res = await asyncio.gather(*(one_engine(c) for c in self._clients))
+            return ({c.url: e for c, (e, _) in zip(self._clients, res) if e is not None},
+                    [c.url for c, (_, stamped) in zip(self._clients, res) if stamped])
 
         return self._io.submit(all_engines())
 
@@ -425,7 +454,7 @@ class DistributedTransport(Transport):
     def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
         if engines is not None and set(engines) != set(self.executor.engines):
             raise ValueError("the distributed transport pushes to every engine of its groups at once")
-        return self.executor.push()
+        return self.executor.push(version)
 
     def forget(self, urls: list[str]) -> None:
         self.executor.forget(urls)

@@ -131,6 +131,8 @@ class SyncReport:
     """Engines found dead during this sync and removed from the weight-update groups."""
     dead_reasons: dict[str, str] = field(default_factory=dict)
     """Why each dropped engine was judged dead (``EngineSync.verdict``)."""
+    stamped_with_push: list[str] = field(default_factory=list)
+    """Engines that took the version with the weights (every bucket in one request, ``PushStats.stamped``)."""
 
 
 class EngineSync:
@@ -219,7 +221,8 @@ class EngineSync:
             repaired = [e.url for e in bad]
         elif not stats.ok:
             raise RuntimeError(f"weight sync v{version} over disk failed: {stats.failed_engines}")
-        errs = run_on(self.engines, lambda c: self._finish(c, version)) if controller else {}
+        stamped = set(stats.stamped) - set(repaired)
+        errs = run_on(self.engines, lambda c: self._finish(c, version, c.url in stamped)) if controller else {}
         late = self.verdict(errs)  # hung after the push: the others hold the weights and go on
         if controller and set(errs) - set(late):
             raise RuntimeError(f"weight sync v{version}: could not stamp/continue engines: "
@@ -233,7 +236,7 @@ class EngineSync:
         return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
                           push_seconds=stats.seconds, bytes_sent=stats.bytes_sent, bytes_in_place=stats.bytes_in_place,
                           failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead,
-                          dead_reasons=reasons)
+                          dead_reasons=reasons, stamped_with_push=sorted(stamped))
 
     def add(self, new: list[EngineEndpoint]) -> None:
         """Engines joining (restarted ones): new channels with every engine; the next ``sync`` pushes to all
@@ -297,8 +300,9 @@ class EngineSync:
         await self._watch(c, c.pause(self.pause_mode), "/pause_generation")
         await self._watch(c, c.flush_cache(), "/flush_cache")
 
-    async def _finish(self, c: EngineClient, version: str) -> None:
-        await self._watch(c, c.update_weight_version(version, abort_all_requests=False), "/update_weight_version")
+    async def _finish(self, c: EngineClient, version: str, stamped: bool = False) -> None:
+        if not stamped:  # else the push's own request set it
+            await self._watch(c, c.update_weight_version(version, abort_all_requests=False), "/update_weight_version")
         await self._watch(c, c.resume(), "/continue_generation")
 
 

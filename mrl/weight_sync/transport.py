@@ -50,6 +50,9 @@ class PushStats:
     """url -> first error, for every engine whose weights may now be partial (union over senders)."""
     groups_broken: bool = False
     """A broadcast failed and its group was torn down (on every rank's word): reconnect before the next push."""
+    stamped: list[str] = field(default_factory=list)
+    """Engines (urls; known on the controller) that took the new weight version with the push itself, so
+    the sync sends them no version stamp of its own."""
 
     @property
     def ok(self) -> bool:

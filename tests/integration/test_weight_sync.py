@@ -57,6 +57,8 @@ def test_sync_into_tp1_and_tp2_engines(engines, other_weights, restore, tmp_path
     assert r.returncode == 0, r.stderr[-4000:]
     rep = json.loads(out.read_text())
     assert rep["engine_versions"] == [version, version]
+    # mrl's engines take every bucket of the sync in one request, the version with it
+    assert sorted(rep["batched_engines"]) == sorted(engines[n].url for n in ("tp1", "tp2")), rep
     assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3, rep
     assert min(rep["probe_max_abs_logprob_diff_before"]) > 0.05, rep  # the engines really changed
     assert rep["bytes"] > 0 and rep["senders"] == (2 if "--ep" in args or "--pp" in args else 1)
@@ -116,6 +118,7 @@ def test_rejected_bucket_is_detected_and_repaired_from_disk(engines, other_weigh
     assert set(rep["failed_engines"]) == {engines["tp1"].url, engines["tp2"].url}
     assert all("partially updated" in m for m in rep["failed_engines"].values())
     assert sorted(rep["repaired_from_disk"]) == sorted(rep["failed_engines"])
+    assert rep["batched_engines"] == []  # a failed batch stamps no version: the repair's finish does
     assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3 and rep["engine_versions"] == ["21", "21"]
 
 

@@ -88,3 +88,89 @@ def test_a_shadowed_sitecustomize_still_runs(tmp_path):
     out = _probe(_REGISTERED + "import builtins\nprint(getattr(builtins, 'SITE_RAN', False))\n",
                  f"{SHIM_DIR}:{tmp_path}", **{COMPACT_ROUTES_ENV: "1"})
     assert out.stdout.split()[-2:] == ["1", "True"]
+
+
+# -- every bucket of a sync in one request (protocol.BATCHED_BUCKETS_FORMAT) ----------------------------
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            getattr(self, name).data.copy_(w)
+
+
+class _Runner:
+    """What the patch touches of SGLang's ModelRunner: its groups, device, model and the two methods."""
+
+    def __init__(self):
+        self._model_update_group = {"g0": None, "g1": None}
+        self.device, self.model = "cpu", _Model()
+
+    def init_weights_update_group(self, *args, **kwargs):
+        return kwargs.get("ok", True), "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
+        return True, "SGLang's own path"
+
+    def _update_bucketed_weights_from_distributed(self, *a):
+        raise AssertionError("the patch replaces this path")
+
+
+def _patched_runner(monkeypatch, arriving):
+    """A runner class patched as in an engine; ``arriving``: the flat buffers the broadcasts deliver, in order
+    (the collective itself runs in tests/integration/test_weight_sync.py, against real engines)."""
+    from mrl.rollout.protocol import BATCHED_BUCKETS_FORMAT
+
+    cls = type("ModelRunner", (_Runner,), {})
+    engine_patches.replayed_load(types.SimpleNamespace(__name__="fake", ModelRunner=cls))
+    received = []
+
+    def receive(runner, dtypes, shapes, group):
+        received.append(group)
+        return arriving.pop(0)
+
+    monkeypatch.setattr(engine_patches, "_receive", receive)
+    return cls(), received, BATCHED_BUCKETS_FORMAT
+
+
+def _flat(*tensors):
+    return torch.cat([t.flatten().view(torch.uint8) for t in tensors])
+
+
+def test_one_request_loads_every_bucket_in_order(monkeypatch):
+    a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
+    runner, received, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b)])
+    ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[4], [2, 3]], "g0",
+                                                     load_format=fmt + '[["g0", 1], ["g1", 1]]')
+    assert ok and "2 buckets in one request" in msg, msg
+    assert received == ["g0", "g1"]
+    assert torch.equal(runner.model.a, a) and torch.equal(runner.model.b, b)
+    # SGLang's other formats still take SGLang's path
+    assert runner.update_weights_from_distributed(["a"], ["float32"], [[4]], "g0") == (True, "SGLang's own path")
+
+
+def test_a_bucket_that_fails_to_load_still_lets_the_later_ones_arrive(monkeypatch):
+    runner, received, fmt = _patched_runner(monkeypatch, [_flat(torch.ones(3)), _flat(torch.ones(6))])
+    ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[3], [2, 3]], "g0",
+                                                     load_format=fmt + '[["g0", 1], ["g1", 1]]')
+    assert not ok and "bucket 0 over g0" in msg and "partially updated" in msg, msg
+    assert received == ["g0", "g1"]  # every broadcast was still received: the senders are not left waiting
+    assert torch.equal(runner.model.b, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("layout", ['[["g0", 2]]', '[["nope", 1]]', "not json"])
+def test_a_batch_that_does_not_add_up_is_refused_before_any_receive(monkeypatch, layout):
+    runner, received, fmt = _patched_runner(monkeypatch, [])
+    ok, msg = runner.update_weights_from_distributed(["a"], ["float32"], [[4]], "g0", load_format=fmt + layout)
+    assert not ok and "Failed to update parameter online" in msg and received == []
+
+
+def test_the_group_answer_announces_batched_buckets(monkeypatch):
+    from mrl.rollout.protocol import BATCHED_BUCKETS_MARK
+
+    runner, _, _ = _patched_runner(monkeypatch, [])
+    assert runner.init_weights_update_group()[1].endswith(BATCHED_BUCKETS_MARK)
+    assert BATCHED_BUCKETS_MARK not in runner.init_weights_update_group(ok=False)[1]
