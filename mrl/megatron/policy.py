@@ -272,9 +272,10 @@ class Policy:
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                 loss_fn=loss_fn, driver=driver, loss_scale=float(self.layout.dp.size),
                                 support=self.support_spec, temperature=self.temperature)
-        if not self._finite_everywhere(outs):  # no update, no scheduler step (as megatron skips an overflow)
+        stepped = self._step_if_finite(outs)
+        if stepped is None:  # no update, no scheduler step (as megatron skips an overflow)
             return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = stepped
         self.scheduler.step(increment=1)
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
                                    "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
@@ -338,17 +339,22 @@ class Policy:
         self.optimizer.zero_grad()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size, loss_fn=loss_fn,
                                 loss_scale=float(self.layout.dp.size))
-        if not self._finite_everywhere(outs):
+        if self._step_if_finite(outs) is None:
             return float("nan")
-        self.optimizer.step()
         return self._reduce({"nll": _mean([float(o["nll"]) for o in outs])} if outs else {}).get("nll", 0.0)
 
-    def _finite_everywhere(self, outs: list[dict[str, Any]]) -> bool:
-        """Whether the loss and the gradients are finite on every rank, before the optimizer step. Megatron
-        checks only with a grad scaler (fp16), and in fp32/bf16 would apply NaN gradients (a NaN norm passes
-        its clip). One MAX all-reduce over the world: model-parallel and DP ranks skip or step together. A
-        grad buffer's sum is finite iff all its elements are (an overflowing sum is as bad as an inf); after
-        the DP reduce every rank's buffer still holds its own non-finite values, or the reduced ones."""
+    def _step_if_finite(self, outs: list[dict[str, Any]]) -> tuple[bool, Any] | None:
+        """The optimizer step, unless the loss or a gradient is non-finite on some rank (then None, and no
+        update on any rank). Megatron checks only with a grad scaler (fp16), and in fp32/bf16 would apply
+        NaN gradients (a NaN norm passes its clip). One MAX all-reduce over the world: model-parallel and
+        DP ranks skip or step together. A grad buffer's sum is finite iff all its elements are (an
+        overflowing sum is as bad as an inf); after the DP reduce every rank's buffer still holds its own
+        non-finite values, or the reduced ones.
+
+        The verdict is read inside megatron's own step, as the found-inf flag of its ``prepare_grads``
+        (the hook megatron gives its fp16 grad scaler): by then the host has queued megatron's gradient
+        preparation, and the grad-norm sync follows at once. Read before the step, its host sync would
+        leave the GPU idle for all of that host work instead of overlapping it."""
         vals = [o[k].reshape(()).float() for o in outs for k in ("pg_loss", "kl_ref", "nll") if k in o]
         vals += [b.grad_data.sum().float() for b in self.model.buffers + self.model.expert_parallel_buffers]
         bad = torch.zeros(1, device=compat.DEVICE)
@@ -356,7 +362,22 @@ class Policy:
             bad[0] = (~torch.stack([v.to(compat.DEVICE) for v in vals]).isfinite()).any()
         with named("the non-finite check before the optimizer step"):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bad.item()
+        verdict: dict[str, bool] = {}
+        prepare = self.optimizer.prepare_grads
+
+        def prepare_then_check() -> bool:
+            found_inf = prepare()
+            verdict["nonfinite"] = bool(bad.item())
+            return found_inf or verdict["nonfinite"]
+
+        self.optimizer.prepare_grads = prepare_then_check
+        try:
+            ok, grad_norm, _ = self.optimizer.step()
+        finally:
+            del self.optimizer.prepare_grads  # the class's own again
+        if verdict.get("nonfinite", bool(bad.item())):
+            return None
+        return ok, grad_norm
 
     def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of the ranks that have them, averaged, on every rank."""
