@@ -249,7 +249,8 @@ class EnvConfig:
     """The whole conversation (prompt, turns, observations); an observation that would reach it ends the
     episode."""
     max_turn_tokens: Optional[int] = None
-    """New tokens per model turn; null = ``rollout.max_new_tokens``."""
+    """New tokens per model turn; null = what a built-in multi-turn task's turns need (``data=lookup``: the
+    tool call), else ``rollout.max_new_tokens``."""
     tool_timeout_s: float = 10.0
     """Limit of one ``step`` (the tools it calls): a slower step is cancelled and its error is the next
     observation (counted)."""

@@ -188,6 +188,12 @@ class LookupTask(_LetterTask):
     def __init__(self, *, alphabet: str = "abcdef", min_len: int = 2, max_len: int = 2, **kw: Any):
         super().__init__(alphabet=alphabet, min_len=min_len, max_len=max_len, **kw)
 
+    @property
+    def max_turn_tokens(self) -> int:
+        """Tokens a model turn needs here (``rollout.env.max_turn_tokens`` defaults to it): the tool call
+        ``get(key)`` and EOS, at worst one token per character."""
+        return len("get()") + self.max_len + 1
+
     def render(self, item: str) -> str:
         return f"find {item}="
 

@@ -203,7 +203,9 @@ class LocalRollout:
             from mrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
 
             limits = EpisodeLimits(max_turns=r.env.max_turns, max_total_tokens=r.env.max_total_tokens,
-                                   max_turn_tokens=r.env.max_turn_tokens or r.max_new_tokens,
+                                   # unset: what a built-in task's turns need, else max_new_tokens
+                                   max_turn_tokens=(r.env.max_turn_tokens or getattr(source, "max_turn_tokens", None)
+                                                    or r.max_new_tokens),
                                    tool_timeout_s=r.env.tool_timeout_s)
             self.episodes, self.eval_episodes = (
                 EpisodeRunner(m, self.tok, env_fn=env_fn, env_args=r.env.args, limits=limits)

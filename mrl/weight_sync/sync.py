@@ -23,12 +23,12 @@ from mrl.config.schema import WeightTransport
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import ClientTimeouts, EngineClient, liveness, watched
+from mrl.rollout.client import ClientTimeouts, EngineClient, close_clients, liveness, watched
 from mrl.rollout.protocol import EngineHung
 from mrl.weight_sync.disk import DiskTransport
 from mrl.weight_sync.distributed import DistributedTransport, DistributedWeightSync
 from mrl.weight_sync.tensor import TensorTransport
-from mrl.weight_sync.transport import EngineEndpoint, Transport, run_on
+from mrl.weight_sync.transport import EngineEndpoint, LoopThread, Transport, run_on
 
 PUSH_HOOKS: list[Callable[[str, list[EngineEndpoint], bool], ContextManager]] = []
 """Context managers entered around every push, called as ``hook(version, engines, is_controller)``: the
@@ -165,6 +165,10 @@ class EngineSync:
         self.probe_timeout_s = probe_timeout_s
         self.dropped: list[str] = []
         self._hung: dict[str, str] = {}  # controller: engines a watched call already found hung, and why
+        # controller: the pause/stamp/continue clients and their loop, kept from one sync to the next (no new
+        # event loop, session and connection per call; connections live as long as keep-alive allows)
+        self._io: LoopThread | None = None
+        self._clients: dict[str, EngineClient] = {}
 
     def connect(self) -> None:
         t0 = time.monotonic()
@@ -175,7 +179,22 @@ class EngineSync:
                                   f"{[x.url for x in self.engines]} failed after {time.monotonic() - t0:.1f} s "
                                   f"(limit: weight_sync.timeout_s): {type(e).__name__}: {e}") from e
 
+    def _on_engines(self, call) -> dict[str, str]:
+        """``call(client)`` on every engine at once over the kept clients; {url: error}."""
+        if self._io is None:
+            self._io = LoopThread()
+        gone = [self._clients.pop(u) for u in list(self._clients) if u not in {e.url for e in self.engines}]
+        if gone:
+            self._io.submit(close_clients(gone)).result(30)
+        for e in self.engines:
+            self._clients.setdefault(e.url, EngineClient(e.url))
+        return run_on(self.engines, call, loop=self._io, clients=self._clients)
+
     def close(self) -> None:
+        if self._io is not None:
+            self._io.submit(close_clients(list(self._clients.values()))).result(30)
+            self._io.close()
+            self._io, self._clients = None, {}
         try:
             self.transport.close()
         except TimeoutError as e:  # the controller's wait for the engines' destroy requests: no message of its own
@@ -187,7 +206,7 @@ class EngineSync:
         if self.model is not None:  # before the engines pause: a refused sync leaves them serving the last weights
             check_finite_weights(self.model, f"weight sync v{version}")
         controller = self.layout.world_rank == 0
-        errs = run_on(self.engines, self._pause) if controller else {}
+        errs = self._on_engines(self._pause) if controller else {}
         reasons = self.verdict(errs)  # collective: every rank learns which engines are gone
         dead = list(reasons)
         if controller and set(errs) - set(dead):
@@ -222,7 +241,7 @@ class EngineSync:
         elif not stats.ok:
             raise RuntimeError(f"weight sync v{version} over disk failed: {stats.failed_engines}")
         stamped = set(stats.stamped) - set(repaired)
-        errs = run_on(self.engines, lambda c: self._finish(c, version, c.url in stamped)) if controller else {}
+        errs = self._on_engines(lambda c: self._finish(c, version, c.url in stamped)) if controller else {}
         late = self.verdict(errs)  # hung after the push: the others hold the weights and go on
         if controller and set(errs) - set(late):
             raise RuntimeError(f"weight sync v{version}: could not stamp/continue engines: "

@@ -94,11 +94,15 @@ class LoopThread:
 
 
 def run_on(engines: list[EngineEndpoint], call, loop: LoopThread | None = None,
-           timeouts: ClientTimeouts | None = None) -> dict[str, str]:
-    """Run ``call(client)`` on every engine concurrently; {url: error} of those that failed."""
+           timeouts: ClientTimeouts | None = None,
+           clients: dict[str, EngineClient] | None = None) -> dict[str, str]:
+    """Run ``call(client)`` on every engine concurrently; {url: error} of those that failed. ``clients``
+    (by url, used on ``loop``): the caller's, kept open; otherwise new ones, closed afterwards."""
 
     async def go():
-        clients = [EngineClient(e.url, **({"timeouts": timeouts} if timeouts else {})) for e in engines]
+        mine = clients is None
+        cs = [EngineClient(e.url, **({"timeouts": timeouts} if timeouts else {})) if mine else clients[e.url]
+              for e in engines]
 
         async def one(c):
             try:
@@ -107,9 +111,10 @@ def run_on(engines: list[EngineEndpoint], call, loop: LoopThread | None = None,
             except Exception as e:  # collected: the caller repairs or reports those engines
                 return f"{type(e).__name__}: {e}"
             finally:
-                await c.close()
+                if mine:
+                    await c.close()
 
-        errs = await asyncio.gather(*(one(c) for c in clients))
+        errs = await asyncio.gather(*(one(c) for c in cs))
         return {e.url: err for e, err in zip(engines, errs) if err is not None}
 
     if loop is not None:

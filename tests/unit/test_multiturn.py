@@ -284,6 +284,10 @@ def test_lookup_warm_start_is_the_solving_episode_token_for_token(tok):
 
     first, want = asyncio.run(episode_tokens())
     assert ids == want and n == len(first)
+    # the solving turn fits the task's turn budget (rollout.env.max_turn_tokens defaults to it): the default
+    # max_new_tokens (4) cuts the tool call short, and the episode never learns
+    call = tok.encode(f"get({p.meta['input']})", add_special_tokens=False).ids + [2]
+    assert task.max_turn_tokens >= len(call) > 4
 
 
 def test_advantages_are_taken_within_each_group_of_its_own_size():
