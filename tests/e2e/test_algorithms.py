@@ -43,11 +43,12 @@ def test_dapo_overlap_with_kl_to_reference_syncing_every_second_step(tmp_path):
 
 
 def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
-    """GSPO in sync mode, top-k sampling with Keep Sampling Mask: the trainer's logprobs over the engine's
-    support equal the engine's own (renormalized on that support) -- same weights, same routes. The run's
-    outputs, checkpoints and in-place sync are checked on the same run."""
+    """GSPO in sync mode, top-k sampling with Keep Sampling Mask, on multi-turn episodes (data=lookup: tool
+    calls, observations with loss mask 0): the trainer's logprobs over the engine's support equal the
+    engine's own (renormalized on that support) -- same weights, same routes. The run's outputs,
+    checkpoints and in-place sync are checked on the same run."""
     run = tmp_path / "gspo"
-    _, rows = mrl_train(run, "algo=gspo", "train.mode=sync", "train.steps=3",
+    _, rows = mrl_train(run, "algo=gspo", "data=lookup", "train.mode=sync", "train.steps=3",
                         "train.sft_warmup_steps=2", "train.prompts_per_step=4", "train.eval_every=2",
                         "train.save_every=2", "rollout.top_k=4", "train.sampling_mask=true",
                         "weight_sync.bucket_mb=0.25")  # small buckets: most go in place, straight from the DDP buffer
@@ -69,3 +70,4 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     assert all(r["clip_frac_high"] == 0.0 and r["clip_frac_low"] == 0.0 for r in steps)
     assert all(r["support_unknown_tokens"] == 0 and r["outside_support_tokens"] == 0 for r in steps)
     assert all(r["logprob_diff_replay_on"] < 1e-4 for r in steps)
+    assert all(r["rollout/env_episodes"] > 0 for r in steps)  # the samples were episodes of the environment
