@@ -71,3 +71,17 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     assert all(r["support_unknown_tokens"] == 0 and r["outside_support_tokens"] == 0 for r in steps)
     assert all(r["logprob_diff_replay_on"] < 1e-4 for r in steps)
     assert all(r["rollout/env_episodes"] > 0 for r in steps)  # the samples were episodes of the environment
+
+
+def test_dapo_on_multi_turn_episodes(tmp_path):
+    """DAPO (dynamic sampling, overlong shaping, clip-higher) in the async loop on multi-turn episodes
+    (data=lookup after a warm start that makes the policy call its tool in most episodes): no trained
+    group lacks signal, the skipped ones are counted, and the episodes really had several turns."""
+    _, rows = mrl_train(tmp_path / "dapo_mt", "data=lookup", "algo=dapo", "algo.max_response_len=32",
+                        "train.sft_warmup_steps=70", "algo.lr=3e-4", "train.steps=4", "train.eval_every=0")
+    steps = [r for r in rows if "step_seconds" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["groups_without_signal"] == 0 for r in steps)
+    assert steps[-1]["rollout/groups_no_signal"] > 0
+    assert all(r["rollout/env_turns_per_episode"] > 1.2 for r in steps)  # tool calls, observations, answers
+    assert all(k in steps[-1] for k in ("clip_frac_high", "clip_frac_low", "is_weight_mean"))
