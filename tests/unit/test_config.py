@@ -145,3 +145,10 @@ def test_expert_lora_accepted_for_gpu_engines():
     """GPU engines serve expert adapters (SGLang's Triton MoE runner): the same targets pass there."""
     cfg = compose(["model.lora.rank=8", "model.lora.targets=[attention,experts]", "rollout=gpu", "model.dtype=bf16"])
     assert cfg.model.lora.hf_target_modules[-3:] == ["gate_proj", "up_proj", "down_proj"]
+
+
+def test_lookup_experiment_is_the_multi_turn_recipe():
+    cfg = compose(["+experiment=lookup"])
+    assert cfg.data.task == "lookup" and cfg.run_dir == "runs/lookup"
+    assert (cfg.train.sft_warmup_steps, cfg.train.steps, cfg.algo.lr) == (70, 300, 3e-4)
+    assert compose(["+experiment=lookup", "algo.lr=1e-4"]).algo.lr == 1e-4  # the command line still wins
