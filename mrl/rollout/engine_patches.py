@@ -30,7 +30,9 @@ waiting for the next request between buckets.
 
 from __future__ import annotations
 
+import collections
 import functools
+import json
 import os
 import sys
 
@@ -127,7 +129,7 @@ def replayed_load(module) -> None:
         if load_format != "flattened_bucket" or group_name not in getattr(self, "_model_update_group", {}):
             return update(self, names, dtypes, shapes, group_name, load_format)
         try:
-            return True, _receive_bucket(self, names, dtypes, shapes, group_name)
+            return True, _load(self, _receive(self, dtypes, shapes, group_name), names, dtypes, shapes, group_name)
         except Exception as e:
             return False, _partial(e)
 
@@ -157,8 +159,6 @@ def _receive_batch(runner, names, dtypes, shapes, layout_json: str):
     scheduler round trip between buckets, so on GPUs the broadcasts and the loads' copies queue back to back.
     A bucket whose load fails does not stop the receiving (the senders' broadcasts must stay matched); its
     error fails the request. A failed broadcast does (the sender tore its group down)."""
-    import json
-
     try:
         layout = [(str(g), int(n)) for g, n in json.loads(layout_json)]
     except (ValueError, TypeError) as e:
@@ -169,8 +169,6 @@ def _receive_batch(runner, names, dtypes, shapes, layout_json: str):
         return False, (f"Failed to update parameter online: batched buckets name groups {unknown} that do not "
                        f"exist or count {sum(n for _, n in layout)} tensors for {len(names)} names, "
                        f"{len(dtypes)} dtypes, {len(shapes)} shapes")
-    import collections
-
     import torch
 
     first, at = None, 0
@@ -225,10 +223,6 @@ def _load(runner, flat, names, dtypes, shapes, group_name) -> str:
     print(f"{REPLAYED_LOAD_MARK if plan else 'mrl: bucket layout loads through load_weights'}: {why}",
           file=sys.stderr, flush=True)
     return "Succeeded to update parameter online."
-
-
-def _receive_bucket(runner, names, dtypes, shapes, group_name) -> str:
-    return _load(runner, _receive(runner, dtypes, shapes, group_name), names, dtypes, shapes, group_name)
 
 
 def install() -> None:

@@ -103,7 +103,7 @@ class DistributedWeightSync:
         self._steps: list[BucketStep] | None = None  # the copy plan, built on the first push
         self._sources: tuple[list[torch.Tensor], list[int]] = ([], [])  # params the plan's views read, data_ptrs
         self._bodies: list[bytes] | None = None  # controller: each bucket's request, in the global order
-        self._batched: tuple[bytes, bytes] | None = None  # controller: every bucket in one request, around its version
+        self._batched: bytes | None = None  # controller: every bucket in one request, but its closing version
 
     def place_buckets(self) -> None:
         """Collective: re-plan with every sender's in-place params (``planner.Placement``: in megatron's
@@ -352,18 +352,15 @@ class DistributedWeightSync:
 
     def _batched_body(self, version: str | None) -> bytes:
         """Every bucket in one request, in the global order (``protocol.BATCHED_BUCKETS_FORMAT``), with the
-        weight version the engine takes on success; encoded once around the version."""
+        weight version the engine takes on success; the rest is encoded once."""
         if self._batched is None:
             metas = [self._bucket_meta(b) for b in self._global]
-            body = json.dumps(dict(
+            self._batched = json.dumps(dict(
                 names=[t.name for m in metas for t in m], dtypes=[t.dtype for m in metas for t in m],
                 shapes=[list(t.shape) for m in metas for t in m], group_name=self._global[0].group,
                 flush_cache=False, load_format=BATCHED_BUCKETS_FORMAT + json.dumps(
-                    [[b.group, len(m)] for b, m in zip(self._global, metas)]), weight_version=None))
-            cut = body.rindex("null")  # weight_version, the last key
-            self._batched = body[:cut].encode(), body[cut + 4:].encode()
-        head, tail = self._batched
-        return head + json.dumps(version).encode() + tail
+                    [[b.group, len(m)] for b, m in zip(self._global, metas)])))[:-1].encode()
+        return self._batched + f', "weight_version": {json.dumps(version)}}}'.encode()
 
     def _post_updates(self, version: str | None) -> Future:
         """Every bucket request to every engine, pipelined per engine (or, where the engine takes them, all
