@@ -162,12 +162,16 @@ phase_times = None
 if a.phases:
     a.phases_on = True
     phase_times = {"step_s": [timed(lambda b=b: train_step(b)) for b in batches[-2:]], **spent}
+    every = [None] * dist.get_world_size()  # phases differ by rank when one waits for another
+    dist.all_gather_object(every, phase_times)
+    phase_times = every
 if dist.get_rank() == 0:
     json.dump({"side": "megatron", "te": te, "fusions": fused, "step_s": times[a.warmup:],
                "warmup_s": times[:a.warmup], "median_s": statistics.median(times[a.warmup:]),
                "tokens_per_step": a.micro_batches * a.micro_batch_size * a.seq * ps.get_data_parallel_world_size(),
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               "phases_s": phase_times, "profile": prof},
+               "phases_s": phase_times[0] if phase_times else None, "phases_s_per_rank": phase_times,
+               "profile": prof},
               open(a.out, "w"))
 dist.barrier()
 dist.destroy_process_group()

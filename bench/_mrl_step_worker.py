@@ -62,6 +62,21 @@ def make_batch() -> tuple[RLBatch, float]:
 
 
 batches = [make_batch() for _ in range(a.warmup + a.reps)]
+
+
+def expert_load(batch: RLBatch) -> list[float]:
+    """Share of the step's (token, layer, k) assignments that land on each EP rank's experts (all DP
+    ranks' samples: the all-to-all brings every token to its experts' rank). An uneven share makes one
+    rank wait for the other at every all-to-all."""
+    ep = max(a.ep, 1)
+    per_rank = codec.num_experts // ep
+    counts = np.zeros(ep)
+    for r in batch.routes:
+        counts += np.bincount((r.astype(np.int64) // per_rank).ravel(), minlength=ep)[:ep]
+    return (counts / counts.sum()).tolist()
+
+
+load = [expert_load(b) for b, _ in batches[a.warmup:]]
 metrics: dict = {}
 
 
@@ -94,16 +109,25 @@ def phases() -> dict:
         return run
 
     pol.forward_backward = timed_call("forward_backward", pol.forward_backward)
-    for name in ("_micro_batches", "_finite_everywhere", "_engine_gap", "_reduce"):
+    for name in ("_micro_batches", "_step_if_finite", "_engine_gap", "_reduce"):  # the step holds optimizer.step
         setattr(policy, name, timed_call(name, getattr(policy, name)))
     policy.optimizer.step = timed_call("optimizer.step", policy.optimizer.step)
     total = [timed(lambda b=b: step(b)) for b in batches[-2:]]
     return {"step_s": total, **{k: v for k, v in spent.items()}}
 
 
+def every_rank(x):
+    """``x`` of every rank, in rank order (phases differ by rank when one waits for another)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
 prof = profile_steps(lambda: [step(b) for b in batches[-2:]], 2, a.profile, "rl_step_profile",
                      layout.world_rank) if a.profile else None
-phase_times = phases() if a.phases else None
+phase_times = every_rank(phases()) if a.phases else None
 if layout.world_rank == 0:
     json.dump({"side": "mrl", "step_s": times[a.warmup:], "warmup_s": times[:a.warmup],
                "median_s": statistics.median(times[a.warmup:]), "tokens_per_step": n * a.seq,
@@ -112,6 +136,7 @@ if layout.world_rank == 0:
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},
-               "profile": prof, "phases_s": phase_times,
+               "profile": prof, "phases_s": phase_times[0] if phase_times else None,
+               "phases_s_per_rank": phase_times, "expert_load_per_ep_rank": load,
                "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
 destroy()

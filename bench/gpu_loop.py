@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -147,16 +148,56 @@ async def _routes_payload(url: str, codec, prompt_len: int, new: int, vocab: int
             "bytes_per_expert_id": codec.wire_itemsize(raw, rows)}
 
 
-def rollout_section(url, codec, vocab, a) -> dict:
+def _py_spy(a, engine_pid: int, out: str) -> subprocess.Popen | None:
+    """Sample the engine's processes (server, scheduler, detokenizer) while one workload runs."""
+    if not a.py_spy:
+        return None
+    return subprocess.Popen([a.py_spy_bin, "record", "--pid", str(engine_pid), "--subprocesses", "--nonblocking",
+                             "--rate", "200", "--duration", str(a.py_spy), "--format", "raw", "--output", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def spy_summary(raw_path: str, top: int = 25) -> dict:
+    """py-spy's collapsed stacks (``process;frame;...;leaf count``) -> per process: samples, the leaf
+    frames with most samples (self time) and the frames with most samples anywhere on the stack."""
+    procs: dict[str, dict] = {}
+    for line in open(raw_path):
+        stack, _, n = line.rstrip("\n").rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        k = 0  # a child process's stack sits under its parents' "process PID:cmdline" frames
+        while k + 1 < len(frames) and frames[k + 1].startswith("process "):
+            k += 1
+        name, frames = frames[k][:90], frames[k + 1:] or ["(no frame)"]
+        p = procs.setdefault(name, {"samples": 0, "self": {}, "total": {}})
+        p["samples"] += int(n)
+        p["self"][frames[-1]] = p["self"].get(frames[-1], 0) + int(n)
+        for f in set(frames):
+            p["total"][f] = p["total"].get(f, 0) + int(n)
+    return {name: {"samples": p["samples"],
+                   "self_top": sorted(p["self"].items(), key=lambda kv: -kv[1])[:top],
+                   "total_top": sorted(p["total"].items(), key=lambda kv: -kv[1])[:top]}
+            for name, p in sorted(procs.items(), key=lambda kv: -kv[1]["samples"])}
+
+
+def rollout_section(url, codec, vocab, a, engine_pid: int | None = None) -> dict:
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "runs": []}
     asyncio.run(_workload(url, codec, 8, a.prompt_len, 16, vocab, seed=0))  # warm-up (first requests, graphs)
     for rep in range(a.reps):
         for batch in a.batches:
             for routes in (False, True):
+                spy_out = os.path.join(a.out, f"py_spy_batch{batch}_routes_{'on' if routes else 'off'}.txt")
+                spy = _py_spy(a, engine_pid, spy_out) if rep == 0 and batch == max(a.batches) else None
                 _, tps, dt = asyncio.run(_workload(url, codec if routes else None, batch, a.prompt_len, a.new,
                                                    vocab, seed=rep))
                 res["runs"].append({"rep": rep, "batch": batch, "routes": routes, "tokens_per_s": tps, "seconds": dt})
                 print(f"[rollout] rep {rep} batch {batch} routes {routes}: {tps:.0f} tokens/s", flush=True)
+                if spy is not None:
+                    _, err = spy.communicate(timeout=a.py_spy + 60)
+                    key = f"py_spy_batch{batch}_routes_{'on' if routes else 'off'}"
+                    res[key] = (spy_summary(spy_out) if spy.returncode == 0 and os.path.exists(spy_out)
+                                else {"error": f"py-spy exited {spy.returncode}: {err[-1500:]}"})
     summary = {}
     for batch in a.batches:
         off = [r["tokens_per_s"] for r in res["runs"] if r["batch"] == batch and not r["routes"]]
@@ -283,6 +324,10 @@ def main() -> int:
     ap.add_argument("--routes-int32", action="store_true",
                     help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
                          "mrl's compact routes")
+    ap.add_argument("--py-spy", type=int, default=0,
+                    help="rollout: sample the engine's processes with py-spy for this many seconds during the "
+                         "first repetition's largest batch, routes off and on (where the routes' cost sits)")
+    ap.add_argument("--py-spy-bin", default=shutil.which("py-spy") or "py-spy")
     ap.add_argument("--ckpt-root", default=None, help="where the random checkpoint is made or found (default: --out)")
     ap.add_argument("--load-weights", action="store_true",
                     help="the engine loads every weight bucket through the model's load_weights (MRL_REPLAYED_LOAD=0): "
@@ -330,7 +375,7 @@ def main() -> int:
             t = time.perf_counter()
             try:
                 if name == "rollout":
-                    report["rollout"] = rollout_section(engine.url, codec, bridge.vocab_size, a)
+                    report["rollout"] = rollout_section(engine.url, codec, bridge.vocab_size, a, engine.proc.pid)
                 elif name == "replay":
                     report["replay"] = replay_section(engine.url, codec, bridge.vocab_size, a, hf, a.out)
                 elif name == "sync":

@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--packing", choices=["on", "off"], default="on")
     ap.add_argument("--router-fusion", choices=["on", "off"], default="on",
                     help="the baseline's fused router (mrl cannot use it: it skips routing replay)")
+    ap.add_argument("--grouped-gemm", choices=["cublas", "cutlass"], default="cublas",
+                    help="TE's grouped GEMM on Hopper, both sides: one cuBLAS GEMM per expert (TE's default) or "
+                         "one CUTLASS grouped kernel for all of them (NVTE_USE_CUTLASS_GROUPED_GEMM=1)")
     ap.add_argument("--profile", action="store_true",
                     help="torch profiler over two more steps of each side (the first pair): every operator's time")
     ap.add_argument("--phases", action="store_true",
@@ -68,6 +71,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="mrl_vs_megatron_")
+    # read by TE's C library in each worker (inherited environment); both sides run with the same value
+    os.environ.pop("NVTE_USE_CUTLASS_GROUPED_GEMM", None)
+    if a.grouped_gemm == "cutlass":
+        os.environ["NVTE_USE_CUTLASS_GROUPED_GEMM"] = "1"
     hf_path = a.hf or make_model(os.path.join(tmp, a.shape), a.shape)
     hf = json.load(open(os.path.join(hf_path, "config.json")))
     dev = device_name()
@@ -135,7 +142,8 @@ def main() -> None:
           "seq": a.seq, "micro_batches": a.micro_batches,
           "micro_batch_size": a.micro_batch_size, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
           "optimizer_states": a.optimizer_states, "packing": a.packing, "router_fusion": a.router_fusion,
-          "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak, "layouts": layouts}, a.json,
+          "grouped_gemm": a.grouped_gemm, "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak,
+          "layouts": layouts}, a.json,
          name=f"rl_step_vs_megatron_{a.shape}_{slug(dev)}")
 
 
