@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from _bench_common import profile_steps, record_routes, step_worker_args, timed
-from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
+from mrl.config.schema import Config, DType, GroupedGemm, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
@@ -33,11 +33,14 @@ ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
+# the kernel the bench chose for both sides (Policy sets TE's variable from the config)
+GROUPED_GEMM = GroupedGemm.cutlass if os.environ.get("NVTE_USE_CUTLASS_GROUPED_GEMM") == "1" else GroupedGemm.cublas
 pcfg = ParallelConfig(tp=a.tp, ep=a.ep, sequence_parallel=True, world_size=world)
 cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType.bf16 if compat.HAS_CUDA else DType.fp32,
                                make_tiny_if_missing=False), parallel=pcfg,
              train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True, packing=a.packing == "on",
-                               optimizer_states_dtype=DType(a.optimizer_states)))
+                               optimizer_states_dtype=DType(a.optimizer_states),
+                               grouped_gemm=GROUPED_GEMM))
 layout = init_parallel(pcfg, seed=cfg.seed)
 policy = Policy(cfg, layout, a.hf)
 codec, V = policy.codec, policy.bridge.vocab_size

@@ -117,6 +117,7 @@ async def _workload(url: str, codec, batch: int, prompt_len: int, new: int, voca
 
     rng = random.Random(seed)
     client = EngineClient(url)
+    codec = _TimedCodec(codec) if codec is not None else None
     mgr = RolloutManager([client], codec=codec, max_inflight_per_engine=batch,
                          sampling=SamplingSpec(max_new_tokens=new, temperature=1.0, ignore_eos=True))
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch // 8)]
@@ -127,7 +128,25 @@ async def _workload(url: str, codec, batch: int, prompt_len: int, new: int, voca
     samples = [s for g in groups for s in g]
     if mgr.stats.failed:
         raise RuntimeError(f"{mgr.stats.failed} samples failed: {mgr.stats.errors[:3]}")
-    return samples, sum(len(s.response_ids) for s in samples) / dt, dt
+    return samples, sum(len(s.response_ids) for s in samples) / dt, dt, codec.seconds if codec else 0.0
+
+
+class _TimedCodec:
+    """The routes codec, with the client's seconds spent decoding routes counted (they sit in the
+    workload's wall time: the client's event loop decodes each reply as it arrives)."""
+
+    def __init__(self, codec):
+        self._codec, self.seconds = codec, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+    def decode(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self._codec.decode(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
 
 
 async def _routes_payload(url: str, codec, prompt_len: int, new: int, vocab: int) -> dict:
@@ -189,9 +208,10 @@ def rollout_section(url, codec, vocab, a, engine_pid: int | None = None) -> dict
             for routes in (False, True):
                 spy_out = os.path.join(a.out, f"py_spy_batch{batch}_routes_{'on' if routes else 'off'}.txt")
                 spy = _py_spy(a, engine_pid, spy_out) if rep == 0 and batch == max(a.batches) else None
-                _, tps, dt = asyncio.run(_workload(url, codec if routes else None, batch, a.prompt_len, a.new,
-                                                   vocab, seed=rep))
-                res["runs"].append({"rep": rep, "batch": batch, "routes": routes, "tokens_per_s": tps, "seconds": dt})
+                _, tps, dt, dec = asyncio.run(_workload(url, codec if routes else None, batch, a.prompt_len, a.new,
+                                                        vocab, seed=rep))
+                res["runs"].append({"rep": rep, "batch": batch, "routes": routes, "tokens_per_s": tps, "seconds": dt,
+                                    "client_decode_s": dec})
                 print(f"[rollout] rep {rep} batch {batch} routes {routes}: {tps:.0f} tokens/s", flush=True)
                 if spy is not None:
                     _, err = spy.communicate(timeout=a.py_spy + 60)
@@ -238,7 +258,7 @@ def _agreement(samples_json: dict, rep: dict, calls: list) -> tuple[int, int]:
 def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
     import numpy as np
 
-    samples, _, _ = asyncio.run(_workload(url, codec, a.replay_samples, a.replay_prompt_len, a.replay_new, vocab,
+    samples, _, _, _ = asyncio.run(_workload(url, codec, a.replay_samples, a.replay_prompt_len, a.replay_new, vocab,
                                           seed=123))
     sj = {"sequences": [s.tokens for s in samples], "routes": [s.routes.tolist() for s in samples],
           "engine_logprobs": [s.response_logprobs for s in samples],

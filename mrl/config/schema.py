@@ -769,6 +769,11 @@ class BadSupport(str, enum.Enum):
     mask = "mask"  # take the token out of the loss (counted)
 
 
+class GroupedGemm(str, enum.Enum):
+    cutlass = "cutlass"  # one CUTLASS grouped kernel for all local experts (Hopper, bf16/fp16)
+    cublas = "cublas"  # one cuBLAS GEMM per expert on a pool of streams (Transformer Engine's default)
+
+
 class StalePolicy(str, enum.Enum):
     drop = "drop"  # samples older than max_staleness are dropped (counted)
     keep = "keep"  # kept; the off-policy correction (algo.correction) weighs them
@@ -824,7 +829,7 @@ class TrainConfig:
     """Sequence packing: several samples per row (first-fit decreasing) so long-tailed batches waste no
     padding; ``micro_batch_size`` then counts packed rows. Megatron's local attention gets a
     block-diagonal causal mask (verified equal to unpacked), the Transformer Engine spec THD
-    ``cu_seqlens`` (written, never run: no TE on our machines)."""
+    ``cu_seqlens`` (TE's fused attention; run on GPUs)."""
     pack_max_len: Optional[int] = None
     """Packed row length in tokens; null = the step's longest sample (rounded up to a multiple of tp)."""
     sampling_mask: bool = False
@@ -833,6 +838,11 @@ class TrainConfig:
     bad_support: BadSupport = BadSupport.error
     """Sampling mask: a token whose support cannot be rebuilt, or that lies outside it (an engine bug):
     stop the run, or take it out of the loss (counted)."""
+    grouped_gemm: GroupedGemm = GroupedGemm.cutlass
+    """Transformer Engine's kernel for the experts' grouped GEMM on Hopper GPUs (TE's
+    ``NVTE_USE_CUTLASS_GROUPED_GEMM``, set by the trainer): ``cutlass`` launches one kernel for all local
+    experts where ``cublas`` launches one per expert, which leaves a 128-expert layer waiting on the
+    host. Other GPUs, other dtypes and the local spec ignore it."""
     max_nonfinite_steps: int = 5
     """Optimizer steps skipped in a row for a non-finite (NaN/Inf) loss or gradient before the run stops
     (every skip is counted: metric ``nonfinite_steps``); 0 = never stop."""

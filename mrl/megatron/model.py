@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from typing import Any
 
 import torch
 
 from mrl._compat.te import HAVE_TE
-from mrl.config.schema import DType, ParallelConfig
+from mrl.config.schema import DType, GroupedGemm, ParallelConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
@@ -86,6 +87,14 @@ def fusions(*, cuda: bool, te: bool) -> dict[str, bool]:
                   masked_softmax_fusion=True, moe_permute_fusion=True,
                   gradient_accumulation_fusion=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
     return kw
+
+
+def use_grouped_gemm(kind: GroupedGemm) -> None:
+    """Pick TE's grouped-GEMM kernel for this process. TE reads the variable at every grouped GEMM, so
+    setting it before the first forward is enough; the config decides, whatever the environment held."""
+    os.environ.pop("NVTE_USE_CUTLASS_GROUPED_GEMM", None)
+    if kind == GroupedGemm.cutlass:
+        os.environ["NVTE_USE_CUTLASS_GROUPED_GEMM"] = "1"
 
 
 def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: DType = DType.fp32,

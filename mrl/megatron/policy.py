@@ -23,7 +23,7 @@ from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import compat
 from mrl.megatron.collectives import named
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
-from mrl.megatron.model import build_gpt_model, transformer_config
+from mrl.megatron.model import build_gpt_model, transformer_config, use_grouped_gemm
 from mrl.megatron.optim import build_optimizer, wrap_ddp
 from mrl.megatron.packing import Packing, check_context_parallel, pack_micro_batches, round_up
 from mrl.megatron.parallel import Layout
@@ -93,6 +93,7 @@ class Policy:
         self.bridge = get_bridge(hf_path)
         check_context_parallel(cfg.parallel.cp)
         self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype)
+        use_grouped_gemm(cfg.train.grouped_gemm)
         self.padded_vocab = self.bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
         model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab)
         load_hf_into(model, layout, self.bridge, HFCheckpoint(hf_path), self.padded_vocab)

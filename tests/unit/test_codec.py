@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mrl.rollout.protocol import EngineProtocolError, parse_generate, parse_generate_item
-from mrl.routing.codec import RoutesCodec, RoutesError
+from mrl.routing.codec import RoutesCodec, RoutesError, repeats
 from tests.fakes.fake_sglang import fixture
 
 CTX = ("http://fixture", "/generate")
@@ -119,6 +119,33 @@ def test_a_token_routed_twice_to_one_expert_is_refused():
     ids[2, 1] = [4, 4]
     with pytest.raises(RoutesError, match=r"repeats an expert .* \(row 2, MoE layer 1: \[4, 4\]\)"):
         TINY.decode(base64.b64encode(ids.tobytes()).decode(), prompt_len=3, response_len=2)
+
+
+@pytest.mark.parametrize("k, dtype", [(8, np.uint8), (8, np.uint16), (6, np.uint8), (2, np.uint8)])
+def test_repeats_finds_every_repeated_pair(k, dtype):
+    """Against sorting: distinct rows pass; a repeat at any pair of positions is found, on the top-8 one-byte
+    path (ids as one 64-bit word) and on the pairwise one; 0 and 255 (all bits off or on) included."""
+    rng = np.random.default_rng(0)
+    hi = 256 if dtype == np.uint8 else 1024
+    ids = np.stack([rng.choice(hi, size=k, replace=False) for _ in range(500)]).astype(dtype)
+    ids[0] = np.arange(k)
+    ids[1] = hi - 1 - np.arange(k)
+    for n, (i, j) in enumerate((i, j) for i in range(k) for j in range(k) if i != j):
+        ids[10 + n, i] = ids[10 + n, j]
+    want = (np.diff(np.sort(ids, axis=-1), axis=-1) == 0).any(-1)
+    assert want.sum() == k * (k - 1)
+    np.testing.assert_array_equal(repeats(ids), want)
+
+
+def test_a_repeat_in_a_top8_payload_names_its_row_and_layer():
+    codec = RoutesCodec(num_layers=4, top_k=8, num_experts=128, moe_layers=(1, 3))
+    rng = np.random.default_rng(1)
+    ids = np.stack([np.stack([rng.choice(128, 8, replace=False) for _ in range(4)]) for _ in range(9)]).astype(np.uint8)
+    got = codec.decode(base64.b64encode(ids.tobytes()).decode(), prompt_len=5, response_len=5)
+    np.testing.assert_array_equal(got, ids[:, [1, 3]])
+    ids[6, 3, 7] = ids[6, 3, 0]
+    with pytest.raises(RoutesError, match=r"\(row 6, MoE layer 1: "):
+        codec.decode(base64.b64encode(ids.tobytes()).decode(), prompt_len=5, response_len=5)
 
 
 def test_a_positive_logprob_is_refused():

@@ -1,5 +1,6 @@
 """Hydra/OmegaConf schema: composition, typed values, and errors that name the field."""
 
+import os
 import subprocess
 import sys
 
@@ -152,3 +153,18 @@ def test_lookup_experiment_is_the_multi_turn_recipe():
     assert cfg.data.task == "lookup" and cfg.run_dir == "runs/lookup"
     assert (cfg.train.sft_warmup_steps, cfg.train.steps, cfg.algo.lr) == (70, 300, 3e-4)
     assert compose(["+experiment=lookup", "algo.lr=1e-4"]).algo.lr == 1e-4  # the command line still wins
+
+
+@pytest.mark.parametrize("override, env", [(None, "1"), ("cublas", None), ("cutlass", "1")])
+def test_grouped_gemm_kernel_is_the_configs(monkeypatch, override, env):
+    """TE reads NVTE_USE_CUTLASS_GROUPED_GEMM at every grouped GEMM; the trainer sets it from
+    train.grouped_gemm (CUTLASS by default), over whatever the environment held."""
+    from mrl.megatron.model import use_grouped_gemm
+
+    cfg = compose([f"train.grouped_gemm={override}"] if override else [])
+    monkeypatch.setenv("NVTE_USE_CUTLASS_GROUPED_GEMM", "0" if env else "1")
+    use_grouped_gemm(cfg.train.grouped_gemm)
+    assert os.environ.get("NVTE_USE_CUTLASS_GROUPED_GEMM") == env
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["train.grouped_gemm=cutlas"])
+    assert "train.grouped_gemm" in str(e.value) + str(e.value.__cause__)
