@@ -142,7 +142,21 @@ def step_worker_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--optimizer-states", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--gc", choices=["auto", "off"], default="auto",
+                    help="off: Python's garbage collector frozen and disabled for the timed steps (a collection "
+                         "pauses one rank while its peers wait in the next collective)")
     return ap
+
+
+def gc_mode(mode: str) -> None:
+    """Before the timed steps: with ``off``, what setup allocated is frozen out of every later collection
+    and automatic collection stops (megatron-LM's ``--manual-gc`` does the same for its training loop)."""
+    import gc
+
+    if mode == "off":
+        gc.collect()
+        gc.freeze()
+        gc.disable()
 
 
 # -- inside workers (megatron imported) ------------------------------------------------------------

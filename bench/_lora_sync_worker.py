@@ -26,7 +26,8 @@ from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from _bench_common import engine_call
-from mrl.rollout.lora import ATTENTION, LoraEngineSpec, adapter_name
+from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
+from mrl.rollout.lora import adapter_name
 from mrl.rollout.protocol import EngineHTTPError
 from mrl.weight_sync.lora import AdapterSync, random_adapter
 from mrl.weight_sync.sync import EngineSync, make_transport

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _bench_common import profile_steps, step_worker_args
+from _bench_common import gc_mode, profile_steps, step_worker_args
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
@@ -155,6 +155,7 @@ def timed(fn) -> float:
 
 
 a.phases_on = False
+gc_mode(a.gc)
 times = [timed(lambda b=b: train_step(b)) for b in batches]
 prof = profile_steps(lambda: [train_step(b) for b in batches[-2:]], 2, a.profile, "megatron_step_profile",
                      dist.get_rank()) if a.profile else None

@@ -17,7 +17,7 @@ import statistics
 import numpy as np
 import torch
 
-from _bench_common import profile_steps, record_routes, step_worker_args, timed
+from _bench_common import gc_mode, profile_steps, record_routes, step_worker_args, timed
 from mrl.config.schema import Config, DType, GroupedGemm, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
@@ -87,6 +87,7 @@ def step(b) -> None:
     metrics.update(policy.rl_step(*b))
 
 
+gc_mode(a.gc)
 times = [timed(lambda b=b: step(b)) for b in batches]
 
 

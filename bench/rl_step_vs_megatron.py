@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--grouped-gemm", choices=["cublas", "cutlass"], default="cublas",
                     help="TE's grouped GEMM on Hopper, both sides: one cuBLAS GEMM per expert (TE's default) or "
                          "one CUTLASS grouped kernel for all of them (NVTE_USE_CUTLASS_GROUPED_GEMM=1)")
+    ap.add_argument("--gc", choices=["auto", "off"], default="auto",
+                    help="both sides: Python's garbage collector on (auto) or frozen and off for the timed steps")
     ap.add_argument("--profile", action="store_true",
                     help="torch profiler over two more steps of each side (the first pair): every operator's time")
     ap.add_argument("--phases", action="store_true",
@@ -82,7 +84,7 @@ def main() -> None:
     flops_tok = model_flops_per_token(hf, a.seq)
     common = ["--hf", hf_path, "--seq", str(a.seq), "--micro-batches", str(a.micro_batches),
               "--micro-batch-size", str(a.micro_batch_size), "--reps", str(a.reps),
-              "--warmup", str(a.warmup), "--optimizer-states", a.optimizer_states]
+              "--warmup", str(a.warmup), "--optimizer-states", a.optimizer_states, "--gc", a.gc]
     layouts = {}
     for name in a.layouts:
         nproc, extra = LAYOUTS[name]
@@ -142,7 +144,7 @@ def main() -> None:
           "seq": a.seq, "micro_batches": a.micro_batches,
           "micro_batch_size": a.micro_batch_size, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
           "optimizer_states": a.optimizer_states, "packing": a.packing, "router_fusion": a.router_fusion,
-          "grouped_gemm": a.grouped_gemm, "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak,
+          "grouped_gemm": a.grouped_gemm, "gc": a.gc, "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak,
           "layouts": layouts}, a.json,
          name=f"rl_step_vs_megatron_{a.shape}_{slug(dev)}")
 

@@ -140,7 +140,7 @@ def engine(cfg: Config) -> int:
     # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the
     # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
     from mrl.rollout.engine import interface_address
-    from mrl.rollout.lora import lora_engine_spec
+    from mrl.config.lora_engine import lora_engine_spec
     from mrl.rollout.secrets import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)

@@ -52,7 +52,7 @@ from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.process import LOOP_STATE_FILE
 from mrl.rollout.engine import launch_job_engines, start_job_engines
-from mrl.rollout.lora import lora_engine_spec
+from mrl.config.lora_engine import lora_engine_spec
 from mrl.rollout.restart import EngineRestarter, kill_engines
 from mrl.rollout.sample import Sample
 from mrl.routing.replay import check_routes

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mrl.rollout.lora import lora_engine_spec  # torch- and SGLang-free, like this module
+from mrl.config.lora_engine import lora_engine_spec
 
 
 class DType(str, enum.Enum):

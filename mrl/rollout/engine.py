@@ -31,7 +31,7 @@ from typing import Any
 
 from mrl.process import die_with_parent, ignore_usr1, on_lasting_thread, open_files
 from mrl.rollout import cpu_mode, engine_patches, gpu_mode
-from mrl.rollout.lora import LoraEngineSpec
+from mrl.config.lora_engine import LoraEngineSpec
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
 
 
@@ -377,7 +377,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                         host: str = "127.0.0.1", lora: LoraEngineSpec | None = None) -> list["Engine"]:
     """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started). On GPUs, engine i takes
     the ``engine_tp * engine_dp`` GPUs from ``base_gpu_id + i * engine_tp * engine_dp``; ``base_gpu_id``
-    null = after the GPUs of the trainer ranks on this node. ``lora``: ``mrl.rollout.lora.lora_engine_spec``
+    null = after the GPUs of the trainer ranks on this node. ``lora``: ``mrl.config.lora_engine.lora_engine_spec``
     of the run's config (None: LoRA off)."""
     names = names or [f"engine{i}" for i in range(r.num_engines)]
     per = r.engine_tp * r.engine_dp
@@ -395,7 +395,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
 
 def start_job_engines(cfg) -> list["Engine"]:
     """Start the engines of a run's ``cfg.rollout`` that the job owns; the caller awaits their health."""
-    from mrl.rollout.lora import lora_engine_spec
+    from mrl.config.lora_engine import lora_engine_spec
 
     engines = engines_from_config(cfg.rollout, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
                                   lora=lora_engine_spec(cfg))

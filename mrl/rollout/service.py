@@ -170,7 +170,8 @@ class LocalRollout:
         from mrl.data import build_prompt_source
         from mrl.reward.scorer import RewardScorer
         from mrl.rollout.client import EngineClient
-        from mrl.rollout.lora import AdapterRouter, lora_engine_spec
+        from mrl.config.lora_engine import lora_engine_spec
+        from mrl.rollout.lora import AdapterRouter
         from mrl.rollout.manager import RolloutManager
         from mrl.rollout.producer import Producer
         from mrl.rollout.sample import SamplingSpec

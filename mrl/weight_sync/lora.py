@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mrl.rollout.client import ClientTimeouts, EngineClient
-from mrl.rollout.lora import NAME_PREFIX, LoraEngineSpec, adapter_name, adapter_version
+from mrl.config.lora_engine import LoraEngineSpec
+from mrl.rollout.lora import NAME_PREFIX, adapter_name, adapter_version
 from mrl.rollout.protocol import EngineError, EngineHTTPError
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ import torch
 
 from mrl.rollout.client import EngineClient
 from mrl.rollout.engine import Engine
-from mrl.rollout.lora import ATTENTION, AdapterRouter, LoraEngineSpec, adapter_name
+from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
+from mrl.rollout.lora import AdapterRouter, adapter_name
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineHTTPError
 from mrl.rollout.sample import Sample, SamplingSpec

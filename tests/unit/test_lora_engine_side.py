@@ -14,8 +14,8 @@ import torch
 
 from mrl.config.schema import LoraConfig, RolloutConfig, WeightSyncConfig, WeightTransport
 from mrl.rollout.engine import Engine
-from mrl.rollout.lora import ATTENTION, MLP, AdapterRouter, LoraEngineSpec, adapter_name, adapter_version, \
-    hf_targets, lora_engine_spec
+from mrl.config.lora_engine import ATTENTION, MLP, LoraEngineSpec, hf_targets, lora_engine_spec
+from mrl.rollout.lora import AdapterRouter, adapter_name, adapter_version
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineHTTPError, EngineUnavailable, FinishReason, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
