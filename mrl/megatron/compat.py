@@ -30,6 +30,16 @@ DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 BACKEND = "nccl" if HAS_CUDA else "gloo"
 
 
+def to_device(t: torch.Tensor, device: torch.device = DEVICE) -> torch.Tensor:
+    """A host tensor on the trainer's device without stopping the host: on GPUs it is copied from pinned
+    memory, asynchronously. A copy from pageable memory first waits for the device's stream to drain, so
+    the host can no longer queue work ahead of the GPU (and, with expert parallelism, its peers wait for
+    it at the next all-to-all)."""
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class Shim:
     """One workaround: what it covers and which megatron call sites actually went through it."""

@@ -38,6 +38,7 @@ from typing import Literal, Sequence
 import torch
 
 from mrl._compat.te import HAVE_TE
+from mrl.megatron.compat import to_device
 
 PackFormat = Literal["mask", "thd"]
 
@@ -98,6 +99,7 @@ class Packing:
     cu_seqlens_padded: torch.Tensor | None = None
     """Segment boundaries of the flat ``[b*S]`` token order (samples' slots and row tails), int32."""
     _token_index: torch.Tensor | None = field(default=None, repr=False)
+    _prediction_index_on_device: torch.Tensor | None = field(default=None, repr=False)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -148,17 +150,20 @@ class Packing:
         for j, (start, slot, _) in enumerate(segs):
             block[start:start + slot] = j
             pos[start:start + slot] = torch.arange(slot)
-        self.cu_seqlens_padded = torch.tensor([0] + [st + sl for st, sl, _ in segs], dtype=torch.int32, device=device)
+        ends = [0] + [st + sl for st, sl, _ in segs]
+        self.cu_seqlens_padded = to_device(torch.tensor(ends, dtype=torch.int32), device)
         if self.fmt == "mask":
             block = block.view(b, s)
             allowed = (block[:, :, None] == block[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
-            self.attention_mask = (~allowed).unsqueeze(1).to(device)
-            self.position_ids = pos.view(b, s).to(device)
+            self.attention_mask = to_device((~allowed).unsqueeze(1), device)
+            self.position_ids = to_device(pos.view(b, s), device)
         elif self.fmt == "thd":
             self.packed_seq_params = self._thd_params(segs, device)
-            self.position_ids = pos.view(1, -1).to(device)
+            self.position_ids = to_device(pos.view(1, -1), device)
         else:
             raise PackingError(f"packing format must be 'mask' or 'thd', got {self.fmt!r}")
+        # the loss unpacks logprobs with it inside megatron's schedule: copied now, not there
+        self._prediction_index_on_device = to_device(self._prediction_index(), device)
 
     def _thd_params(self, segs: list[tuple[int, int, int]], device: torch.device):
         """Transformer Engine path (GPUs; megatron's local attention refuses packed sequences), to megatron
@@ -173,7 +178,7 @@ class Packing:
         padded = self.cu_seqlens_padded
         real_ends = list(itertools.accumulate([n for _, _, n in segs], initial=0))
         same = real_ends == [0] + [st + sl for st, sl, _ in segs]  # the values of cu_seqlens_padded
-        real = torch.tensor(real_ends, dtype=torch.int32, device=device)
+        real = to_device(torch.tensor(real_ends, dtype=torch.int32), device)
         longest = max(sl for _, sl, _ in segs)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
                                cu_seqlens_q_padded=None if same else padded,
@@ -220,7 +225,9 @@ class Packing:
 
     def unpack_predictions(self, pred_grid: torch.Tensor, fill=0) -> torch.Tensor:
         """Prediction grid ``[B, S'-1, ...]`` -> per sample ``[n, T-1, ...]`` (differentiable gather)."""
-        idx = self._prediction_index().to(pred_grid.device)
+        idx = self._prediction_index_on_device
+        if idx is None or idx.device != pred_grid.device:
+            idx = self._prediction_index().to(pred_grid.device)
         flat = pred_grid.reshape(-1, *pred_grid.shape[2:])
         out = flat[idx.clamp(min=0)]
         keep = (idx >= 0).reshape(*idx.shape, *([1] * (out.dim() - 2)))

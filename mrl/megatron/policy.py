@@ -221,7 +221,6 @@ class Policy:
                     mask[b, p - 1 + j] *= float(bool(kept))
                 if batch.support_log_mass is not None:
                     behav[b, p - 1:p - 1 + resp] -= torch.tensor(batch.support_log_mass[i][:resp], dtype=torch.float32)
-        dev = compat.DEVICE
         routes_t = torch.from_numpy(np.stack(routes)) if with_routes else None
         support_t = (torch.stack([support_tensor(s, width=self._support_width(sup)) for s in support])
                      if sup is not None else None)
@@ -231,9 +230,10 @@ class Policy:
                 routes_t = pk.pack_tokens(routes_t, torch.arange(self.codec.top_k) % self.codec.num_experts)
             if support_t is not None:
                 support_t = pk.pack_predictions(support_t, -1)
-        return MicroBatch(ids.to(dev), routes_t.to(dev) if routes_t is not None else None,
-                          {"mask": mask.to(dev), "behav": behav.to(dev), "adv": adv.to(dev), "valid": valid.to(dev)},
-                          packing=pk, support=support_t.to(dev) if support_t is not None else None)
+        dev = compat.to_device  # asynchronous copies from pinned memory: the host keeps running ahead
+        return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None,
+                          {"mask": dev(mask), "behav": dev(behav), "adv": dev(adv), "valid": dev(valid)},
+                          packing=pk, support=dev(support_t) if support_t is not None else None)
 
     @staticmethod
     def _support_width(sup: list[list[list[int]]]) -> int:

@@ -34,7 +34,8 @@ class MicroBatch:
     input_ids: torch.Tensor
     """[b, S] token ids: right-padded samples, or packed rows (then the shape of ``packing.grid``)."""
     routes: torch.Tensor | None = None
-    """[b, S, L, K] int64 expert ids aligned to input_ids (``routing.replay.align_routes``; packed the same way)."""
+    """[b, S, L, K] expert ids (uint8, int32 or int64) aligned to input_ids (``routing.replay.align_routes``;
+    packed the same way)."""
     data: dict[str, torch.Tensor] = field(default_factory=dict)
     """Loss inputs, one row per sample ([n, T-1]: ``mask`` (the loss mask), old/behaviour logprobs,
     advantages, ...). Unpacked, n = b and T = S."""

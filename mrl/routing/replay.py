@@ -67,15 +67,20 @@ def check_routes(num_tokens: int, routes: np.ndarray | None, *, num_moe_layers: 
 
 
 def align_routes(routes: np.ndarray, seq_len: int, num_experts: int) -> np.ndarray:
-    """``[n - 1, L, K]`` engine routes of an n-token sequence -> ``[seq_len, L, K]`` int64 rows.
+    """``[n - 1, L, K]`` engine routes of an n-token sequence -> ``[seq_len, L, K]`` rows, in the routes'
+    own integer type (uint8 for up to 256 experts: an eighth of int64's bytes on their way to the device;
+    uint16 becomes int32, which torch indexes); ``ReplayDriver`` widens them on the device.
 
     The final token of a sample and padding positions are routed to ``arange % experts`` (valid, never
     trained on: their loss mask is 0)."""
     rows, layers, k = routes.shape
     if rows + 1 > seq_len:
         raise ReplayError(f"routes have {rows} rows but the sequence is padded to {seq_len} tokens")
-    pad = np.broadcast_to((np.arange(k) % num_experts).astype(np.int64), (seq_len - rows, layers, k))
-    return np.concatenate([routes.astype(np.int64), pad], 0)
+    dtype = routes.dtype if routes.dtype in (np.uint8, np.int32, np.int64) else np.dtype(np.int64)
+    if routes.dtype in (np.uint16, np.int16, np.int8):
+        dtype = np.dtype(np.int32)
+    pad = np.broadcast_to((np.arange(k) % num_experts).astype(dtype), (seq_len - rows, layers, k))
+    return np.concatenate([routes.astype(dtype, copy=False), pad], 0)
 
 
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,7 +172,7 @@ class ReplayDriver:
             return
         if routes_bslk is None:
             raise ReplayError("replay mode but this micro-batch has no routes")
-        local = self.slice.tokens(routes_bslk, cu_seqlens)
+        local = self.slice.tokens(routes_bslk, cu_seqlens).long()  # megatron gathers scores with int64 ids
         RouterReplay.set_replay_data([local[:, j].contiguous() for j in range(local.shape[1])])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 

@@ -22,11 +22,13 @@ def test_routes_that_cannot_be_replayed_are_named():
 def test_align_appends_valid_pad_rows():
     r = np.arange(2 * 3 * 2).reshape(2, 3, 2).astype(np.uint8) % 8  # 3 tokens -> 2 engine rows
     out = align_routes(r, seq_len=6, num_experts=8)
-    assert out.shape == (6, 3, 2) and out.dtype == np.int64
+    assert out.shape == (6, 3, 2) and out.dtype == np.uint8  # the wire's type: widened on the device
     assert np.array_equal(out[:2], r)
     assert (out[2:] == np.array([0, 1])).all()  # last token + padding: valid, distinct ids
     with pytest.raises(ReplayError, match="padded to 2"):
         align_routes(r, seq_len=2, num_experts=8)
+    wide = align_routes((r.astype(np.uint16) + 250), seq_len=4, num_experts=300)  # uint16 ids: int32 for torch
+    assert wide.dtype == np.int32 and wide[0, 0, 0] == 250 and (wide[2:] == np.array([0, 1])).all()
 
 
 def test_rank_slice_is_s_first_with_sp_chunks():
