@@ -330,7 +330,7 @@ class Controller:
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.stop()
-        for e in (self.restarter.engines if self.restarter else self.engines):
+        for e in self.engines:  # replacements included: the restarter appends them to this list
             e.stop()
         self.log.close(self.cfg)
 

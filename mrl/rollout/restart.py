@@ -24,7 +24,9 @@ from mrl.rollout.engine import Engine
 
 class EngineRestarter:
     def __init__(self, engines: list[Engine], max_restarts: int, health_timeout_s: float = 600.0):
-        self.engines = list(engines)  # every engine started so far, replacements included
+        # the caller's list itself (the controller's): replacements are appended to it, so the job's engine
+        # processes stay in one list, every one started so far
+        self.engines = engines
         self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
         self.restarted = 0
         self.failed: list[str] = []  # "name: error" of replacements that never became healthy
