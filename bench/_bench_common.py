@@ -159,6 +159,47 @@ def gc_mode(mode: str) -> None:
         gc.disable()
 
 
+class GcTimes:
+    """Seconds Python's collector ran, per generation, from ``start()`` on (``gc.callbacks``): how much of
+    a step's time, and of its spread, is garbage collection."""
+
+    def __init__(self):
+        self.seconds = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._t0 = None
+
+    def start(self) -> "GcTimes":
+        import gc
+
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase: str, info: dict) -> None:
+        import time
+
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = info["generation"]
+            self.seconds[g] += time.perf_counter() - self._t0
+            self.count[g] += 1
+            self._t0 = None
+
+    def snapshot(self) -> dict:
+        return {"seconds_by_generation": list(self.seconds), "collections_by_generation": list(self.count)}
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's running counts (device allocations and frees, retries after a failed
+    allocation): their growth over the timed steps says whether the allocator kept going back to the
+    driver, which synchronizes. Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    s = torch.cuda.memory_stats()
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    return {k: s.get(k, 0) for k in keys}
+
+
 # -- inside workers (megatron imported) ------------------------------------------------------------
 
 def record_routes(model, layout, rank_slice, cfg, mbs, *, vocab_size: int, num_layers: int, top_k: int,

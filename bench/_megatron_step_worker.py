@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _bench_common import gc_mode, profile_steps, step_worker_args
+from _bench_common import GcTimes, allocator_counts, gc_mode, profile_steps, step_worker_args
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
@@ -156,7 +156,11 @@ def timed(fn) -> float:
 
 a.phases_on = False
 gc_mode(a.gc)
+gc_times = GcTimes().start()  # warm-up and timed steps
+alloc_before = allocator_counts()
 times = [timed(lambda b=b: train_step(b)) for b in batches]
+gc_timed = gc_times.snapshot()
+alloc_after = allocator_counts()
 prof = profile_steps(lambda: [train_step(b) for b in batches[-2:]], 2, a.profile, "megatron_step_profile",
                      dist.get_rank()) if a.profile else None
 phase_times = None
@@ -168,7 +172,8 @@ if a.phases:
     phase_times = every
 if dist.get_rank() == 0:
     json.dump({"side": "megatron", "te": te, "fusions": fused, "step_s": times[a.warmup:],
-               "warmup_s": times[:a.warmup], "median_s": statistics.median(times[a.warmup:]),
+               "warmup_s": times[:a.warmup], "median_s": statistics.median(times[a.warmup:]), "gc": gc_timed,
+               "allocator": {"before": alloc_before, "after": alloc_after},
                "tokens_per_step": a.micro_batches * a.micro_batch_size * a.seq * ps.get_data_parallel_world_size(),
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "phases_s": phase_times[0] if phase_times else None, "phases_s_per_rank": phase_times,

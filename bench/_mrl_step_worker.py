@@ -17,7 +17,7 @@ import statistics
 import numpy as np
 import torch
 
-from _bench_common import gc_mode, profile_steps, record_routes, step_worker_args, timed
+from _bench_common import GcTimes, allocator_counts, gc_mode, profile_steps, record_routes, step_worker_args, timed
 from mrl.config.schema import Config, DType, GroupedGemm, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
@@ -88,7 +88,11 @@ def step(b) -> None:
 
 
 gc_mode(a.gc)
+gc_times = GcTimes().start()  # warm-up and timed steps
+alloc_before = allocator_counts()
 times = [timed(lambda b=b: step(b)) for b in batches]
+gc_timed = gc_times.snapshot()
+alloc_after = allocator_counts()
 
 
 def phases() -> dict:
@@ -134,7 +138,8 @@ prof = profile_steps(lambda: [step(b) for b in batches[-2:]], 2, a.profile, "rl_
 phase_times = every_rank(phases()) if a.phases else None
 if layout.world_rank == 0:
     json.dump({"side": "mrl", "step_s": times[a.warmup:], "warmup_s": times[:a.warmup],
-               "median_s": statistics.median(times[a.warmup:]), "tokens_per_step": n * a.seq,
+               "median_s": statistics.median(times[a.warmup:]), "gc": gc_timed,
+               "allocator": {"before": alloc_before, "after": alloc_after}, "tokens_per_step": n * a.seq,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None,
                "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
