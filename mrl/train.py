@@ -42,6 +42,7 @@ import torch.distributed as dist
 from mrl.algo import compute_advantages, loss_normalizer, overlong_penalty
 from mrl.rollout.buffer import Group
 from mrl.config.load import load_resolved
+from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.schema import BadRoutes, Config, LoopMode, WeightTransport
 from mrl.data import Prompt
 from mrl.megatron.collectives import broadcast_object
@@ -52,7 +53,6 @@ from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.process import LOOP_STATE_FILE
 from mrl.rollout.engine import launch_job_engines, start_job_engines
-from mrl.config.lora_engine import lora_engine_spec
 from mrl.rollout.restart import EngineRestarter, kill_engines
 from mrl.rollout.sample import Sample
 from mrl.routing.replay import check_routes

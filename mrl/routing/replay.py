@@ -67,18 +67,16 @@ def check_routes(num_tokens: int, routes: np.ndarray | None, *, num_moe_layers: 
 
 
 def align_routes(routes: np.ndarray, seq_len: int, num_experts: int) -> np.ndarray:
-    """``[n - 1, L, K]`` engine routes of an n-token sequence -> ``[seq_len, L, K]`` rows, in the routes'
-    own integer type (uint8 for up to 256 experts: an eighth of int64's bytes on their way to the device;
-    uint16 becomes int32, which torch indexes); ``ReplayDriver`` widens them on the device.
+    """``[n - 1, L, K]`` engine routes of an n-token sequence -> ``[seq_len, L, K]`` rows: uint8 stays
+    uint8 (up to 256 experts: an eighth of int64's bytes on their way to the device), other ids become
+    int32; ``ReplayDriver`` widens them to int64 on the device.
 
     The final token of a sample and padding positions are routed to ``arange % experts`` (valid, never
     trained on: their loss mask is 0)."""
     rows, layers, k = routes.shape
     if rows + 1 > seq_len:
         raise ReplayError(f"routes have {rows} rows but the sequence is padded to {seq_len} tokens")
-    dtype = routes.dtype if routes.dtype in (np.uint8, np.int32, np.int64) else np.dtype(np.int64)
-    if routes.dtype in (np.uint16, np.int16, np.int8):
-        dtype = np.dtype(np.int32)
+    dtype = np.uint8 if routes.dtype == np.uint8 else np.int32
     pad = np.broadcast_to((np.arange(k) % num_experts).astype(dtype), (seq_len - rows, layers, k))
     return np.concatenate([routes.astype(dtype, copy=False), pad], 0)
 
