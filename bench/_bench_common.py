@@ -110,10 +110,17 @@ def environment() -> dict:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                    cpu)
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    # a copy of the tree without its git history (a device host) names its commit in MRL_COMMIT
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device_name(),
             "cpu": cpu, "cpu_cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "versions": versions,
-            "mrl_commit": commit.stdout.strip() or None, "command": " ".join([os.path.basename(sys.argv[0]),
-                                                                            *sys.argv[1:]])}
+            "mrl_commit": os.environ.get("MRL_COMMIT") or commit.stdout.strip() or None,
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+            "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}}
+
+
+RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NVTE_USE_CUTLASS_GROUPED_GEMM", "NCCL_CUMEM_ENABLE", "CUDA_VISIBLE_DEVICES",
+                "OMP_NUM_THREADS")
+"""Environment variables that change what a benchmark measures, recorded with its hardware and versions."""
 
 
 def dump(result: dict, path: str | None, *, name: str) -> str:

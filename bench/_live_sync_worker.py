@@ -139,6 +139,7 @@ def main() -> int:
         return time.perf_counter() - t
 
     batched: list[str] = []
+    phases: list[dict[str, float]] = []  # the sequence's phases (EngineSync), per batched sync
 
     def sync(v: int, per_bucket: bool = False) -> tuple[float, float]:
         transport.executor.batch_requests = not per_bucket
@@ -148,11 +149,13 @@ def main() -> int:
         dist.barrier()
         if not per_bucket:
             batched[:] = rep.stamped_with_push
+            phases.append(rep.phase_seconds)
         return time.perf_counter() - t, rep.push_seconds
 
     sync(1), raw()  # warm-up: the first NCCL broadcast on a group builds its communicator
     if a.compare_per_bucket:
         sync(1, per_bucket=True)
+    phases.clear()
     sync_s, push_s, raw_s, pb_sync_s, pb_push_s = [], [], [], [], []
     for v in range(2, a.reps + 2):
         if a.compare_per_bucket:  # alternating: one request per bucket, all buckets in one, raw
@@ -210,6 +213,8 @@ def main() -> int:
             "bitwise_sampled_tensors": bitwise,
             "host": socket.gethostname(),
             "batched_request_engines": batched,
+            "sync_phases_s": phases,
+            "sync_phases_median_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {},
         }
         if pb_sync_s:
             report |= {"per_bucket_sync_s": pb_sync_s, "per_bucket_push_s": pb_push_s,

@@ -101,6 +101,11 @@ def environment(cpu: bool) -> dict:
         env["transformer_engine"] = None
     if not cpu:
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    from _bench_common import RECORDED_ENV
+
+    commit = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    env["mrl_commit"] = os.environ.get("MRL_COMMIT") or commit.stdout.strip() or None
+    env["env"] = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
     return env
 
 

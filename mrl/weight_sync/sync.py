@@ -45,14 +45,24 @@ def check_finite_weights(module: torch.nn.Module, what: str) -> None:
     (``Policy._finite_everywhere``); this catches the rest (a weight corrupted in place, a loaded one).
     Collective: one MAX all-reduce (every rank checks its own shards), plus a gather only when one failed."""
     named_params = list(module.named_parameters())
-    sums = torch.stack([p.detach().sum().float() for _, p in named_params])  # finite iff every element is
-    finite = sums.isfinite()
-    bad = (~finite).any().float().reshape(1)
+    # A NaN or Inf makes a tensor's L2 norm non-finite. The fused multi-tensor norm launches a handful of
+    # kernels for the whole model, where a reduction per parameter launches one per tensor (an MoE layer
+    # holds a weight per local expert): milliseconds of launches on a GPU at every sync. The norm also
+    # overflows for finite values beyond about 1e19, so a tensor it flags is checked element by element.
+    params = [p.detach() for _, p in named_params]
+    norms = torch._foreach_norm(params, 2, dtype=torch.float32) if params else []
+    suspect = torch.stack(norms).isfinite().logical_not() if norms else torch.zeros(0, dtype=torch.bool)
+    flag = suspect.any().float().reshape(1)
     with named(f"the finite-weights check before {what}"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    mine = [n for (n, p), s in zip(named_params, suspect.tolist()) if s and not bool(p.isfinite().all())]
+    bad = torch.tensor([float(bool(mine))], device=flag.device)
+    with named(f"the finite-weights recheck before {what}"):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if not bad.item():
         return
-    mine = [n for (n, _), ok in zip(named_params, finite.tolist()) if not ok]
     everyone: list = [None] * dist.get_world_size()
     with named(f"the gather of non-finite weight names before {what}"):
         dist.all_gather_object(everyone, mine)
@@ -133,6 +143,22 @@ class SyncReport:
     """Why each dropped engine was judged dead (``EngineSync.verdict``)."""
     stamped_with_push: list[str] = field(default_factory=list)
     """Engines that took the version with the weights (every bucket in one request, ``PushStats.stamped``)."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Where the sync's seconds went on this rank: ``check`` (finite weights), ``pause`` (pause, flush and
+    the verdict on them), ``push``, ``finish`` (stamp, continue and the verdict) and ``barrier``."""
+
+
+class _Phases:
+    """Seconds between consecutive ``mark`` calls, by the name of the phase each call closes."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
 
 
 class EngineSync:
@@ -203,8 +229,10 @@ class EngineSync:
 
     def sync(self, version: str) -> SyncReport:
         t0 = time.perf_counter()
+        phases = _Phases()
         if self.model is not None:  # before the engines pause: a refused sync leaves them serving the last weights
             check_finite_weights(self.model, f"weight sync v{version}")
+        phases.mark("check")
         controller = self.layout.world_rank == 0
         errs = self._on_engines(self._pause) if controller else {}
         reasons = self.verdict(errs)  # collective: every rank learns which engines are gone
@@ -214,6 +242,7 @@ class EngineSync:
                                f"so they were not dropped): { {u: e for u, e in errs.items() if u not in dead} }")
         if dead:  # died or hung before the sync (mid-rollout): sync the others
             self._drop(dead, version, reasons)
+        phases.mark("pause")
         try:
             with contextlib.ExitStack() as hooks:
                 for hook in PUSH_HOOKS:
@@ -241,6 +270,7 @@ class EngineSync:
         elif not stats.ok:
             raise RuntimeError(f"weight sync v{version} over disk failed: {stats.failed_engines}")
         stamped = set(stats.stamped) - set(repaired)
+        phases.mark("push")
         errs = self._on_engines(lambda c: self._finish(c, version, c.url in stamped)) if controller else {}
         late = self.verdict(errs)  # hung after the push: the others hold the weights and go on
         if controller and set(errs) - set(late):
@@ -250,12 +280,14 @@ class EngineSync:
             self._drop(list(late), version, late)
             dead += list(late)
             reasons |= late
+        phases.mark("finish")
         with named(f"the barrier closing weight sync v{version}"):
             dist.barrier()
+        phases.mark("barrier")
         return SyncReport(version=version, transport=self.transport.name, seconds=time.perf_counter() - t0,
                           push_seconds=stats.seconds, bytes_sent=stats.bytes_sent, bytes_in_place=stats.bytes_in_place,
                           failed_engines=stats.failed_engines, repaired_from_disk=repaired, dropped_engines=dead,
-                          dead_reasons=reasons, stamped_with_push=sorted(stamped))
+                          dead_reasons=reasons, stamped_with_push=sorted(stamped), phase_seconds=phases.seconds)
 
     def add(self, new: list[EngineEndpoint]) -> None:
         """Engines joining (restarted ones): new channels with every engine; the next ``sync`` pushes to all
@@ -302,6 +334,8 @@ class EngineSync:
 
             dead |= {u: why for u, why in zip(rest, asyncio.run(probe_all()) if rest else []) if why is not None}
         self._hung.clear()
+        if self.layout.world_size == 1:
+            return dead
         box = [dead]
         with named("broadcast of the engines found dead during a weight sync", src=0):
             dist.broadcast_object_list(box, src=0)

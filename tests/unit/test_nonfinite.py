@@ -34,6 +34,7 @@ def test_nonfinite_step_is_skipped_on_every_rank_and_weights_refused(ckpt_dir, t
         assert rank["poisoned"].startswith("NonFiniteWeights: weight sync v9 refused: the trainer holds non-finite")
         assert "rank 1: decoder.final_layernorm.weight" in rank["poisoned"]
         assert rank["clean_check"] == "passed"
+        assert rank["huge_finite"] == "passed"
     reliability.record(category="bad_input", name="non-finite loss on one DP rank", survived=True,
                        injected="advantage +inf on one sample of rank 1's slice (parallel=ep2, real megatron)",
                        expected="step skipped on both ranks, weights/Adam/LR unchanged, counted (nonfinite_update)",
@@ -119,6 +120,15 @@ def _worker(hf: str, run_dir: str, out: str) -> None:
         dict(policy.module.named_parameters())["decoder.final_layernorm.weight"].data[0] = 1.0
     check_finite_weights(policy.module, "checkpoint")
     res["clean_check"] = "passed"
+    norm_w = dict(policy.module.named_parameters())["decoder.final_layernorm.weight"]
+    if layout.world_rank == 0:  # finite, but its norm overflows: the element-wise recheck lets it through
+        norm_w.data[:2] = 3e38
+    try:
+        check_finite_weights(policy.module, "checkpoint")
+        res["huge_finite"] = "passed"
+    except Exception as e:
+        res["huge_finite"] = f"{type(e).__name__}: {e}"
+    norm_w.data[:2] = 1.0
     with open(f"{out}.rank{layout.world_rank}", "w") as f:
         json.dump(res, f)
     destroy()
