@@ -846,6 +846,15 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Optimizer steps skipped in a row for a non-finite (NaN/Inf) loss or gradient before the run stops
     (every skip is counted: metric ``nonfinite_steps``); 0 = never stop."""
+    gc_freeze: bool = True
+    """After the trainer's setup, collect once and freeze what is alive out of Python's later garbage
+    collections (``gc.freeze``): a full collection then scans what the steps allocated, not the whole
+    heap of torch, megatron and transformers objects, which pauses a rank for a large fraction of a
+    second while its peers wait at the next collective."""
+    gc_interval: int = 0
+    """> 0: Python's automatic collection is off in the trainer processes and a full collection runs
+    every this many optimizer steps, after the step, on every rank at once (megatron-LM's manual GC), so
+    no rank pauses mid-step on its own; 0 = Python's automatic collection."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "max_inflight_groups", "sft_batch"):
@@ -853,6 +862,8 @@ class TrainConfig:
                 _fail(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             _fail("train.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if self.gc_interval < 0:
+            _fail("train.gc_interval", f"must be >= 0 (0 = Python's automatic collection), got {self.gc_interval}")
         if self.max_nonfinite_steps < 0:
             _fail("train.max_nonfinite_steps", f"must be >= 0, got {self.max_nonfinite_steps}")
         if self.keep_checkpoints < 0:

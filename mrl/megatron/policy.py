@@ -22,6 +22,7 @@ from mrl._compat.te import HAVE_TE
 from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import compat
 from mrl.megatron.collectives import named
+from mrl.megatron.collector import StepCollector
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
 from mrl.megatron.model import build_gpt_model, transformer_config, use_grouped_gemm
 from mrl.megatron.optim import build_optimizer, wrap_ddp
@@ -132,6 +133,8 @@ class Policy:
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 else None
         """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
+        self.collector = StepCollector(freeze=t.gc_freeze, interval=t.gc_interval)
+        self.collector.after_setup()
 
     def capture_reference(self) -> None:
         """The current weights become the KL reference (the loop calls it when RL starts)."""
@@ -278,6 +281,7 @@ class Policy:
             return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
         ok, grad_norm = stepped
         self.scheduler.step(increment=1)
+        self.collector.after_step(self.scheduler.num_steps)
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
                                    "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.support_spec is not None:
