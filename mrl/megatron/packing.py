@@ -18,9 +18,9 @@ Two attention paths behind one interface (``Packing.fmt``):
 - ``"thd"``: megatron's Transformer Engine spec. All rows of a micro-batch form one ``[1, b*S]``
   sequence with ``PackedSeqParams(qkv_format="thd", cu_seqlens...)``; TE's attention and fused RoPE
   restart at each boundary. The local attention rejects ``packed_seq_params``, and TE's attention
-  with a causal mask type ignores a custom mask, so each spec gets exactly one format. No machine we
-  have has TE: this path is written against megatron 0.19.2 / TE's documented THD contract but has
-  never run (refused with a clear error without TE).
+  with a causal mask type ignores a custom mask, so each spec gets exactly one format. Written to
+  megatron 0.19.2 / TE's THD contract; it trains on GPUs (the RL-step benchmarks run it), but its
+  logprobs have not been compared with unpacked rows under TE. Refused with a clear error without TE.
 
 Each sample occupies a slot of ``align``-rounded length (``2 * cp`` for THD under context parallelism:
 TE splits every sequence into ``2 * cp`` chunks); a row's unused tail is one more (dummy) segment.
@@ -216,12 +216,28 @@ class Packing:
 
     def pack_tokens(self, x_nT: torch.Tensor, fill) -> torch.Tensor:
         """Per-sample ``[n, T, ...]`` -> input grid ``[B, S', ...]``; positions of no sample get ``fill``."""
-        return self._scatter(x_nT, self.token_index(), self.num_rows * self.row_len, self.grid, fill)
+        runs = [(r * self.row_len + o, n) for r, o, n in zip(self.row, self.offset, self.length)]
+        return self._place(x_nT, runs, self.num_rows * self.row_len, self.grid, fill)
 
     def pack_predictions(self, x_nT1: torch.Tensor, fill) -> torch.Tensor:
         """Per-sample ``[n, T-1, ...]`` (position t predicts token t + 1) -> prediction grid ``[B, S'-1, ...]``."""
         b, s = self.grid
-        return self._scatter(x_nT1, self._prediction_index(), b * (s - 1), (b, s - 1), fill)
+        runs = []
+        for r, o, n in zip(self.row, self.offset, self.length):  # a sample never crosses a grid row
+            grid_row, col = divmod(r * self.row_len + o, s)
+            runs.append((grid_row * (s - 1) + col, n - 1))
+        return self._place(x_nT1, runs, b * (s - 1), (b, s - 1), fill)
+
+    @staticmethod
+    def _place(x: torch.Tensor, runs: list[tuple[int, int]], numel: int, shape: tuple[int, int], fill) -> torch.Tensor:
+        """Sample i's first ``count`` positions to the flat positions ``start..start + count`` (every sample
+        is one contiguous run of the grid: a slice copy each, where an index scatter would build and read
+        an index of every position)."""
+        tail = x.shape[2:]
+        out = torch.as_tensor(fill, dtype=x.dtype, device=x.device).expand(numel, *tail).clone()
+        for i, (start, count) in enumerate(runs):
+            out[start:start + count] = x[i, :count]
+        return out.reshape(*shape, *tail)
 
     def unpack_predictions(self, pred_grid: torch.Tensor, fill=0) -> torch.Tensor:
         """Prediction grid ``[B, S'-1, ...]`` -> per sample ``[n, T-1, ...]`` (differentiable gather)."""
@@ -233,15 +249,6 @@ class Packing:
         keep = (idx >= 0).reshape(*idx.shape, *([1] * (out.dim() - 2)))
         return torch.where(keep, out, torch.as_tensor(fill, dtype=out.dtype, device=out.device))
 
-    @staticmethod
-    def _scatter(x: torch.Tensor, idx: torch.Tensor, numel: int, shape: tuple[int, int], fill) -> torch.Tensor:
-        idx = idx.to(x.device)
-        tail = x.shape[2:]
-        fill_t = torch.as_tensor(fill, dtype=x.dtype, device=x.device)
-        out = fill_t.expand(numel, *tail).clone()
-        keep = idx >= 0
-        out[idx[keep]] = x[:, :idx.shape[1]][keep]
-        return out.reshape(*shape, *tail)
 
 
 def pack_micro_batches(lengths: Sequence[int], *, dp_size: int, dp_rank: int, row_len: int,

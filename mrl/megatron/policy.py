@@ -73,6 +73,13 @@ class RLBatch:
         return len(self.tokens)
 
 
+def _host(values, dtype) -> torch.Tensor:
+    """A sample's Python list (or array) as a CPU tensor, through numpy: ``torch.tensor`` of a list reads
+    it element by element, several times slower, and the host builds a step's micro-batches while the
+    device waits."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype))
+
+
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
@@ -199,15 +206,15 @@ class Policy:
         routes = []
         for b, i in enumerate(idx):
             toks, p = batch.tokens[i], batch.prompt_lens[i]
-            ids[b, :len(toks)] = torch.tensor(toks)
+            ids[b, :len(toks)] = _host(toks, np.int64)
             resp = len(toks) - p
             mask[b, p - 1:p - 1 + resp] = 1.0  # position t predicts token t + 1
             trained = batch.loss_mask[i] if batch.loss_mask is not None else None
             if trained is not None:
                 if len(trained) != resp:
                     raise ValueError(f"sample {i}: loss mask of {len(trained)} tokens for {resp} response tokens")
-                mask[b, p - 1:p - 1 + resp] = torch.tensor(trained, dtype=torch.float32)
-            behav[b, p - 1:p - 1 + resp] = torch.tensor(batch.behav_logp[i][:resp], dtype=torch.float32)
+                mask[b, p - 1:p - 1 + resp] = _host(trained, np.float32)
+            behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[i][:resp], np.float32)
             adv[b] = batch.advantages[i]
             valid[b, :len(toks) - 1] = 1.0
             if with_routes:
@@ -223,7 +230,7 @@ class Policy:
                     support[b][p - 1 + j] = kept
                     mask[b, p - 1 + j] *= float(bool(kept))
                 if batch.support_log_mass is not None:
-                    behav[b, p - 1:p - 1 + resp] -= torch.tensor(batch.support_log_mass[i][:resp], dtype=torch.float32)
+                    behav[b, p - 1:p - 1 + resp] -= _host(batch.support_log_mass[i][:resp], np.float32)
         routes_t = torch.from_numpy(np.stack(routes)) if with_routes else None
         support_t = (torch.stack([support_tensor(s, width=self._support_width(sup)) for s in support])
                      if sup is not None else None)

@@ -334,7 +334,7 @@ class EngineSync:
 
             dead |= {u: why for u, why in zip(rest, asyncio.run(probe_all()) if rest else []) if why is not None}
         self._hung.clear()
-        if self.layout.world_size == 1:
+        if dist.get_world_size() == 1:  # no other rank to tell
             return dead
         box = [dead]
         with named("broadcast of the engines found dead during a weight sync", src=0):

@@ -74,6 +74,39 @@ def test_predictions_pack_like_tokens_and_slots_align():
         Packing.build(lengths, [[0, 1]], row_len=15, align=4)
 
 
+def _scatter_by_index(x, idx, numel, shape, fill):
+    """The layouts' definition: every valid index of ``idx`` gets its sample's value, the rest ``fill``."""
+    out = torch.as_tensor(fill, dtype=x.dtype).expand(numel, *x.shape[2:]).clone()
+    keep = idx >= 0
+    out[idx[keep]] = x[:, :idx.shape[1]][keep]
+    return out.reshape(*shape, *x.shape[2:])
+
+
+@pytest.mark.parametrize("fmt", ["mask", "thd"])
+def test_placement_by_slices_equals_the_index_layouts(fmt, monkeypatch):
+    """pack_tokens / pack_predictions copy each sample as one slice; the result is exactly the scatter
+    through ``token_index`` / ``_prediction_index`` (random plans, slot alignment, empty rows, routes-like
+    ``[n, T, L, K]`` values)."""
+    import mrl.megatron.packing as packing
+
+    monkeypatch.setattr(packing, "HAVE_TE", True)  # building the THD layout's host side needs no kernel
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        align = int(rng.choice([1, 2, 4]))
+        lengths = rng.integers(2, 24, size=int(rng.integers(1, 9))).tolist()
+        row_len = packing.round_up(max(packing.round_up(n, align) for n in lengths) + int(rng.integers(0, 9)), align)
+        bins = first_fit_decreasing([packing.round_up(n, align) for n in lengths], row_len)
+        pk = Packing.build(lengths, bins, row_len=row_len, num_rows=len(bins) + int(rng.integers(0, 2)), fmt=fmt,
+                           align=align)
+        b, s = pk.grid
+        x = torch.from_numpy(rng.integers(0, 200, size=(len(lengths), max(lengths), 3, 2)).astype(np.uint8))
+        fill = torch.arange(2, dtype=torch.uint8)
+        assert pk.pack_tokens(x, fill).equal(_scatter_by_index(x, pk.token_index(), b * s, (b, s), fill)), trial
+        xp = torch.from_numpy(rng.standard_normal((len(lengths), max(lengths) - 1)).astype(np.float32))
+        want = _scatter_by_index(xp, pk._prediction_index(), b * (s - 1), (b, s - 1), -1.0)
+        assert pk.pack_predictions(xp, -1.0).equal(want), trial
+
+
 def test_thd_and_context_parallel_need_transformer_engine():
     from mrl._compat.te import HAVE_TE
 
