@@ -65,7 +65,9 @@ def main() -> None:
                     help="TE's grouped GEMM on Hopper, both sides: one cuBLAS GEMM per expert (TE's default) or "
                          "one CUTLASS grouped kernel for all of them (NVTE_USE_CUTLASS_GROUPED_GEMM=1)")
     ap.add_argument("--gc", choices=["auto", "off"], default="auto",
-                    help="both sides: Python's garbage collector on (auto) or frozen and off for the timed steps")
+                    help="auto: each side as it ships (megatron's schedule leaves the collector alone, mrl's trainer "
+                         "freezes its setup heap: train.gc_freeze); off: both sides frozen and the collector off "
+                         "for the timed steps")
     ap.add_argument("--profile", action="store_true",
                     help="torch profiler over two more steps of each side (the first pair): every operator's time")
     ap.add_argument("--phases", action="store_true",
