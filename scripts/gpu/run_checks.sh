@@ -15,6 +15,8 @@
 #           indices in the arguments count within the job's GPUs), e.g. the sync with and without
 #           --load-weights, the rollouts with and without --routes-int32
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
+#   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
+#           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 # ",te" puts Transformer Engine on the job's path (megatron's TE spec); without it the local spec runs.
 set -uo pipefail
 STACK=${1:?stack}; WORK=${2:?work dir}; DEST=${3:?dest}; shift 3
@@ -50,6 +52,8 @@ job() {  # name gpus te
       loop30b) timeout "$TIMEOUT" python3 bench/gpu_loop.py --model qwen3_30b_a3b --layers 4 --sections replay \
                  --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop30b" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
+      # shellcheck disable=SC2086
+      resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
       *) echo "unknown job $name"; exit 2 ;;
     esac
   ) > "$WORK/$name.log" 2>&1

@@ -45,10 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--ckpt", default=None, help="save here after --stop-after")
     ap.add_argument("--resume", default=None, help="load this checkpoint first")
+    ap.add_argument("--dtype", default="fp32", help="model.dtype (bf16 on GPUs)")
     ap.add_argument("--out", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        print(json.dumps(compare(argv[1]), indent=1))
+        return 0
     a = ap.parse_args(argv)
 
-    cfg = compose([f"model.hf_path={a.hf}", f"parallel={a.parallel}", "algo.lr=1e-3",
+    cfg = compose([f"model.hf_path={a.hf}", f"parallel={a.parallel}", "algo.lr=1e-3", f"model.dtype={a.dtype}",
                    "train.micro_batch_size=4", "train.lr_warmup_steps=2", "train.steps=10"])
     layout = init_parallel(cfg.parallel, seed=cfg.seed)
     policy = Policy(cfg, layout, a.hf)
@@ -76,6 +81,32 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, f)
     destroy()
     return 0
+
+
+def compare(out_dir: str, ranks: int = 2) -> dict:
+    """``tests/gpu/resume.sh``'s verdict over runs ``a`` and ``control`` (uninterrupted) and ``b1`` + ``b2``
+    (stopped after step 2, resumed in a new process): per rank, whether the resumed rows equal ``a``'s
+    exactly, whether the control does (the kernels' own determinism), and the largest relative
+    difference of each against ``a`` (losses, grad norms, parameter checksums)."""
+    def rows(name):
+        return [json.load(open(f"{out_dir}/{name}.rank{r}")) for r in range(ranks)]
+
+    def rel(x: list[dict], y: list[dict]) -> float:
+        worst = 0.0
+        for rx, ry in zip(x, y):
+            for k in ("pg_loss", "grad_norm", "sum", "sumsq"):
+                u, v = rx.get(k), ry.get(k)
+                if u is not None and v is not None:
+                    worst = max(worst, abs(u - v) / max(abs(u), abs(v), 1e-30))
+        return worst
+
+    a, control, b = rows("a"), rows("control"), [x + y for x, y in zip(rows("b1"), rows("b2"))]
+    steps_ok = all([r["step"] for r in rank] == [r["step"] for r in a[0]] for rank in b)
+    return {"steps_resumed": steps_ok,
+            "resumed_bit_identical": steps_ok and b == a, "control_bit_identical": control == a,
+            "resumed_max_rel_diff": max(rel(x, y) for x, y in zip(b, a)),
+            "control_max_rel_diff": max(rel(x, y) for x, y in zip(control, a)),
+            "weights_changed": a[0][0]["sum"] != a[0][-1]["sum"]}
 
 
 if __name__ == "__main__":
