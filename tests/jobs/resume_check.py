@@ -83,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare(out_dir: str, ranks: int = 2) -> dict:
+def compare(out_dir: str) -> dict:
     """``tests/gpu/resume.sh``'s verdict over runs ``a`` and ``control`` (uninterrupted) and ``b1`` + ``b2``
     (stopped after step 2, resumed in a new process): per rank, whether the resumed rows equal ``a``'s
     exactly, whether the control does (the kernels' own determinism), and the largest relative
     difference of each against ``a`` (losses, grad norms, parameter checksums)."""
+    import glob
+
+    ranks = len(glob.glob(f"{out_dir}/a.rank*"))
+
     def rows(name):
         return [json.load(open(f"{out_dir}/{name}.rank{r}")) for r in range(ranks)]
 
