@@ -14,9 +14,8 @@ import gc
 
 class StepCollector:
     def __init__(self, *, freeze: bool, interval: int):
-        if interval < 0:
-            raise ValueError(f"train.gc_interval must be >= 0, got {interval}")
-        self.freeze, self.interval = freeze, interval
+        self.freeze, self.interval = freeze, interval  # validated by TrainConfig
+        self.steps = 0
 
     def after_setup(self) -> None:
         """Once the model and optimizer exist: collect, freeze what survives, take over scheduling."""
@@ -26,7 +25,8 @@ class StepCollector:
         if self.interval > 0:
             gc.disable()
 
-    def after_step(self, step: int) -> None:
-        """After optimizer step ``step`` (counted from 1), the same on every rank."""
-        if self.interval > 0 and step % self.interval == 0:
+    def after_step(self) -> None:
+        """After every optimizer step (taken or skipped), on every rank: every ``interval``-th collects."""
+        self.steps += 1
+        if self.interval > 0 and self.steps % self.interval == 0:
             gc.collect()

@@ -288,7 +288,6 @@ class Policy:
             return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
         ok, grad_norm = stepped
         self.scheduler.step(increment=1)
-        self.collector.after_step(self.scheduler.num_steps)
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
                                    "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.support_spec is not None:
@@ -387,6 +386,7 @@ class Policy:
             ok, grad_norm, _ = self.optimizer.step()
         finally:
             del self.optimizer.prepare_grads  # the class's own again
+        self.collector.after_step()  # RL and SFT steps, taken or skipped: every rank counts the same
         if verdict.get("nonfinite", bool(bad.item())):
             return None
         return ok, grad_norm

@@ -43,7 +43,8 @@ def check_finite_weights(module: torch.nn.Module, what: str) -> None:
     """Raise ``NonFiniteWeights`` on every rank, naming the parameters, when any rank holds a non-finite
     weight: nothing non-finite is synced or checkpointed. The optimizer step skips non-finite updates
     (``Policy._finite_everywhere``); this catches the rest (a weight corrupted in place, a loaded one).
-    Collective: one MAX all-reduce (every rank checks its own shards), plus a gather only when one failed."""
+    Collective: one MAX all-reduce (every rank checks its own shards); only when a norm was non-finite
+    somewhere, a second one after the element-wise recheck and, when that confirms it, a gather of names."""
     named_params = list(module.named_parameters())
     # A NaN or Inf makes a tensor's L2 norm non-finite. The fused multi-tensor norm launches a handful of
     # kernels for the whole model, where a reduction per parameter launches one per tensor (an MoE layer
