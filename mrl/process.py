@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -23,6 +24,53 @@ def die_with_parent() -> None:
     """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants of the calling process are handed to it rather than to PID 1
+    (Linux ``PR_SET_CHILD_SUBREAPER``). An engine's server dies at once on a stop, before it could reap
+    its scheduler and detokenizer; without this they would wait as zombies for PID 1, which in a container
+    is often not an init that reaps them (they pile up, and a check for leftover engines sees them)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(36, 1)
+
+
+def reap_zombies(session: int | None = None, timeout: float = 5.0) -> list[int]:
+    """Reap the zombie children of this process (those in ``session`` only, when given); their pids.
+    A process shows as a zombie when its main thread has exited, but can be reaped only once its other
+    threads have too: each is retried until ``timeout``. Only processes no ``Popen`` owns are ever in a
+    session other than the one each ``Popen`` leads, so reaping a session never takes an exit status a
+    ``Popen.wait`` still expects; unscoped, call it only when no ``Popen`` of this process is left."""
+    import psutil
+
+    try:
+        children = psutil.Process().children()
+    except psutil.NoSuchProcess:
+        return []
+    pending = []
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                continue
+            if session is None or (os.getsid(child.pid) == session and child.pid != session):
+                pending.append(child.pid)
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            continue
+    reaped, deadline = [], time.monotonic() + timeout
+    while pending:
+        for pid in list(pending):
+            try:
+                done = os.waitpid(pid, os.WNOHANG)[0] == pid
+            except ChildProcessError:  # reaped elsewhere
+                done = True
+            if done:
+                pending.remove(pid)
+                reaped.append(pid)
+        if pending and time.monotonic() > deadline:
+            break
+        if pending:
+            time.sleep(0.02)
+    return reaped
 
 
 _SPAWNER: ThreadPoolExecutor | None = None

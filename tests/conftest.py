@@ -70,6 +70,20 @@ class Reliability:
         return rec
 
 
+def pytest_sessionstart(session):
+    """The orphans of killed test jobs (their engines, ranks) are handed to this process rather than to
+    PID 1, which in a container may never reap them; engines do the same (mrl.process.become_subreaper)."""
+    from mrl.process import become_subreaper
+
+    become_subreaper()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from mrl.process import reap_zombies
+
+    reap_zombies()  # the orphans handed over (see pytest_sessionstart)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::")[0] in RELIABILITY_FILES:

@@ -29,7 +29,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl.process import die_with_parent, ignore_usr1, on_lasting_thread, open_files
+from mrl.process import (become_subreaper, die_with_parent, ignore_usr1, on_lasting_thread, open_files,
+                         reap_zombies)
 from mrl.rollout import cpu_mode, engine_patches, gpu_mode
 from mrl.config.lora_engine import LoraEngineSpec
 from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
@@ -247,6 +248,7 @@ class Engine:
         log = open(self.log_path, "ab")
         log.write(self.secrets.redact("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
+        become_subreaper()  # so that stop() can reap the server's children (see reap_zombies)
         try:
             self.proc = on_lasting_thread(lambda: subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -347,6 +349,7 @@ class Engine:
             time.sleep(0.05)
         if self.proc.poll() is None:
             self.proc.wait(timeout=5)
+        reap_zombies(session=self.proc.pid)  # the server's children, handed to this process when it died
         for path in leftovers:
             with contextlib.suppress(OSError):
                 os.unlink(path)

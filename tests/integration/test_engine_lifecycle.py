@@ -89,3 +89,14 @@ def test_startup_failure_reports_the_log(tmp_path):
     assert "exited with code" in str(e.value) and str(tmp_path) in str(e.value)
     eng.stop()
     assert eng.pids() == []
+
+
+def test_stopped_engine_leaves_no_zombies(ckpt_dir, tmp_path):
+    """``stop`` reaps the server's children itself: the server dies before it can, and PID 1 in a container
+    is often not an init that reaps the zombies handed to it."""
+    with Engine(model_path=ckpt_dir["tiny"], tp=1, log_dir=str(tmp_path), name="reaped") as eng:
+        eng.wait_healthy(300)
+        pids = eng.pids()
+        assert len(pids) >= 3, pids  # server, scheduler, detokenizer
+    left = {p: psutil.Process(p).status() for p in pids if psutil.pid_exists(p)}
+    assert not left, f"processes of a stopped engine still in the process table: {left}"
