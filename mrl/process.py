@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -38,39 +37,21 @@ def become_subreaper() -> None:
 def reap_zombies(session: int | None = None, timeout: float = 5.0) -> list[int]:
     """Reap the zombie children of this process (those in ``session`` only, when given); their pids.
     A process shows as a zombie when its main thread has exited, but can be reaped only once its other
-    threads have too: each is retried until ``timeout``. Only processes no ``Popen`` owns are ever in a
-    session other than the one each ``Popen`` leads, so reaping a session never takes an exit status a
-    ``Popen.wait`` still expects; unscoped, call it only when no ``Popen`` of this process is left."""
+    threads have too: psutil's wait retries until ``timeout``. Only processes no ``Popen`` owns are ever
+    in a session other than the one each ``Popen`` leads, so reaping a session never takes an exit
+    status a ``Popen.wait`` still expects; unscoped, call it only when no ``Popen`` of this process is left."""
     import psutil
 
-    try:
-        children = psutil.Process().children()
-    except psutil.NoSuchProcess:
-        return []
-    pending = []
-    for child in children:
+    zombies = []
+    for child in psutil.Process().children():
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                continue
-            if session is None or (os.getsid(child.pid) == session and child.pid != session):
-                pending.append(child.pid)
-        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            if child.status() == psutil.STATUS_ZOMBIE and (
+                    session is None or (os.getsid(child.pid) == session and child.pid != session)):
+                zombies.append(child)
+        except (psutil.NoSuchProcess, ProcessLookupError):
             continue
-    reaped, deadline = [], time.monotonic() + timeout
-    while pending:
-        for pid in list(pending):
-            try:
-                done = os.waitpid(pid, os.WNOHANG)[0] == pid
-            except ChildProcessError:  # reaped elsewhere
-                done = True
-            if done:
-                pending.remove(pid)
-                reaped.append(pid)
-        if pending and time.monotonic() > deadline:
-            break
-        if pending:
-            time.sleep(0.02)
-    return reaped
+    gone, _ = psutil.wait_procs(zombies, timeout=timeout)
+    return [p.pid for p in gone]
 
 
 _SPAWNER: ThreadPoolExecutor | None = None

@@ -250,7 +250,6 @@ class Packing:
         return torch.where(keep, out, torch.as_tensor(fill, dtype=out.dtype, device=out.device))
 
 
-
 def pack_micro_batches(lengths: Sequence[int], *, dp_size: int, dp_rank: int, row_len: int,
                        rows_per_micro_batch: int, fmt: PackFormat | None = None,
                        device: torch.device | str | None = None) -> list[tuple[list[int], Packing]]:

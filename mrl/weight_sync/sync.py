@@ -42,7 +42,7 @@ class NonFiniteWeights(RuntimeError):
 def check_finite_weights(module: torch.nn.Module, what: str) -> None:
     """Raise ``NonFiniteWeights`` on every rank, naming the parameters, when any rank holds a non-finite
     weight: nothing non-finite is synced or checkpointed. The optimizer step skips non-finite updates
-    (``Policy._finite_everywhere``); this catches the rest (a weight corrupted in place, a loaded one).
+    (``Policy._step_if_finite``); this catches the rest (a weight corrupted in place, a loaded one).
     Collective: one MAX all-reduce (every rank checks its own shards); only when a norm was non-finite
     somewhere, a second one after the element-wise recheck and, when that confirms it, a gather of names."""
     named_params = list(module.named_parameters())
