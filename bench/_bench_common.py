@@ -99,7 +99,7 @@ def environment() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
-    for pkg in ("torch", "megatron-core", "sglang", "transformers"):
+    for pkg in ("torch", "megatron-core", "sglang", "transformers", "transformer-engine"):
         try:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:

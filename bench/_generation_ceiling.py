@@ -1,7 +1,9 @@
 """Generation ceiling of bench/async_vs_sync.py: the loop's rollout side (the same engine settings,
 prompts, budgets, producer, buffer and window) with the trainer taken out -- batches are taken as fast
 as they complete, the engine is never paused and no weights are synced. Its tokens/s bound what any
-loop on this box can train per second; the overlap run is measured against it.
+loop on this box can train per second; the overlap run is measured against it. ``tokens_per_s`` counts
+response tokens, ``batch_tokens_per_s`` every token of the samples (prompt + response, what the trainer
+trains on: bench/loop_e2e.py's unit).
 
     python bench/_generation_ceiling.py --steps 30 --out ceiling.json OVERRIDE...   # the bench's overrides
 """
@@ -39,9 +41,12 @@ def main() -> None:
         t = cfg.train
         svc.start_producing(t.max_inflight_groups)
         svc.take(t.prompts_per_step, 0, timeout=600)  # the first batch fills the pipeline (as the bench skips step 1)
-        t0, tokens = time.perf_counter(), 0
+        t0, tokens, batch_tokens, per_batch = time.perf_counter(), 0, 0, []
         for _ in range(a.steps - 1):
-            tokens += sum(len(s.response_ids) for g in svc.take(t.prompts_per_step, 0, timeout=600) for s in g.samples)
+            samples = [s for g in svc.take(t.prompts_per_step, 0, timeout=t.batch_timeout_s) for s in g.samples]
+            tokens += sum(len(s.response_ids) for s in samples)
+            batch_tokens += sum(len(s.tokens) for s in samples)
+            per_batch.append(time.perf_counter() - t0 - sum(per_batch))
         seconds = time.perf_counter() - t0
     finally:
         if svc is not None:
@@ -50,7 +55,9 @@ def main() -> None:
             e.stop()
     with open(a.out, "w") as f:
         json.dump({"mode": "generation only", "steps_timed": a.steps - 1, "seconds": seconds, "tokens": tokens,
-                   "tokens_per_s": tokens / seconds}, f)
+                   "tokens_per_s": tokens / seconds,
+                   "batch_tokens": batch_tokens, "batch_tokens_per_s": batch_tokens / seconds,
+                   "batch_seconds": per_batch}, f)
 
 
 if __name__ == "__main__":

@@ -172,7 +172,8 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
     raw = [r for g in groups for r in g.rewards]
     info = {"reward": sum(raw) / len(raw), "success": sum(r >= 1.0 for r in raw) / len(raw),
             "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
-            "groups_without_signal": float(sum(max(g.rewards) == min(g.rewards) for g in groups))}
+            "groups_without_signal": float(sum(max(g.rewards) == min(g.rewards) for g in groups)),
+            "batch_tokens": float(sum(len(s.tokens) for s in samples))}  # prompt + response: what the step trains on
     return batch, float(loss_normalizer(masks, cfg.algo.aggregation)), info
 
 

@@ -92,6 +92,11 @@ def pump_log(src, log, secrets: EngineSecrets) -> None:
 _RESERVED_SERVER_ARGS = ("api_key", "admin_api_key", "config")
 
 
+_GRAPH_SIZE_KEYS = {"cuda_graph_max_bs", "cuda_graph_max_bs_decode", "cuda_graph_bs", "cuda_graph_bs_decode",
+                    "cuda_graph_config", "disable_cuda_graph", "disable_decode_cuda_graph"}
+"""``rollout.server_args`` keys that size or switch off the decode CUDA graphs: the user's choice stands."""
+
+
 def server_args_to_cli(args: dict[str, Any]) -> list[str]:
     """``{"enable_dp_attention": True, "mem_fraction_static": 0.8}`` ->
     ``--enable-dp-attention --mem-fraction-static 0.8``."""
@@ -218,6 +223,10 @@ class Engine:
                 cmd += ["--sampling-backend", self.sampling_backend]
             if self.dtype:
                 cmd += ["--dtype", self.dtype]
+            if not _GRAPH_SIZE_KEYS & set(self.server_args):
+                # SGLang sizes its decode graphs by GPU memory (up to 512 requests on an H200); this engine never
+                # decodes more than max_running_requests at once, so larger graphs only cost start time and memory
+                cmd += ["--cuda-graph-max-bs-decode", str(self.max_running_requests)]
         if self.lora is not None:
             cmd += self.lora.server_args(cpu_mode=self.cpu_mode)
         if self.secrets is not None:

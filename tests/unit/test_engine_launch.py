@@ -29,6 +29,14 @@ def test_gpu_command():
     assert "--device" not in cmd and "--enable-memory-saver" in cmd and cmd[cmd.index("--ep-size") + 1] == "8"
 
 
+def test_gpu_decode_graphs_sized_to_the_running_requests():
+    cmd = Engine(model_path="/m", cpu_mode=False, max_running_requests=96, port=1).command()
+    assert cmd[cmd.index("--cuda-graph-max-bs-decode") + 1] == "96"
+    own = Engine(model_path="/m", cpu_mode=False, port=1, server_args={"cuda_graph_bs": [1, 8]}).command()
+    assert "--cuda-graph-max-bs-decode" not in own and own[-3:] == ["--cuda-graph-bs", "1", "8"]
+    assert "--cuda-graph-max-bs-decode" not in Engine(model_path="/m", port=1).command()  # CPU: no graphs
+
+
 @pytest.mark.parametrize("kw,field", [(dict(ep=2), "rollout.engine_ep"),
                                       (dict(memory_saver=True), "rollout.memory_saver"),
                                       (dict(dp=2, cpu_mode=False), "rollout.engine_dp")])

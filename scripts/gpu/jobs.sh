@@ -1,0 +1,57 @@
+# The GPU jobs of run_checks.sh and run_phases.sh (sourced). job NAME GPUS TE runs one job with
+# CUDA_VISIBLE_DEVICES=GPUS (TE = "te": Transformer Engine on the path), logging to WORK/NAME.log and its exit
+# status to WORK/NAME.rc. Needs STACK, WORK and ROOT set by the caller.
+#   learn   mrl train (GRPO, model=tiny_gpu, bf16) with the trainer on the first GPU and a GPU engine on the
+#           second, weights synced into the live engine every step over NCCL (LEARN_ARGS: more overrides; one
+#           GPU shared by both needs a transport that can share it: weight_sync.transport=tensor (CUDA IPC)
+#           rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3)
+#   speed   bench/rl_step_vs_megatron.py once per ';'-separated argument list in SPEED_RUNS
+#   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
+#   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
+#   loops*  bench/gpu_loop.py once per ';'-separated argument list in LOOP_RUNS_<name> (else LOOP_RUNS), one after
+#           another (GPU indices in the arguments count within the job's GPUs), e.g. the sync with and without
+#           --load-weights, the rollouts with and without --routes-int32; output in WORK/<name>_<i>/
+#   e2e*    bench/loop_e2e.py (the whole loop, `mrl train`, against its engine and trainer ceilings) on the job's
+#           GPUs, with the arguments in E2E_ARGS_<name> (e.g. E2E_ARGS_e2e4="--trainer-procs 2 --set parallel=ep2
+#           rollout.engine_tp=2"); output in WORK/<name>/
+#   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
+#   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
+#           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
+job() {  # name gpus te
+  local name=$1 gpus=$2 te=$3 n
+  n=$(echo "$gpus" | tr ',' '\n' | wc -l)
+  (
+    cd "$ROOT"
+    # shellcheck disable=SC1091
+    source "$STACK/env.sh" $te
+    export PYTHONPATH=$ROOT:$PYTHONPATH CUDA_VISIBLE_DEVICES=$gpus
+    case $name in
+      learn) timeout "$TIMEOUT" python3 -m mrl train model=tiny_gpu rollout=gpu "model.dtype=${LEARN_DTYPE:-bf16}" \
+               "run_dir=$WORK/learn" train.steps="${LEARN_STEPS:-120}" ${LEARN_ARGS:-} ;;
+      speed) i=0; IFS=';' read -ra runs <<< "${SPEED_RUNS:---shape bench490}"
+             for args in "${runs[@]}"; do i=$((i + 1))
+               # shellcheck disable=SC2086
+               (cd bench && timeout "$TIMEOUT" python3 rl_step_vs_megatron.py $args --json "$WORK/speed_$i.json") \
+                 || echo "speed run $i ($args) failed: $?"
+             done ;;
+      loop) timeout "$TIMEOUT" python3 bench/gpu_loop.py --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop" \
+              ${LOOP_ARGS:-} ;;
+      loops*) runs_var="LOOP_RUNS_$name"; i=0; IFS=';' read -ra runs <<< "${!runs_var:-${LOOP_RUNS:?LOOP_RUNS}}"
+             for args in "${runs[@]}"; do i=$((i + 1))
+               # shellcheck disable=SC2086
+               timeout "$TIMEOUT" python3 bench/gpu_loop.py $args --out "$WORK/${name}_$i" || echo "loop run $i ($args) failed: $?"
+             done ;;
+      loop30b) timeout "$TIMEOUT" python3 bench/gpu_loop.py --model qwen3_30b_a3b --layers 4 --sections replay \
+                 --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop30b" ;;
+      e2e*) args_var="E2E_ARGS_$name"
+            # shellcheck disable=SC2086
+            timeout "$TIMEOUT" python3 bench/loop_e2e.py --out "$WORK/$name" \
+              --gpus "$(seq -s, 0 $((n - 1)))" ${!args_var:-} ;;
+      parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
+      # shellcheck disable=SC2086
+      resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
+      *) echo "unknown job $name"; exit 2 ;;
+    esac
+  ) > "$WORK/$name.log" 2>&1
+  echo $? > "$WORK/$name.rc"
+}
