@@ -207,8 +207,8 @@ def _quartiles(xs: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-ENGINE_MARKS = ("Load weight begin", "Load weight end", "Memory pool end", "Capture cuda graph begin",
-                "Capture cuda graph end", "Uvicorn running", "The server is fired up", "max_total_num_tokens")
+ENGINE_MARKS = ("Init torch distributed", "Load weight", "KV Cache is allocated", "Memory pool end", "Capture",
+                "piecewise", "Compil", "max_total_num_tokens", "Uvicorn running", "fired up")
 
 
 def engine_timeline(log_dir: str) -> dict[str, list[str]]:
