@@ -6,7 +6,8 @@
 
 The batch is synthesized at a production shape (no model): ``--samples`` samples, prompts of 256-512
 tokens, responses long-tailed (log-normal, median ``--response-median``) up to ``--response-max`` tokens,
-engine logprobs, uint8 routes ``[n - 1, layers, top_k]``. Each repetition times both paths, in
+engine logprobs, uint8 routes ``[n - 1, layers, top_k]``. First every rank checks that the share it
+received is exactly its DP rank's samples. Each repetition times both paths, in
 alternating order, on every rank from a barrier to the rank holding its batch (rebuilt Python objects,
 as the trainer gets them); a step's time is the slowest rank's. Bytes: what each rank receives (rank 0
 is the source and receives nothing): the pickled batch, or the pickled header plus its share's buffer.
@@ -46,6 +47,19 @@ def synth_batch(a, seed: int = 0):
     return batch, float(responses.sum()), {"reward": 0.5, "response_len": float(responses.mean())}
 
 
+def check_share(got, whole, dp: int, dp_rank: int) -> None:
+    """The delivered share is exactly this DP rank's samples of the batch (every rank synthesizes the same)."""
+    import numpy as np
+
+    from mrl.megatron.batch import dp_share
+
+    mine = dp_share(len(whole), dp, dp_rank)
+    for name in ("tokens", "prompt_lens", "behav_logp", "advantages"):
+        assert getattr(got, name) == getattr(whole, name)[mine.start:mine.stop], name
+    assert got.first == mine.start and all(a.dtype == np.uint8 and np.array_equal(a, b)
+                                           for a, b in zip(got.routes, whole.routes[mine.start:mine.stop]))
+
+
 def worker(a) -> None:
     from datetime import timedelta
 
@@ -64,6 +78,7 @@ def worker(a) -> None:
     dp_rank = me * a.dp // world  # consecutive ranks share a DP rank, as TP peers do
     item = synth_batch(a) if me == 0 else None
     scatter = BatchScatter(dp_rank=dp_rank, dp_size=a.dp, group=dist.group.WORLD)
+    check_share(scatter.deliver(item, what="the checked batch")[0], synth_batch(a)[0], a.dp, dp_rank)
 
     def old():
         return broadcast_object(item, what="the bench batch")[0]
