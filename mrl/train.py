@@ -45,6 +45,7 @@ from mrl.config.load import load_resolved
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.schema import BadRoutes, Config, LoopMode, WeightTransport
 from mrl.data import Prompt
+from mrl.megatron.batch_scatter import BatchScatter
 from mrl.megatron.collectives import broadcast_object
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
@@ -496,6 +497,8 @@ class Loop:
         self.duties = Controller(cfg, self.state, engines) if self.layout.world_rank == 0 else OtherRank()
         self.syncer: EngineSync | AdapterChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
+        # each step's batch goes from rank 0 to each rank as its DP rank's share only
+        self.batches = BatchScatter(dp_rank=self.layout.dp.rank, dp_size=self.layout.dp.size, group=dist.group.WORLD)
 
     def run(self) -> int:
         t = self.cfg.train
@@ -570,8 +573,9 @@ class Loop:
                               dtype=getattr(torch, self.cfg.rollout.engine_dtype), on_loaded=self.duties.set_adapter)
 
     def take_batch(self) -> tuple[RLBatch, float, dict]:
-        """Rank 0 takes ``train.prompts_per_step`` groups within the staleness bound; every rank gets them."""
-        return broadcast_object(self.duties.next_batch(self.version), what=f"the step-{self.step + 1} batch")
+        """Rank 0 takes ``train.prompts_per_step`` groups within the staleness bound; every rank gets the samples
+        its DP rank trains on (``BatchScatter``)."""
+        return self.batches.deliver(self.duties.next_batch(self.version), what=f"the step-{self.step + 1} batch")
 
     def train_step(self, batch: RLBatch, normalizer: float) -> dict:
         """Routing metrics (on the weights the samples are judged by), then the RL step."""

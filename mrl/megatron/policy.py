@@ -1,8 +1,9 @@
 """The trainer side of the RL loop: megatron model + DDP + DistributedOptimizer, one RL or SFT step.
 
-Every trainer rank holds a ``Policy``; batches arrive as plain python (``RLBatch``) from the
-controller (rank 0) and each rank takes its DP slice. Checkpoints use megatron's dist_checkpointing
-(model + optimizer, resharding-safe) plus a small per-rank file for RNG state.
+Every trainer rank holds a ``Policy``; batches arrive as plain python (``RLBatch``: the whole batch, or
+this DP rank's share of it from ``mrl.megatron.batch_scatter``) and each rank trains on its DP slice.
+Checkpoints use megatron's dist_checkpointing (model + optimizer, resharding-safe) plus a small per-rank
+file for RNG state.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from mrl.algo import compute_policy_loss
 from mrl._compat.te import HAVE_TE
 from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import compat
+from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
 from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
@@ -46,31 +47,6 @@ LOCAL_SPEC_ON_GPU = (
     "2.1x slower than the TE spec on one H200 (a 490M MoE, forward+backward: 38.3k vs 80.7k tokens/s) and runs "
     "out of memory where TE fits (it materialises the attention scores); install it (pip install -e '.[gpu]' "
     "in the repository) or use the image in docker/")
-
-
-@dataclass
-class RLBatch:
-    """One step's samples, in group order (rank 0 builds it, every rank receives it)."""
-
-    tokens: list[list[int]]
-    prompt_lens: list[int]
-    behav_logp: list[list[float]]
-    """Engine logprob of each response token (the behaviour policy)."""
-    advantages: list[float]
-    routes: list[np.ndarray] | None
-    """``[n - 1, moe_layers, K]`` engine routes per sample (None: replay off)."""
-    support: list[list[list[int]]] | None = None
-    """Keep Sampling Mask: per sample, per response token, the token ids of the engine's sampling
-    support (``sampling_mask.engine_support``; [] = could not be rebuilt). None: no mask."""
-    support_log_mass: list[list[float]] | None = None
-    """Log of the engine's probability mass on each of those supports (behav_logp is over the whole
-    vocabulary; behav_logp - mass is the logprob under the distribution that was sampled)."""
-    loss_mask: list[list[int]] | None = None
-    """Per sample, per response token: 1 = the model generated it (trained), 0 = not (a multi-turn
-    episode's tool output: it is context only, its logprob and support are never used). None: all 1."""
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
 
 def _host(values, dtype) -> torch.Tensor:
@@ -172,14 +148,13 @@ class Policy:
 
     # -- batches ---------------------------------------------------------------------------------
     def _micro_batches(self, batch: RLBatch, with_routes: bool) -> tuple[list[MicroBatch], list[int]]:
-        """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices."""
+        """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices (in
+        the whole batch). ``batch`` is the whole batch or this DP rank's share of it: the same plan."""
         dp, r = self.layout.dp.size, self.layout.dp.rank
-        n = len(batch)
-        if n % dp:
-            raise ValueError(f"batch of {n} samples does not split over dp={dp}")
-        mine = list(range(r * n // dp, (r + 1) * n // dp))
+        whole = WholeBatch.of(batch)
+        lengths = list(whole.lengths)
+        mine = list(dp_share(len(lengths), dp, r))
         if self.cfg.train.packing:
-            lengths = [len(t) for t in batch.tokens]
             row_len = round_up(max(self.cfg.train.pack_max_len or 0, max(lengths)), self.layout.tp.size)
             plan = pack_micro_batches(lengths, dp_size=dp, dp_rank=r, row_len=row_len, device=compat.DEVICE,
                                       rows_per_micro_batch=self.cfg.train.micro_batch_size)
@@ -188,13 +163,15 @@ class Policy:
             while len(mine) % size:
                 size -= 1
             plan = [(mine[j:j + size], None) for j in range(0, len(mine), size)]
-        seq = round_up(max(len(t) for t in batch.tokens), self.layout.tp.size)  # SP splits S over TP
-        return [self._micro_batch(batch, idx, pk, pk.width if pk else seq, with_routes) for idx, pk in plan], mine
+        seq = round_up(max(lengths), self.layout.tp.size)  # SP splits S over TP
+        return [self._micro_batch(batch, idx, pk, pk.width if pk else seq, with_routes, whole.support_width)
+                for idx, pk in plan], mine
 
     def _micro_batch(self, batch: RLBatch, idx: list[int], pk: Packing | None, width: int,
-                     with_routes: bool) -> MicroBatch:
-        """Samples ``idx`` one per row of ``width`` tokens (the loss layout), packed into rows if ``pk``.
-        ``valid`` (positions the engine routed) stays in the input's row layout, for routing metrics."""
+                     with_routes: bool, support_width: int) -> MicroBatch:
+        """Samples ``idx`` (of the whole batch) one per row of ``width`` tokens (the loss layout), packed into
+        rows if ``pk``. ``valid`` (positions the engine routed) stays in the input's row layout, for routing
+        metrics."""
         size = len(idx)
         ids = torch.zeros(size, width, dtype=torch.long)
         mask = torch.zeros(size, width - 1)
@@ -205,22 +182,23 @@ class Policy:
         support = [[[] for _ in range(width - 1)] for _ in idx] if sup is not None else None
         routes = []
         for b, i in enumerate(idx):
-            toks, p = batch.tokens[i], batch.prompt_lens[i]
+            at = batch.local(i)
+            toks, p = batch.tokens[at], batch.prompt_lens[at]
             ids[b, :len(toks)] = _host(toks, np.int64)
             resp = len(toks) - p
             mask[b, p - 1:p - 1 + resp] = 1.0  # position t predicts token t + 1
-            trained = batch.loss_mask[i] if batch.loss_mask is not None else None
+            trained = batch.loss_mask[at] if batch.loss_mask is not None else None
             if trained is not None:
                 if len(trained) != resp:
                     raise ValueError(f"sample {i}: loss mask of {len(trained)} tokens for {resp} response tokens")
                 mask[b, p - 1:p - 1 + resp] = _host(trained, np.float32)
-            behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[i][:resp], np.float32)
-            adv[b] = batch.advantages[i]
+            behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[at][:resp], np.float32)
+            adv[b] = batch.advantages[at]
             valid[b, :len(toks) - 1] = 1.0
             if with_routes:
-                routes.append(align_routes(batch.routes[i], width, self.codec.num_experts))
+                routes.append(align_routes(batch.routes[at], width, self.codec.num_experts))
             if sup is not None:
-                for j, kept in enumerate(sup[i][:resp]):
+                for j, kept in enumerate(sup[at][:resp]):
                     if trained is not None and not trained[j]:
                         continue  # not sampled by the model: no support to keep
                     if not kept and self.cfg.train.bad_support == BadSupport.error:
@@ -230,9 +208,9 @@ class Policy:
                     support[b][p - 1 + j] = kept
                     mask[b, p - 1 + j] *= float(bool(kept))
                 if batch.support_log_mass is not None:
-                    behav[b, p - 1:p - 1 + resp] -= _host(batch.support_log_mass[i][:resp], np.float32)
+                    behav[b, p - 1:p - 1 + resp] -= _host(batch.support_log_mass[at][:resp], np.float32)
         routes_t = torch.from_numpy(np.stack(routes)) if with_routes else None
-        support_t = (torch.stack([support_tensor(s, width=self._support_width(sup)) for s in support])
+        support_t = (torch.stack([support_tensor(s, width=support_width) for s in support])
                      if sup is not None else None)
         if pk is not None:
             ids, valid = pk.pack_tokens(ids, 0), pk.pack_tokens(valid, 0.0)
@@ -244,10 +222,6 @@ class Policy:
         return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None,
                           {"mask": dev(mask), "behav": dev(behav), "adv": dev(adv), "valid": dev(valid)},
                           packing=pk, support=dev(support_t) if support_t is not None else None)
-
-    @staticmethod
-    def _support_width(sup: list[list[list[int]]]) -> int:
-        return max([len(kept) for s in sup for kept in s] + [1])
 
     # -- steps -----------------------------------------------------------------------------------
     def rl_step(self, batch: RLBatch, normalizer: float) -> dict[str, float]:
@@ -291,7 +265,7 @@ class Policy:
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
                                    "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.support_spec is not None:
-            metrics["support_unknown_tokens"] = float(sum(not kept for s in batch.support for kept in s))
+            metrics["support_unknown_tokens"] = float(WholeBatch.of(batch).support_unknown)
         if outs:
             metrics |= _mean_metrics(outs)
             metrics |= self._engine_gap(outs, mbs, "replay_on" if replay else "replay_off")
