@@ -14,6 +14,7 @@
 #   e2e*    bench/loop_e2e.py (the whole loop, `mrl train`, against its engine and trainer ceilings) on the job's
 #           GPUs, with the arguments in E2E_ARGS_<name> (e.g. E2E_ARGS_e2e4="--trainer-procs 2 --set parallel=ep2
 #           rollout.engine_tp=2"); output in WORK/<name>/
+#   delivery bench/batch_delivery.py: a step's batch to the trainer ranks, whole and pickled vs each DP rank's share
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
@@ -47,6 +48,9 @@ job() {  # name gpus te
             # shellcheck disable=SC2086
             timeout "$TIMEOUT" python3 bench/loop_e2e.py --out "$WORK/$name" \
               --gpus "$(seq -s, 0 $((n - 1)))" ${!args_var:-} ;;
+      delivery) mkdir -p "$WORK/delivery"
+                 timeout "$TIMEOUT" python3 bench/batch_delivery.py --nproc "$n" --dp "$n" --reps 12 \
+                   --json "$WORK/delivery/batch_delivery.json" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
