@@ -130,7 +130,9 @@ def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, 
             if cands["tp"] is None:
                 out[name][r] = "not derivable (vocabulary padding)"
                 continue
-            dev = devices[r] if devices[r].startswith("cuda") else "cpu"  # the engine hashed on its device
+            # SGLang hashes GPU tensors with a triton kernel and CPU ones with sha256: hash where the engine
+            # rank does (any GPU gives the same hash; this rank's own, so the kernel runs on its device)
+            dev = compat.DEVICE if devices[r].startswith("cuda") else "cpu"
             hit = [k for k, t in cands.items()
                    if f"{tensor_hash(t.to(dtype).to(dev).contiguous()):016x}" == sums[r][name]]
             out[name][r] = hit[0] if m and hit else bool(hit)  # experts: which layout matched

@@ -18,9 +18,10 @@ the trainer side runs on ``--trainer-gpus`` (megatron-core, bf16, NCCL). Section
   ``--batches`` concurrency, with routes returned and decoded (Keep Routing on) and without, on the
   same engine (started with route capture); with ``--plain-engine-gpu`` also on a second engine
   started at the same time without route capture (the fair baseline: ``routes_on_vs_plain``). The
-  kinds alternate within each repetition. Also the routes payload of one response as the engine sends
-  it (base64 bytes per token, bytes per expert id: 1 with mrl's compact routes, 4 with SGLang's int32
-  under ``--routes-int32``, the baseline to compare with on the same machine).
+  kinds alternate within each repetition, in an order that turns from one repetition to the next.
+  Also the routes payload of one response as the engine sends it (base64 bytes per token, bytes per
+  expert id: 1 with mrl's compact routes, 4 with SGLang's int32 under ``--routes-int32``, the baseline
+  to compare with on the same machine).
 - ``replay``: ``--replay-samples`` engine samples with their routes and logprobs, then the trainer's
   forward on the same tokens (``tests/jobs/replay_check.py``, one process per trainer GPU in
   ``--replay-layout``) with the routers free (replay off) and replaying the engine's experts (on):
@@ -200,7 +201,8 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, engine_pid: int | Non
         asyncio.run(_workload(url, codec if name == "routes" else None, 8, a.prompt_len, 16, vocab, seed=0))
     for rep in range(a.reps):
         for batch in a.batches:
-            for kind in kinds:
+            # the order turns with each repetition: no kind always runs first after a batch size change
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
                 engine, routes = KINDS[kind]
                 spy = None
                 if engine == "routes" and rep == 0 and batch == max(a.batches):
@@ -317,7 +319,8 @@ def headline(report: dict, name: str) -> str:
                 x += (f", on/plain {s['routes_on_vs_plain_median']:.3f} ({s['routes_on_vs_plain_min']:.3f}-"
                       f"{s['routes_on_vs_plain_max']:.3f}), plain {s['plain_median']:.0f} tok/s")
             parts.append(x + f", on {s['routes_on_median']:.0f} tok/s")
-        starts = ", ".join(f"{k} {v:.0f} s" for k, v in r.items() if k.endswith("_engine_start_s"))
+        starts = ", ".join(f"{k.removesuffix('_engine_start_s')} {v:.0f} s" for k, v in r.items()
+                           if k.endswith("_engine_start_s"))
         return f"[rollout] {'; '.join(parts)}; engine start {starts}"
     if name == "replay":
         return (f"[replay] {r['trainer_layout']} x{r['trainer_ranks']}: route agreement off "
@@ -442,6 +445,8 @@ def main() -> int:
                                                         bridge.vocab_size, a, engines["routes"].proc.pid)
                     for k, v in starts.items():
                         report["rollout"][f"{k}_engine_start_s"] = v
+                    if "plain" in engines:
+                        engines["plain"].stop()  # only rollout uses it: its GPU is free for the sections after
                 elif name == "replay":
                     report["replay"] = replay_section(url, codec, bridge.vocab_size, a, hf, a.out)
                 elif name == "sync":
