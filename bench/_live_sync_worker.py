@@ -9,7 +9,9 @@ raw baseline broadcasts the same number of bytes as one buffer from trainer rank
 process on the engine's device (``--engine-device``), over a group built the same way; sync and raw
 repetitions alternate after one warm-up of each. After the syncs: the engine's teacher-forced logprobs
 of a probe against the trainer's, and a bitwise check of sampled tensors read back from the engine
-(``/get_weights_by_name``, where the engine serves it).
+(SGLang's ``/weights_checker`` checksums per engine TP rank, against the trainer's export cut the
+way each rank holds it: ``bench/_engine_shards.py``; the first and last layer in full, experts
+included).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -32,9 +35,10 @@ from mrl.megatron import compat
 from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
-from mrl.megatron.weights import export_hf
+from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
 from mrl.rollout.engine import free_port
+from _engine_shards import engine_shard, expert_layouts, sampled_names
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
 from mrl.weight_sync.transport import EngineEndpoint
@@ -80,10 +84,63 @@ def _checksums(url: str) -> list[dict[str, str]]:
     return engine_call(url, fn)
 
 
-# Engine params that are HF tensors unchanged (no fusion, no TP split at engine TP1): their hashes must
-# equal the hashes of the trainer's export, byte for byte.
-UNFUSED = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight",
-           "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate.weight"]
+def _export_sampled(model, layout, bridge, padded_vocab: int) -> dict[str, torch.Tensor] | None:
+    """The trainer's HF tensors of the layers the bitwise check samples (the first and the last) and
+    of the embeddings, final norm and head, on rank 0: the whole model would be gathered as pickled
+    objects through one collective, too large at the 30B shapes."""
+    keep = {0, bridge.num_layers - 1}
+    maps = maps_by_name(bridge, padded_vocab)
+    items = []
+    for lp in local_params(model, layout):
+        if bridge.tied_embeddings and lp.global_name == "output_layer.weight":
+            continue  # the embedding's copy
+        layer = re.search(r"layers\.(\d+)\.", lp.global_name)
+        if layer is None or int(layer.group(1)) in keep:
+            items.append((lp, maps[lp.global_name]))
+    return gather_hf(items, layout, 0)
+
+
+def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, devices: list[str],
+             tp: int) -> dict:
+    """Sampled engine tensors (experts included), rank by rank, against the trainer's export cut the way
+    the engine holds it: SGLang's own hash of each on both sides. ``{name: {tp_rank: bool | reason}}``
+    (experts: the layout that matched, ``"tp"`` or ``"padded"``, or False) plus ``all_equal`` over every
+    compared tensor."""
+    from sglang.srt.managers.mm_utils import tensor_hash  # the engine's own hash function
+
+    sums = _checksums(url)
+    if len(sums) != tp:
+        return {"error": f"{len(sums)} checksum ranks from an engine of tp={tp}"}
+    kw = dict(num_experts=bridge.num_experts, kv_heads=bridge.num_query_groups,
+              head_dim=getattr(bridge.hf_config, "head_dim", None)
+              or bridge.hf_config.hidden_size // bridge.hf_config.num_attention_heads)
+    out: dict = {}
+    compared = equal = 0
+    for name in sampled_names(bridge.num_layers):
+        out[name] = {}
+        for r in range(tp):
+            if name not in sums[r]:
+                out[name][r] = "absent from the engine"
+                continue
+            m = re.match(r"(model\.layers\.\d+)\.(mlp\.experts\.w(13|2)_weight)$", name)
+            if m:  # each candidate layout exact: the engine holds one of them byte for byte, or fails
+                cands = expert_layouts(hf, m.group(1), m.group(2), tp, r, kw["num_experts"])
+            else:
+                cands = {"tp": engine_shard(hf, name, tp, r, **kw)}
+            if cands["tp"] is None:
+                out[name][r] = "not derivable (vocabulary padding)"
+                continue
+            # SGLang hashes GPU tensors with a triton kernel and CPU ones with sha256: hash where the engine
+            # rank does (any GPU gives the same hash; this rank's own, so the kernel runs on its device)
+            dev = compat.DEVICE if devices[r].startswith("cuda") else "cpu"
+            hit = [k for k, t in cands.items()
+                   if f"{tensor_hash(t.to(dtype).to(dev).contiguous()):016x}" == sums[r][name]]
+            out[name][r] = hit[0] if m and hit else bool(hit)  # experts: which layout matched
+            compared += 1
+            equal += bool(hit)
+    out["compared"], out["equal"] = compared, equal
+    out["all_equal"] = compared > 0 and compared == equal
+    return out
 
 
 def main() -> int:
@@ -180,25 +237,14 @@ def main() -> int:
     box = [None] * layout.world_size
     dist.all_gather_object(box, mine)
     mine = next(x for x in box if x is not None)
-    hf = export_hf(model, layout, bridge, m.padded_vocab) or {}
+    hf = _export_sampled(model, layout, bridge, m.padded_vocab) or {}
     syncer.close()
     if rank0:
         engine_lp = _probe_logprobs(url, probe[0].tolist())
-        bitwise: dict = {}
         try:
-            from sglang.srt.managers.mm_utils import tensor_hash  # the engine's own hash function
-
-            engine_sums = _checksums(url)[0]
-        except Exception as e:  # e.g. SGLang's CPU mode cannot hash (its checker synchronises CUDA)
-            engine_sums, bitwise = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        dev = a.engine_device.split(",")[0]
-        dev = dev if dev.startswith("cuda") else "cpu"  # the engine hashes on its device
-        for n in UNFUSED if engine_sums is not None else []:
-            if n not in engine_sums or n not in hf:
-                bitwise[n] = "absent"
-                continue
-            mine_t = hf[n].to(getattr(torch, sync_dtype)).to(dev).contiguous()
-            bitwise[n] = f"{tensor_hash(mine_t):016x}" == engine_sums[n]
+            bitwise = _bitwise(url, hf, bridge, getattr(torch, sync_dtype), a.engine_device.split(","), int(tp or 1))
+        except Exception as e:  # the figures above stay useful without it
+            bitwise = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         ratio = [s / r for s, r in zip(sync_s, raw_s)]
         report = {
             "bytes": nbytes, "sync_dtype": sync_dtype, "buckets": len(transport.executor.plan.buckets),

@@ -3,32 +3,45 @@ Routing (engine vs trainer, replay off and on) and weight sync into the engine v
 
     python bench/gpu_loop.py --engine-gpu 1 --trainer-gpus 0 --out DIR          # 2 GPUs, probe model
     python bench/gpu_loop.py --model qwen3_30b_a3b --layers 4 --sections replay --out DIR
+    python bench/gpu_loop.py --engine-gpu 2 --engine-tp 2 --trainer-gpus 0,1 --replay-layout=--ep,2 \\
+        --sync-layout=--ep,2 --sections replay,sync --out DIR                    # EP2 trainer, TP2 engine
+    python bench/gpu_loop.py --engine-gpu 0 --plain-engine-gpu 1 --sections rollout --out DIR
     python bench/gpu_loop.py --cpu --out DIR                                       # the same flow on CPU, tiny model
 
 One engine (mrl's launcher, GPU mode: bf16, triton or FA3 attention, CUDA graphs) serves a random-init
-Qwen3-MoE checkpoint on ``--engine-gpu``; the trainer side runs on ``--trainer-gpus`` (megatron-core,
-bf16, NCCL). Sections:
+Qwen3-MoE checkpoint (``bench/_random_checkpoint.py``: written tensor by tensor in bf16 shards, so the
+full 48-layer Qwen3-30B-A3B shape fits) on ``--engine-gpu`` (and the next ``--engine-tp`` - 1 GPUs);
+the trainer side runs on ``--trainer-gpus`` (megatron-core, bf16, NCCL). Sections:
 
 - ``rollout``: GRPO-shaped workloads (groups of 8, one request per sample, random ``--prompt-len``
   prompts, ``--new`` tokens each, temperature 1, ignore_eos) through mrl's RolloutManager at each
-  ``--batches`` concurrency, with routes returned and decoded (Keep Routing on) and without; the
-  kinds alternate within each repetition. Also the routes payload of one response as the engine sends
-  it (base64 bytes per token, bytes per expert id: 1 with mrl's compact routes, 4 with SGLang's int32
-  under ``--routes-int32``, the baseline to compare with on the same machine).
+  ``--batches`` concurrency, with routes returned and decoded (Keep Routing on) and without, on the
+  same engine (started with route capture); with ``--plain-engine-gpu`` also on a second engine
+  started at the same time without route capture (the fair baseline: ``routes_on_vs_plain``). The
+  kinds alternate within each repetition, in an order that turns from one repetition to the next.
+  Also the routes payload of one response as the engine sends it (base64 bytes per token, bytes per
+  expert id: 1 with mrl's compact routes, 4 with SGLang's int32 under ``--routes-int32``, the baseline
+  to compare with on the same machine).
 - ``replay``: ``--replay-samples`` engine samples with their routes and logprobs, then the trainer's
-  forward on the same tokens (``tests/jobs/replay_check.py``) with the routers free (replay off) and
-  replaying the engine's experts (on): route agreement per (token, MoE layer) and mean |logprob diff|
-  over the response tokens.
-- ``sync``: ``bench/_live_sync_worker.py``: mrl's weight sync into this engine, each repetition
-  followed by a raw broadcast of the same bytes between the same devices.
+  forward on the same tokens (``tests/jobs/replay_check.py``, one process per trainer GPU in
+  ``--replay-layout``) with the routers free (replay off) and replaying the engine's experts (on):
+  route agreement per (token, MoE layer) and mean |logprob diff| over the response tokens, over the
+  records of every rank.
+- ``sync``: ``bench/_live_sync_worker.py`` (trainer in ``--sync-layout``): mrl's weight sync into this
+  engine, each repetition followed by a raw broadcast of the same bytes between the same devices; then
+  the engine's probe logprobs against the trainer's and a bitwise check of the first and last layer
+  (experts included), per engine TP rank.
 
-Everything lands in DIR/gpu_loop.json with every repetition, the hardware and the versions.
+Everything lands in DIR/gpu_loop.json with every repetition, the hardware and the versions; the last
+lines printed are one headline per section.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
@@ -42,47 +55,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(1, ROOT)  # tests.jobs.replay_check reads the replay records
 
-# Qwen3-MoE shapes; "probe" is the 2.4 GB bf16 model the SGLang GPU measurements used (hidden 1024,
-# 8 layers, 64 experts top-8, vocab 32768), "qwen3_30b_a3b" the real model's layer shape (cut with --layers).
-SHAPES = {
-    "probe": dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
-                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=64,
-                  num_experts_per_tok=8),
-    "qwen3_30b_a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8),
-}
-
-
-def make_checkpoint(path: str, shape: str, layers: int | None, seed: int = 0) -> str:
-    """A random Qwen3-MoE checkpoint in bf16 with per-expert names, made on the GPU (kept if present)."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    import torch
-    from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from mrl.models.tiny import split_fused_experts
-
-    kw = dict(SHAPES[shape])
-    if layers:
-        kw["num_hidden_layers"] = layers
-    cfg = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
-                         rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096, **kw)
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    os.makedirs(path, exist_ok=True)
-    cfg.dtype = "bfloat16"
-    cfg.save_pretrained(path)
-    sd = split_fused_experts({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    del model
-    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
-    return path
-
+from _random_checkpoint import SHAPES, make_checkpoint  # noqa: E402
 
 def environment(cpu: bool) -> dict:
     import megatron.core
@@ -205,34 +180,58 @@ def spy_summary(raw_path: str, top: int = 25) -> dict:
             for name, p in sorted(procs.items(), key=lambda kv: -kv[1]["samples"])}
 
 
-def rollout_section(url, codec, vocab, a, engine_pid: int | None = None) -> dict:
-    res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "runs": []}
-    asyncio.run(_workload(url, codec, 8, a.prompt_len, 16, vocab, seed=0))  # warm-up (first requests, graphs)
+# the kinds of rollout run: (engine, routes requested). "on"/"off": the routes engine with and without
+# routes in the requests; "plain": the engine started without route capture (--plain-engine-gpu)
+KINDS = {"off": ("routes", False), "on": ("routes", True), "plain": ("plain", False)}
+
+
+def _ratios(runs: list[dict], batch: int, num: str, den: str) -> dict:
+    """Per-repetition throughput ratios kind ``num`` / kind ``den`` at ``batch``: median, min, max."""
+    by = {k: {r["rep"]: r["tokens_per_s"] for r in runs if r["batch"] == batch and r["kind"] == k} for k in (num, den)}
+    per_rep = [by[num][rep] / by[den][rep] for rep in sorted(by[num]) if rep in by[den]]
+    return {"median": statistics.median(per_rep), "min": min(per_rep), "max": max(per_rep), "per_rep": per_rep}
+
+
+def rollout_section(urls: dict[str, str], codec, vocab, a, engine_pid: int | None = None) -> dict:
+    """``urls``: {"routes": the engine with route capture, "plain": one without (optional)}."""
+    kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls]
+    res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
+           "runs": []}
+    for name, url in urls.items():  # warm-up (first requests, graphs)
+        asyncio.run(_workload(url, codec if name == "routes" else None, 8, a.prompt_len, 16, vocab, seed=0))
     for rep in range(a.reps):
         for batch in a.batches:
-            for routes in (False, True):
-                spy_out = os.path.join(a.out, f"py_spy_batch{batch}_routes_{'on' if routes else 'off'}.txt")
-                spy = _py_spy(a, engine_pid, spy_out) if rep == 0 and batch == max(a.batches) else None
-                _, tps, dt, dec = asyncio.run(_workload(url, codec if routes else None, batch, a.prompt_len, a.new,
-                                                        vocab, seed=rep))
-                res["runs"].append({"rep": rep, "batch": batch, "routes": routes, "tokens_per_s": tps, "seconds": dt,
-                                    "client_decode_s": dec})
-                print(f"[rollout] rep {rep} batch {batch} routes {routes}: {tps:.0f} tokens/s", flush=True)
+            # the order turns with each repetition: no kind always runs first after a batch size change
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+                engine, routes = KINDS[kind]
+                spy = None
+                if engine == "routes" and rep == 0 and batch == max(a.batches):
+                    spy_out = os.path.join(a.out, f"py_spy_batch{batch}_routes_{kind}.txt")
+                    spy = _py_spy(a, engine_pid, spy_out)
+                _, tps, dt, dec = asyncio.run(_workload(urls[engine], codec if routes else None, batch, a.prompt_len,
+                                                        a.new, vocab, seed=rep))
+                res["runs"].append({"rep": rep, "batch": batch, "kind": kind, "engine": engine, "routes": routes,
+                                    "tokens_per_s": tps, "seconds": dt, "client_decode_s": dec})
+                print(f"[rollout] rep {rep} batch {batch} {kind}: {tps:.0f} tokens/s", flush=True)
                 if spy is not None:
                     _, err = spy.communicate(timeout=a.py_spy + 60)
-                    key = f"py_spy_batch{batch}_routes_{'on' if routes else 'off'}"
+                    key = f"py_spy_batch{batch}_routes_{kind}"
                     res[key] = (spy_summary(spy_out) if spy.returncode == 0 and os.path.exists(spy_out)
                                 else {"error": f"py-spy exited {spy.returncode}: {err[-1500:]}"})
     summary = {}
     for batch in a.batches:
-        off = [r["tokens_per_s"] for r in res["runs"] if r["batch"] == batch and not r["routes"]]
-        on = [r["tokens_per_s"] for r in res["runs"] if r["batch"] == batch and r["routes"]]
-        per_rep = [x / y for x, y in zip(on, off)]
-        summary[f"batch{batch}"] = {"routes_off_median": statistics.median(off),
-                                    "routes_on_median": statistics.median(on),
-                                    "on_vs_off_median": statistics.median(per_rep), "on_vs_off_min": min(per_rep),
-                                    "on_vs_off_max": max(per_rep)}
-    res["payload"] = asyncio.run(_routes_payload(url, codec, a.prompt_len, a.new, vocab))
+        med = {k: statistics.median(r["tokens_per_s"] for r in res["runs"] if r["batch"] == batch and r["kind"] == k)
+               for k in kinds}
+        s = {"routes_off_median": med["off"], "routes_on_median": med["on"]}
+        r = _ratios(res["runs"], batch, "on", "off")
+        s |= {"on_vs_off_median": r["median"], "on_vs_off_min": r["min"], "on_vs_off_max": r["max"]}
+        if "plain" in kinds:  # the fair baseline: an engine that does not capture routes at all
+            r = _ratios(res["runs"], batch, "on", "plain")
+            s |= {"plain_median": med["plain"], "routes_on_vs_plain_median": r["median"],
+                  "routes_on_vs_plain_min": r["min"], "routes_on_vs_plain_max": r["max"],
+                  "routes_off_vs_plain_median": _ratios(res["runs"], batch, "off", "plain")["median"]}
+        summary[f"batch{batch}"] = s
+    res["payload"] = asyncio.run(_routes_payload(urls["routes"], codec, a.prompt_len, a.new, vocab))
     for s in summary.values():  # the same engine, so the same payload at every batch size
         s["routes_b64_bytes_per_token"] = res["payload"]["bytes_per_token"]
         s["routes_bytes_per_expert_id"] = res["payload"]["bytes_per_expert_id"]
@@ -243,25 +242,10 @@ def rollout_section(url, codec, vocab, a, engine_pid: int | None = None) -> dict
 
 
 # -- Keep Routing ----------------------------------------------------------------------------------
-def _agreement(samples_json: dict, rep: dict, calls: list) -> tuple[int, int]:
-    """(agreeing, total) (token, MoE layer) decisions: routers' expert sets vs the engine's. TP1, no SP, not
-    packed: token i of a router call is (s, b) = (i // rows, i % rows) of its micro-batch."""
-    ncol, rows = len(rep["moe_columns"]), rep["per_mb"]
-    agree = total = 0
-    for n, (col, ids) in enumerate(calls):
-        mb = n // ncol
-        for i, got in enumerate(ids):
-            s, b = divmod(i, rows)
-            seq = rep["sequences"][mb * rows + b]
-            routes = samples_json["routes"][seq]
-            if s < len(samples_json["sequences"][seq]) - 1:
-                total += 1
-                agree += sorted(got) == sorted(routes[s][rep["moe_columns"][col]])
-    return agree, total
-
-
 def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
-    import numpy as np
+    """Engine samples, then ``tests.jobs.replay_check`` on ``--trainer-gpus`` (one process each) in
+    ``--replay-layout``; every rank's records merged."""
+    from tests.jobs.replay_check import agreement, logprob_diffs
 
     samples, _, _, _ = asyncio.run(_workload(url, codec, a.replay_samples, a.replay_prompt_len, a.replay_new, vocab,
                                           seed=123))
@@ -272,31 +256,84 @@ def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
     with open(path, "w") as f:
         json.dump(sj, f)
     rdir = os.path.join(out, "replay")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=a.trainer_gpus.split(",")[0], PYTHONPATH=_pythonpath())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+    shutil.rmtree(rdir, ignore_errors=True)  # no rank file of an earlier run may be merged in
+    gpus = a.trainer_gpus.split(",")
+    layout = a.replay_layout.replace(",", " ").split()
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
+    if not a.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(gpus)}", "-m",
            "tests.jobs.replay_check", "--hf", hf, "--input", path, "--out", rdir, "--dtype", a.dtype,
-           "--micro-batches", str(a.replay_micro_batches)]
+           "--micro-batches", str(a.replay_micro_batches), *layout]
     t = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, timeout=900)
-    with open(os.path.join(rdir, "rank0.json")) as f:
-        rep = json.load(f)
-    on_a, on_t = _agreement(sj, rep, rep["forward_calls"])
-    off_a, off_t = _agreement(sj, rep, rep["natural_calls"])
-    diffs = {}
-    for key, name in (("logprobs_natural", "off"), ("logprobs_replay", "on")):
-        vals = []
-        for mb, lps in enumerate(rep[key]):
-            for b, lp in enumerate(lps):
-                i = rep["sequences"][mb * rep["per_mb"] + b]
-                p, eng = sj["prompt_lens"][i], np.asarray(sj["engine_logprobs"][i])
-                vals.append(np.abs(np.asarray(lp)[p - 1:p - 1 + len(eng)] - eng))
-        allv = np.concatenate(vals)
-        diffs[name] = {"mean_abs": float(allv.mean()), "p99_abs": float(np.quantile(allv, 0.99)),
-                       "max_abs": float(allv.max())}
+    subprocess.run(cmd, env=env, check=True, timeout=1800)
+    reps = []
+    for r in range(len(gpus)):
+        with open(os.path.join(rdir, f"rank{r}.json")) as f:
+            reps.append(json.load(f))
+    on_a, on_t = agreement(sj, reps, "forward_calls")
+    off_a, off_t = agreement(sj, reps, "natural_calls")
     return {"samples": len(samples), "prompt_len": a.replay_prompt_len, "new": a.replay_new,
+            "trainer_layout": " ".join(layout) or "tp1", "trainer_ranks": len(gpus),
             "route_agreement_replay_off": off_a / off_t, "route_agreement_replay_on": on_a / on_t,
-            "decisions": on_t, "logprob_diff_replay_off": diffs["off"], "logprob_diff_replay_on": diffs["on"],
+            "decisions": on_t, "decisions_replay_off": off_t,
+            "logprob_diff_replay_off": logprob_diffs(sj, reps, "logprobs_natural"),
+            "logprob_diff_replay_on": logprob_diffs(sj, reps, "logprobs_replay"),
             "trainer_seconds": time.perf_counter() - t}
+
+
+# -- engines and headlines -------------------------------------------------------------------------
+def _engine(a, hf: str, name: str, routes: bool, gpu: str):
+    """One SGLang server on ``gpu`` (its first GPU at ``--engine-tp`` > 1); ``routes``: route capture on
+    (``--enable-return-routed-experts``), the only difference between the routes and the plain engine."""
+    from mrl.rollout.cpu_mode import PYSHIM_DIR
+    from mrl.rollout.engine import Engine
+
+    env = {"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1", "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"}
+    if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU
+        env["PYTHONPATH"] = ":".join([os.path.join(HERE, "_cpu_engine_shim"), PYSHIM_DIR, _pythonpath()])
+    return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
+                  max_running_requests=max(a.batches + [a.replay_samples]), max_total_tokens=8192 if a.cpu else None,
+                  base_gpu_id=int(gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
+                  dtype=None if a.cpu else "bfloat16", return_routed_experts=routes,
+                  server_args={} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}, env=env)
+
+
+def _wait_healthy(engine) -> float:
+    """Seconds from now until ``engine`` answers (the engines were started just before)."""
+    t = time.perf_counter()
+    engine.wait_healthy(timeout=1800)
+    return time.perf_counter() - t
+
+
+def headline(report: dict, name: str) -> str:
+    """One line of a section's figures."""
+    r = report.get(name, {})
+    if "error" in r:
+        return f"[{name}] ERROR {r['error'][:300]}"
+    if name == "rollout":
+        parts = []
+        for b, s in r["summary"].items():
+            x = f"{b}: on/off {s['on_vs_off_median']:.3f} ({s['on_vs_off_min']:.3f}-{s['on_vs_off_max']:.3f})"
+            if "routes_on_vs_plain_median" in s:
+                x += (f", on/plain {s['routes_on_vs_plain_median']:.3f} ({s['routes_on_vs_plain_min']:.3f}-"
+                      f"{s['routes_on_vs_plain_max']:.3f}), plain {s['plain_median']:.0f} tok/s")
+            parts.append(x + f", on {s['routes_on_median']:.0f} tok/s")
+        starts = ", ".join(f"{k.removesuffix('_engine_start_s')} {v:.0f} s" for k, v in r.items()
+                           if k.endswith("_engine_start_s"))
+        return f"[rollout] {'; '.join(parts)}; engine start {starts}"
+    if name == "replay":
+        return (f"[replay] {r['trainer_layout']} x{r['trainer_ranks']}: route agreement off "
+                f"{r['route_agreement_replay_off']:.4f} on {r['route_agreement_replay_on']:.4f} "
+                f"({r['decisions']} decisions); mean |dlogp| off {r['logprob_diff_replay_off']['mean_abs']:.2e} "
+                f"on {r['logprob_diff_replay_on']['mean_abs']:.2e} (max {r['logprob_diff_replay_on']['max_abs']:.2e})")
+    if name == "sync":
+        bw = r.get("bitwise_sampled_tensors", {})
+        bits = (f"{bw['equal']}/{bw['compared']} equal" if "compared" in bw else f"error {bw.get('error', '')[:120]}")
+        return (f"[sync] {r['bytes'] / 1e9:.3f} GB in {r['sync_median_s']:.4f} s (raw {r['raw_median_s']:.4f} s, "
+                f"sync/raw {r['sync_vs_raw']:.2f}), engine tp{r['engine_tp']} <- {r['trainer_ranks']} trainer ranks; "
+                f"bitwise {bits}; probe max |dlogp| {r['probe_max_abs_logprob_diff']:.2e}")
+    return f"[{name}] {json.dumps(r)[:300]}"
 
 
 # -- weight sync -----------------------------------------------------------------------------------
@@ -326,7 +363,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true", help="CPU engine and trainer, tiny model (checks the flow)")
-    ap.add_argument("--model", default="probe", choices=list(SHAPES))
+    ap.add_argument("--model", default="probe", choices=[k for k in SHAPES if k != "tiny"])
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     ap.add_argument("--sections", default="rollout,replay,sync")
     ap.add_argument("--engine-gpu", default="1", help="the engine's (first) GPU")
@@ -342,6 +379,12 @@ def main() -> int:
     ap.add_argument("--replay-prompt-len", type=int, default=128)
     ap.add_argument("--replay-new", type=int, default=256)
     ap.add_argument("--replay-micro-batches", type=int, default=4)
+    ap.add_argument("--replay-layout", default="",
+                    help="layout flags for the replay trainer, one process per --trainer-gpus entry, e.g. '--ep 2' "
+                         "(or --replay-layout=--ep,2); default TP1")
+    ap.add_argument("--plain-engine-gpu", default=None,
+                    help="rollout: also start an engine without route capture on this (first) GPU, the baseline "
+                         "for routes on (ignored on CPU except that the engine is started)")
     ap.add_argument("--sync-layout", default="",
                     help="extra layout flags for the sync trainer, e.g. '--tp 2' (or --sync-layout=--tp,2)")
     ap.add_argument("--compare-per-bucket", action="store_true",
@@ -362,15 +405,12 @@ def main() -> int:
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
     from mrl.models import get_bridge
-    from mrl.rollout.engine import Engine
-    from mrl.rollout.secrets import ensure_run_secrets
     from mrl.routing.codec import RoutesCodec
 
-    if a.cpu:
-        from mrl.models.tiny import make_tiny_model
-
-        hf = make_tiny_model(os.path.join(a.out, "tiny"))
-        a.dtype, engine_device = "fp32", "cpu"
+    if a.cpu:  # the GPU flow's checkpoint writer, in several shards, at the tiny preset's shape
+        hf = make_checkpoint(os.path.join(a.out, f"model_tiny_{a.layers or 'all'}"), "tiny", a.layers,
+                             shard_gb=0.0001)
+        a.dtype, engine_device = "fp32", ",".join(["cpu"] * a.engine_tp)  # a raw receiver per engine rank
     else:
         name = f"model_{a.model}_{a.layers or 'all'}"
         hf = make_checkpoint(os.path.join(a.ckpt_root or a.out, name), a.model, a.layers)
@@ -379,32 +419,38 @@ def main() -> int:
         engine_device = ",".join(f"cuda:{seen.index(g)}" for g in _engine_gpus(a))
     bridge = get_bridge(hf)
     codec = RoutesCodec.from_bridge(bridge)
-    ensure_run_secrets(a.out)
-    engine = Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"),
-                    name="engine",
-                    max_running_requests=max(a.batches + [a.replay_samples]), max_total_tokens=8192 if a.cpu else None,
-                    base_gpu_id=int(a.engine_gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
-                    dtype=None if a.cpu else "bfloat16",
-                    server_args={} if a.cpu else {"cuda_graph_max_bs": max(a.batches)},
-                    env={"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1",
-                         "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"})
-    report = {"bench": "gpu_loop", "model": a.model, "layers": a.layers or bridge.num_layers, "hf": hf,
+    engines = {"routes": _engine(a, hf, "engine", True, a.engine_gpu)}
+    if a.plain_engine_gpu is not None and "rollout" in a.sections.split(","):
+        engines["plain"] = _engine(a, hf, "plain_engine", False, a.plain_engine_gpu)
+    report = {"bench": "gpu_loop", "model": "tiny" if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
+              "hf": hf, "checkpoint_files": sorted(f for f in os.listdir(hf) if f.endswith(".safetensors")),
               "environment": environment(a.cpu), "args": vars(a)}
-    t = time.perf_counter()
-    with engine:
-        engine.wait_healthy(timeout=900)
-        report["engine_start_s"] = time.perf_counter() - t
-        report["engine_command"] = " ".join(engine.command()[1:])
-        sections = a.sections.split(",")
-        for name in sections:
+    with contextlib.ExitStack() as stack:
+        for e in engines.values():
+            stack.enter_context(e)  # started together, each one's seconds to healthy timed on its own
+        with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+            starts = dict(zip(engines, pool.map(_wait_healthy, engines.values())))
+        report["engine_start_s"] = starts["routes"]
+        report["engine_command"] = " ".join(engines["routes"].command()[1:])
+        if "plain" in engines:
+            report["plain_engine_start_s"] = starts["plain"]
+            report["plain_engine_command"] = " ".join(engines["plain"].command()[1:])
+        print("[gpu_loop] engines healthy: " + ", ".join(f"{k} {v:.1f} s" for k, v in starts.items()), flush=True)
+        url = engines["routes"].url
+        for name in a.sections.split(","):
             t = time.perf_counter()
             try:
                 if name == "rollout":
-                    report["rollout"] = rollout_section(engine.url, codec, bridge.vocab_size, a, engine.proc.pid)
+                    report["rollout"] = rollout_section({k: e.url for k, e in engines.items()}, codec,
+                                                        bridge.vocab_size, a, engines["routes"].proc.pid)
+                    for k, v in starts.items():
+                        report["rollout"][f"{k}_engine_start_s"] = v
+                    if "plain" in engines:
+                        engines["plain"].stop()  # only rollout uses it: its GPU is free for the sections after
                 elif name == "replay":
-                    report["replay"] = replay_section(engine.url, codec, bridge.vocab_size, a, hf, a.out)
+                    report["replay"] = replay_section(url, codec, bridge.vocab_size, a, hf, a.out)
                 elif name == "sync":
-                    report["sync"] = sync_section(engine.url, a, hf, a.out, engine_device)
+                    report["sync"] = sync_section(url, a, hf, a.out, engine_device)
                 else:
                     raise ValueError(f"unknown section {name!r}")
             except Exception as e:  # one failing section must not cost the others' figures
@@ -413,6 +459,7 @@ def main() -> int:
             with open(os.path.join(a.out, "gpu_loop.json"), "w") as f:
                 json.dump(report, f, indent=1)
             print(f"[gpu_loop] {name}: {json.dumps(report[name])[:1500]}", flush=True)
+    print("\n".join(headline(report, name) for name in a.sections.split(",")), flush=True)
     return 0 if not any("error" in report.get(s, {}) for s in a.sections.split(",")) else 1
 
 

@@ -73,6 +73,50 @@ def _packed_micro_batches(mbs, seqs, mine, per_mb, row_len, codec):
     return out, where
 
 
+# -- reading the records (bench/gpu_loop.py) ---------------------------------------------------------
+def agreement(samples_json: dict, reps: list[dict], key: str) -> tuple[int, int]:
+    """(agreeing, total) (token, MoE layer) decisions: the routers' expert sets (``key``: "forward_calls"
+    with replay, "natural_calls" without) vs the engine's, over every rank's records (not packed). A
+    router call's token i is (s, b) = (i // rows, i % rows) of its micro-batch, s counted from the rank's
+    own slice of the sequence under sequence parallelism; without it the TP ranks of one DP rank see
+    the same tokens, so only TP rank 0 counts."""
+    agree = total = 0
+    for rep in reps:
+        if not rep["sp"] and rep["tp_rank"] != 0:
+            continue
+        s0 = rep["tp_rank"] * rep["seq_len"] // rep["tp"] if rep["sp"] else 0
+        ncol, rows = len(rep["moe_columns"]), rep["per_mb"]
+        for n, (col, ids) in enumerate(rep[key]):
+            mb = n // ncol
+            for i, got in enumerate(ids):
+                s, b = divmod(i, rows)
+                seq = rep["sequences"][mb * rows + b]
+                routes = samples_json["routes"][seq]
+                if s0 + s < len(samples_json["sequences"][seq]) - 1:
+                    total += 1
+                    agree += sorted(got) == sorted(routes[s0 + s][rep["moe_columns"][col]])
+    return agree, total
+
+
+def logprob_diffs(samples_json: dict, reps: list[dict], key: str) -> dict:
+    """|trainer - engine| logprob over the response tokens of every sequence, from the ranks that hold
+    logprobs (the last pipeline stage, TP rank 0 of each DP rank)."""
+    vals, seen = [], set()
+    for rep in reps:
+        if rep["tp_rank"] != 0 or not rep[key]:
+            continue
+        for mb, lps in enumerate(rep[key]):
+            for b, lp in enumerate(lps):
+                i = rep["sequences"][mb * rep["per_mb"] + b]
+                seen.add(i)
+                p, eng = samples_json["prompt_lens"][i], np.asarray(samples_json["engine_logprobs"][i])
+                vals.append(np.abs(np.asarray(lp)[p - 1:p - 1 + len(eng)] - eng))
+    if len(seen) != len(samples_json["sequences"]):
+        raise RuntimeError(f"logprobs of {len(seen)} of {len(samples_json['sequences'])} sequences in the records")
+    allv = np.concatenate(vals)
+    return {"mean_abs": float(allv.mean()), "p99_abs": float(np.quantile(allv, 0.99)), "max_abs": float(allv.max())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     add_layout_args(ap)

@@ -1,0 +1,135 @@
+"""The pieces of bench/gpu_loop.py that run only on GPU hosts otherwise: the random checkpoint writer,
+the merge of Keep Routing records over ranks, and the engine TP shards of the bitwise check."""
+
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from mrl.config.schema import TinyPreset
+from mrl.models import get_bridge
+from mrl.models.checkpoint import HFCheckpoint
+from mrl.models.tiny import make_tiny_model
+from tests.jobs.replay_check import agreement, logprob_diffs
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from _engine_shards import engine_shard, expert_layouts  # noqa: E402
+from _random_checkpoint import make_checkpoint  # noqa: E402
+
+
+def _load_all(path):
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def test_sharded_checkpoint_matches_the_tiny_model_and_is_deterministic(tmp_path):
+    a = make_checkpoint(str(tmp_path / "a"), "tiny", None, seed=3, shard_gb=0.0001)
+    b = make_checkpoint(str(tmp_path / "b"), "tiny", None, seed=3, shard_gb=0.0001)
+    c = make_checkpoint(str(tmp_path / "c"), "tiny", None, seed=4, shard_gb=0.0001)
+    ref = _load_all(make_tiny_model(str(tmp_path / "ref"), TinyPreset.tiny))
+    ta, tb, tc = _load_all(a), _load_all(b), _load_all(c)
+    assert len([f for f in os.listdir(a) if f.endswith(".safetensors")]) > 1
+    assert {k: tuple(v.shape) for k, v in ta.items()} == {k: tuple(v.shape) for k, v in ref.items()}
+    assert all(v.dtype == torch.bfloat16 for v in ta.values())
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert not torch.equal(ta["lm_head.weight"], tc["lm_head.weight"])
+    ck = HFCheckpoint(a)  # through the index, rows of one tensor
+    assert torch.equal(ck.read("model.layers.2.mlp.experts.5.up_proj.weight", rows=(0, 4)).to(torch.bfloat16),
+                       ta["model.layers.2.mlp.experts.5.up_proj.weight"][:4])
+    assert get_bridge(a).num_experts == 8
+
+
+def _records(samples, tp, sp, dp, per_mb, mbs, ncol, flip=None):
+    """Rank records as replay_check writes them, routers picking the engine's experts except at
+    ``flip`` = (sequence, position)."""
+    seq_len = max(len(s) for s in samples["sequences"])
+    seq_len += (-seq_len) % tp
+    reps = []
+    for d in range(dp):
+        mine = list(range(d * per_mb * mbs, (d + 1) * per_mb * mbs))
+        for t in range(tp):
+            rows = range(t * seq_len // tp, (t + 1) * seq_len // tp) if sp else range(seq_len)
+            calls = []
+            for mb in range(mbs):
+                for col in range(ncol):
+                    ids = []
+                    for s in rows:
+                        for b in range(per_mb):
+                            i = mine[mb * per_mb + b]
+                            r = samples["routes"][i]
+                            got = list(r[s][col]) if s < len(r) else [0, 1]
+                            if (i, s) == flip:
+                                got = [got[0], 7 - got[1]]
+                            ids.append(got)
+                    calls.append((col, ids))
+            lps = [[[float(-k) for k in range(seq_len)] for _ in range(per_mb)] for _ in range(mbs)] if t == 0 else []
+            reps.append({"tp_rank": t, "tp": tp, "sp": sp, "seq_len": seq_len, "sequences": mine, "per_mb": per_mb,
+                         "moe_columns": list(range(ncol)), "forward_calls": calls, "logprobs_replay": lps})
+    return reps
+
+
+def test_agreement_and_logprobs_over_ranks():
+    g = torch.Generator().manual_seed(0)
+    lens = [7, 5, 8, 6]
+    seqs = [list(range(n)) for n in lens]
+    routes = [[[sorted(torch.randperm(7, generator=g)[:2].tolist()) for _ in range(2)] for _ in range(n - 1)]
+              for n in lens]
+    prompt = [3, 2, 4, 3]
+    samples = {"sequences": seqs, "routes": routes, "prompt_lens": prompt,
+               "engine_logprobs": [[float(-k) for k in range(p - 1, n - 1)] for p, n in zip(prompt, lens)]}
+    decisions = sum(n - 1 for n in lens) * 2
+    for tp, sp, dp in ((1, False, 1), (1, False, 2), (2, False, 2), (2, True, 1), (2, True, 2)):
+        per_mb = len(seqs) // (dp * 2)
+        assert agreement(samples, _records(samples, tp, sp, dp, per_mb, 2, 2), "forward_calls") == (decisions,
+                                                                                                    decisions)
+        flipped = _records(samples, tp, sp, dp, per_mb, 2, 2, flip=(3, 4))
+        assert agreement(samples, flipped, "forward_calls") == (decisions - 2, decisions)
+        d = logprob_diffs(samples, flipped, "logprobs_replay")
+        assert d["max_abs"] == 0.0
+    reps = _records(samples, 1, False, 2, 1, 2, 2)
+    try:
+        logprob_diffs(samples, reps[:1], "logprobs_replay")
+    except RuntimeError as e:
+        assert "2 of 4 sequences" in str(e)
+    else:
+        raise AssertionError("a missing rank's sequences went unnoticed")
+
+
+def test_engine_shards_cover_the_full_tensors():
+    g = torch.Generator().manual_seed(1)
+    hd, nq, nkv, h, inter, ne = 4, 4, 2, 8, 6, 3
+    p = "model.layers.0"
+    hf = {f"{p}.self_attn.q_proj.weight": torch.randn(nq * hd, h, generator=g),
+          f"{p}.self_attn.k_proj.weight": torch.randn(nkv * hd, h, generator=g),
+          f"{p}.self_attn.v_proj.weight": torch.randn(nkv * hd, h, generator=g),
+          f"{p}.self_attn.o_proj.weight": torch.randn(h, nq * hd, generator=g)}
+    for e in range(ne):
+        for n, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            hf[f"{p}.mlp.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g)
+    kw = dict(num_experts=ne, kv_heads=nkv, head_dim=hd)
+    tp1 = {n: engine_shard(hf, f"{p}.{n}", 1, 0, **kw) for n in ("self_attn.qkv_proj.weight",
+                                                                   "mlp.experts.w13_weight", "mlp.experts.w2_weight")}
+    q, k, v = (hf[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(tp1["self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
+    assert torch.equal(tp1["mlp.experts.w13_weight"][1, :inter], hf[f"{p}.mlp.experts.1.gate_proj.weight"])
+    assert torch.equal(tp1["mlp.experts.w13_weight"][1, inter:], hf[f"{p}.mlp.experts.1.up_proj.weight"])
+    # tp2: the ranks' parts put back together are the tp1 tensors
+    r = [engine_shard(hf, f"{p}.self_attn.qkv_proj.weight", 2, i, **kw) for i in range(2)]
+    assert torch.equal(torch.cat([r[0][:8], r[1][:8], r[0][8:12], r[1][8:12], r[0][12:], r[1][12:]]),
+                       tp1["self_attn.qkv_proj.weight"])
+    w13 = [engine_shard(hf, f"{p}.mlp.experts.w13_weight", 2, i, **kw) for i in range(2)]
+    assert torch.equal(torch.cat([w13[0][:, :3], w13[1][:, :3], w13[0][:, 3:], w13[1][:, 3:]], 1),
+                       tp1["mlp.experts.w13_weight"])
+    w2 = [engine_shard(hf, f"{p}.mlp.experts.w2_weight", 2, i, **kw) for i in range(2)]
+    assert torch.equal(torch.cat(w2, 2), tp1["mlp.experts.w2_weight"])
+    o = [engine_shard(hf, f"{p}.self_attn.o_proj.weight", 2, i, **kw) for i in range(2)]
+    assert torch.equal(torch.cat(o, 1), hf[f"{p}.self_attn.o_proj.weight"])
+    # tp4 with 2 kv heads: each kv head on two ranks
+    r = [engine_shard(hf, f"{p}.self_attn.qkv_proj.weight", 4, i, **kw) for i in range(4)]
+    assert torch.equal(r[2][4:8], k[4:8]) and torch.equal(r[3][8:], v[4:8]) and torch.equal(r[1][4:8], k[:4])
+    pad = [expert_layouts(hf, p, "mlp.experts.w2_weight", 2, i, ne)["padded"] for i in range(2)]
+    assert torch.equal(pad[0], tp1["mlp.experts.w2_weight"]) and not pad[1].any()
