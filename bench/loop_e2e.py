@@ -152,7 +152,7 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
     metrics = os.path.join(run_dir, "metrics.jsonl")
     log = open(os.path.join(a.out, "loop.log"), "w")
     seen: dict[int, float] = {}
-    visible = list(range(len(a.gpus.split(",")))) if not a.cpu else []
+    visible = [int(g) for g in a.gpus.split(",")] if not a.cpu else []  # NVML counts physical GPUs
     t_start = time.time()
     with BusySampler(visible) as sampler:
         proc = subprocess.Popen([MRL, "train", *overrides(a, hf, prompts, run_dir, steps)], cwd=REPO, env=_gpu_env(a),
@@ -249,7 +249,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true", help="CPU engine and trainer, tiny model, a small workload")
     ap.add_argument("--model", default="qwen3_30b_a3b_l12", help="a make_model preset (GPU)")
-    ap.add_argument("--gpus", default="0,1", help="GPUs the run sees (trainer ranks first, then the engines)")
+    ap.add_argument("--gpus", default="0,1",
+                    help="physical GPUs the run gets (CUDA_VISIBLE_DEVICES; trainer ranks first, then the engines)")
     ap.add_argument("--trainer-procs", type=int, default=1, help="trainer ranks (the layout's world size)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps, after --warmup")
     ap.add_argument("--warmup", type=int, default=2)
@@ -352,7 +353,8 @@ def plot_timeline(report: dict, path: str) -> None:
         ax = axes[0][1]
         ts = [t for t, _ in report["loop"]["busy_series"]]
         for i in range(len(report["loop"]["busy_series"][0][1])):
-            ax.plot(ts, [u[i] for _, u in report["loop"]["busy_series"]], lw=0.6, label=f"GPU {i}")
+            ax.plot(ts, [u[i] for _, u in report["loop"]["busy_series"]], lw=0.6,
+                    label=f"GPU {report['args']['gpus'].split(',')[i]}")
         w = report["loop"]["busy_window_s"]
         ax.axvspan(w[0], w[1], color="grey", alpha=0.15, label="timed steps")
         ax.set_xlabel("seconds since mrl train started")

@@ -46,8 +46,7 @@ job() {  # name gpus te
                  --engine-gpu $((n - 1)) --trainer-gpus 0 --out "$WORK/loop30b" ;;
       e2e*) args_var="E2E_ARGS_$name"
             # shellcheck disable=SC2086
-            timeout "$TIMEOUT" python3 bench/loop_e2e.py --out "$WORK/$name" \
-              --gpus "$(seq -s, 0 $((n - 1)))" ${!args_var:-} ;;
+            timeout "$TIMEOUT" python3 bench/loop_e2e.py --out "$WORK/$name" --gpus "$gpus" ${!args_var:-} ;;
       delivery) mkdir -p "$WORK/delivery"
                  timeout "$TIMEOUT" python3 bench/batch_delivery.py --nproc "$n" --dp "$n" --reps 12 \
                    --json "$WORK/delivery/batch_delivery.json" ;;
