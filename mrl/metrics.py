@@ -21,9 +21,9 @@ CURVES = [("reward", "train reward (sampled)"), ("eval/accuracy", "eval accuracy
           ("routing_disagreement", "routing disagreement, replay off"), ("kl_engine_replay_on", "KL engine->train"),
           (MISMATCH_KL, "KL engine->train by cause"), ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
 """(key or keys, title) per panel of curves.png; a panel of several keys draws one line each."""
-SYMLOG_FLOOR = 1e-9
+SYMLOG_FLOOR = 1e-15
 """Panels of several keys use a symmetric log scale, linear below this: KLs span decades (fp32 numerics
-at ~0 next to staleness at 1e-3), and the routing part (a difference) may be slightly negative."""
+near 1e-13 next to staleness near 1e-3), and the routing part (a difference) may be slightly negative."""
 PLAIN_EVERY = 10
 """Steps between progress lines when the console is not a terminal (a live bar only renders on one)."""
 
