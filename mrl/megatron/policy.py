@@ -20,10 +20,9 @@ import torch.distributed as dist
 from mrl.algo import compute_policy_loss
 from mrl._compat.te import HAVE_TE
 from mrl.config.schema import BadSupport, Config, DType
-from mrl.megatron import compat
+from mrl.megatron import compat, mismatch
 from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
-from mrl.megatron import mismatch
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
 from mrl.megatron.model import build_gpt_model, transformer_config, use_grouped_gemm
 from mrl.megatron.optim import build_optimizer, wrap_ddp
