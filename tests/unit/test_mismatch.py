@@ -104,3 +104,21 @@ def test_weights_version_follows_pushes_and_steps():
     assert v.current == 1
     v.synced(1)
     assert v.current == 1
+
+
+def test_build_batch_ships_each_tokens_version():
+    from mrl.config.schema import Config, RolloutConfig
+    from mrl.data.prompt import Prompt
+    from mrl.rollout.buffer import Group
+    from mrl.rollout.sample import Sample
+    from mrl.train import build_batch
+
+    def sample(versions):
+        n = len(versions)
+        return Sample(prompt_ids=[1, 2], group_id=0, index=0, max_new_tokens=n, response_ids=list(range(3, 3 + n)),
+                      response_logprobs=[-1.0] * n, versions=versions, loss_mask=[1] * n)
+
+    groups = [Group(Prompt(id="p", text="x", answer="y"), [sample([4, 4, 5]), sample([5, 5])], [1.0, 0.0])]
+    batch, _, _ = build_batch(groups, Config(rollout=RolloutConfig(n_samples_per_prompt=2)), with_routes=False)
+    assert batch.versions == [[4, 4, 5], [5, 5]]  # a partial rollout resumed across the v4 -> v5 sync
+    assert mismatch.batch_lags(batch.versions, 5) == [0, 1]
