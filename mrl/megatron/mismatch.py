@@ -1,10 +1,10 @@
 """The engine-vs-trainer logprob mismatch split by cause (``mismatch/*`` metrics; docs/keep_routing.md).
 
 Every response token carries the weight version that sampled it (``Sample.versions``); the trainer knows
-which version its own weights are (``Policy.weights_version``). Its lag is the difference:
+which version its own weights are (``Policy.version``, a ``WeightsVersion``). Its lag is the difference:
 
     numerics   lag 0: sampled by the very weights the trainer scores it with, routes replayed. What is
-               left is kernels and precision only (fp32 on CPU: ~0; bf16 on GPUs: small and steady).
+               left is kernels and precision only (fp32: zero up to rounding; bf16: set by the kernels).
                ``numerics_resumed``: those of its tokens in samples that hold older tokens too (partial
                rollouts resumed across a sync), whose prefix the engine recomputed under new weights.
     routing    the same lag-0 tokens scored with the trainer's own routing (replay off) minus replayed:
