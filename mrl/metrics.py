@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import Counter
 
 from rich.console import Console
@@ -14,9 +15,15 @@ from rich.table import Table
 
 from mrl._compat.te import trainer_spec
 
+MISMATCH_KL = ("mismatch/numerics_kl", "mismatch/routing_kl", "mismatch/stale_kl")
+"""The engine-vs-trainer KL by cause (``mrl.megatron.mismatch``; docs/keep_routing.md)."""
 CURVES = [("reward", "train reward (sampled)"), ("eval/accuracy", "eval accuracy (greedy, held out)"),
           ("routing_disagreement", "routing disagreement, replay off"), ("kl_engine_replay_on", "KL engine->train"),
-          ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
+          (MISMATCH_KL, "KL engine->train by cause"), ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
+"""(key or keys, title) per panel of curves.png; a panel of several keys draws one line each."""
+SYMLOG_FLOOR = 1e-15
+"""Panels of several keys use a symmetric log scale, linear below this: KLs span decades (fp32 numerics
+near 1e-13 next to staleness near 1e-3), and the routing part (a difference) may be slightly negative."""
 PLAIN_EVERY = 10
 """Steps between progress lines when the console is not a terminal (a live bar only renders on one)."""
 
@@ -62,8 +69,10 @@ class MetricsLog:
             self.tb.add_histogram("rollout/staleness", np.asarray(samples), step)
             metrics = metrics | {"staleness_hist": dict(sorted(staleness.items()))}
         self._record({"step": step, **metrics, **(extra or {})})
+        nan = float("nan")
         desc = (f"reward {metrics.get('reward', 0):.2f}  "
-                f"dis {metrics.get('routing_disagreement', float('nan')):.3f}  "
+                f"dis {metrics.get('routing_disagreement', nan):.3f}  "
+                "kl num/rt/stale " + "/".join(f"{metrics.get(k, nan):.1e}" for k in MISMATCH_KL) + "  "
                 f"sync {metrics.get('sync_seconds', 0):.2f}s  v{int(metrics.get('version', 0))}")
         self._bar.update(self.task, completed=step, description=desc)
         if self.plain and (step % PLAIN_EVERY == 0 or step == self.total):
@@ -92,7 +101,8 @@ class MetricsLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        present = [(k, t) for k, t in CURVES if self.series(k)[0]]
+        present = [(keys, t) for keys, t in CURVES
+                   if any(self.series(k)[0] for k in ((keys,) if isinstance(keys, str) else keys))]
         if not present:
             return
         cols = min(3, len(present))
@@ -100,9 +110,15 @@ class MetricsLog:
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
         for ax in axes.flat[len(present):]:
             ax.set_visible(False)
-        for ax, (k, title) in zip(axes.flat, present):
-            xs, ys = self.series(k)
-            ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
+        for ax, (keys, title) in zip(axes.flat, present):
+            many = not isinstance(keys, str)
+            for k in (keys if many else (keys,)):
+                xs, ys = self.series(k)
+                if xs:
+                    ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=k.split("/")[-1] if many else None)
+            if many:
+                ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
+                ax.legend(fontsize=7)
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -111,20 +127,22 @@ class MetricsLog:
         plt.close(fig)
 
     def summary(self, cfg) -> dict:
-        def first_last(key):
+        def first_last_median(key):
             _, ys = self.series(key)
-            return (ys[0], ys[-1]) if ys else (float("nan"), float("nan"))
+            if not ys:
+                return float("nan"), float("nan"), float("nan")
+            return ys[0], ys[-1], statistics.median(ys)
 
-        rows = {k: first_last(k) for k in ("reward", "success", "eval/accuracy", "routing_disagreement",
-                                           "kl_engine_replay_on", "kl_engine_replay_off", "sync_seconds",
-                                           "step_seconds")}
+        rows = {k: first_last_median(k) for k in ("reward", "success", "eval/accuracy", "routing_disagreement",
+                                                  "kl_engine_replay_on", "kl_engine_replay_off", *MISMATCH_KL,
+                                                  "mismatch/stale_is_cut_frac", "sync_seconds", "step_seconds")}
         table = Table(title=f"mrl train: {cfg.data.task} / {cfg.algo.loss.value} / {cfg.train.mode.value}")
-        for c in ("metric", "first", "last"):
+        for c in ("metric", "first", "last", "median"):
             table.add_column(c)
-        for k, (a, b) in rows.items():
-            table.add_row(k, f"{a:.4g}", f"{b:.4g}")
+        for k, (a, b, med) in rows.items():
+            table.add_row(k, f"{a:.4g}", f"{b:.4g}", f"{med:.4g}")
         self.console.print(table)
-        out = {k: {"first": a, "last": b} for k, (a, b) in rows.items()}
+        out = {k: {"first": a, "last": b, "median": med} for k, (a, b, med) in rows.items()}
         out["run"] = {"trainer_spec": trainer_spec(), "dtype": cfg.model.dtype.value, "model": cfg.model.hf_path,
                       "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "ep", "etp", "cp")}}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

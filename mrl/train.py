@@ -166,7 +166,8 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
                     support_log_mass=[s.support_log_mass for s in samples] if cfg.train.sampling_mask else None,
                     # multi-turn episodes: observation tokens (mask 0) are context, never trained
                     loss_mask=[list(s.loss_mask) or [1] * len(s.response_ids) for s in samples]
-                    if any(0 in s.loss_mask for s in samples) else None)
+                    if any(0 in s.loss_mask for s in samples) else None,
+                    versions=[list(s.versions) for s in samples])
     masks = torch.zeros(len(samples), max(len(t) for t in batch.tokens))
     for i, s in enumerate(samples):  # the normalizer counts trained tokens only (token-mean aggregations)
         masks[i, :len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1
@@ -547,6 +548,7 @@ class Loop:
         if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
             self.version += 1
             self.syncer.sync(str(self.version))
+        self.policy.version.synced(self.version)  # the engines' weights are the trainer's now
         self.verify_engines()
         self.duties.start_producing(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step,
                                     self.state.step)
@@ -601,6 +603,7 @@ class Loop:
             if joining:  # restarted engines: new groups with them; this sync gives them the weights
                 self.syncer.add(joining)
             rep = self.syncer.sync(str(self.version))
+            self.policy.version.synced(self.version)
         finally:
             if pause:
                 self.duties.undrain()

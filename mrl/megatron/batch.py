@@ -22,6 +22,9 @@ class WholeBatch:
     lengths: tuple[int, ...]
     support_width: int = 1
     support_unknown: int = 0
+    versions: tuple[int, ...] = ()
+    """The weight versions that sampled the batch's tokens (the mismatch split reports every version's lag
+    on every rank, so that its averages over ranks stay token-weighted)."""
 
     @classmethod
     def of(cls, batch: "RLBatch") -> "WholeBatch":
@@ -31,7 +34,8 @@ class WholeBatch:
         sup = batch.support or []
         return cls(lengths=tuple(len(t) for t in batch.tokens),
                    support_width=max([len(kept) for s in sup for kept in s] + [1]),
-                   support_unknown=sum(not kept for s in sup for kept in s))
+                   support_unknown=sum(not kept for s in sup for kept in s),
+                   versions=tuple(sorted({v for vs in batch.versions or [] for v in vs})))
 
 
 def dp_share(n: int, dp_size: int, dp_rank: int) -> range:
@@ -62,6 +66,9 @@ class RLBatch:
     loss_mask: list[list[int]] | None = None
     """Per sample, per response token: 1 = the model generated it (trained), 0 = not (a multi-turn
     episode's tool output: it is context only, its logprob and support are never used). None: all 1."""
+    versions: list[list[int]] | None = None
+    """Per sample, per response token: the weight version that sampled it (``Sample.versions``), for the
+    mismatch split by cause (``mrl.megatron.mismatch``). None: no split."""
     whole: WholeBatch | None = None
     """Set when this batch holds one DP rank's share of the step's batch: that batch's figures. None: this
     is the whole batch."""

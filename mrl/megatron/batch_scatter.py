@@ -6,7 +6,7 @@
 Every rank gets a small header as one pickled object (the sizes of every sample's fields, prompt lengths,
 advantages, the loss normalizer, the step's info figures, and the ``WholeBatch`` figures its micro-batch
 plan needs); the bulk goes point to point from rank 0, one contiguous byte buffer per destination: tokens,
-engine logprobs, routes, sampling supports (ragged: counts and ids), loss masks, each field in its own
+engine logprobs, routes, sampling supports (ragged: counts and ids), loss masks, token versions, each field in its own
 dtype (uint8 routes stay uint8). Ranks of one DP rank (TP, PP, CP peers) receive the same share: megatron's
 dense DP group holds the EP peers too, so an EP rank is a DP rank here. On NCCL the buffers travel as device
 tensors (rank 0 fills a pinned host buffer and copies it to its device). A one-rank world sends nothing.
@@ -72,6 +72,7 @@ _SOURCES: dict[str, Callable[[RLBatch, int], Any]] = {
     "support_ids": lambda b, i: [t for kept in b.support[i] for t in kept],
     "support_log_mass": lambda b, i: b.support_log_mass[i],
     "loss_mask": lambda b, i: b.loss_mask[i],
+    "versions": lambda b, i: b.versions[i],
 }
 
 
@@ -109,6 +110,8 @@ def make_header(batch: RLBatch, normalizer: float, info: dict[str, Any], dp_size
         fields.append(FieldSpec("support_log_mass", "float64", tuple(len(x) for x in batch.support_log_mass)))
     if _per_sample(batch, "loss_mask", batch.loss_mask) is not None:
         fields.append(FieldSpec("loss_mask", "uint8", tuple(len(x) for x in batch.loss_mask)))
+    if _per_sample(batch, "versions", batch.versions) is not None:
+        fields.append(FieldSpec("versions", "int32", tuple(len(x) for x in batch.versions)))
     return Header(whole=WholeBatch.of(batch), prompt_lens=list(batch.prompt_lens),
                   advantages=[float(a) for a in batch.advantages], fields=tuple(fields),
                   normalizer=float(normalizer), info=dict(info))
@@ -188,7 +191,7 @@ def decode(header: Header, share: range, buf: np.ndarray) -> RLBatch:
     return RLBatch(tokens=lists("tokens"), prompt_lens=header.prompt_lens[share.start:share.stop],
                    behav_logp=lists("behav_logp"), advantages=header.advantages[share.start:share.stop],
                    routes=routes, support=support, support_log_mass=lists("support_log_mass"),
-                   loss_mask=lists("loss_mask"), whole=header.whole, first=share.start)
+                   loss_mask=lists("loss_mask"), versions=lists("versions"), whole=header.whole, first=share.start)
 
 
 def share_of(batch: RLBatch, header: Header, share: range) -> RLBatch:
@@ -199,7 +202,7 @@ def share_of(batch: RLBatch, header: Header, share: range) -> RLBatch:
     return RLBatch(tokens=cut(batch.tokens), prompt_lens=cut(batch.prompt_lens), behav_logp=cut(batch.behav_logp),
                    advantages=cut(batch.advantages), routes=cut(batch.routes), support=cut(batch.support),
                    support_log_mass=cut(batch.support_log_mass), loss_mask=cut(batch.loss_mask),
-                   whole=header.whole, first=share.start)
+                   versions=cut(batch.versions), whole=header.whole, first=share.start)
 
 
 class BatchScatter:

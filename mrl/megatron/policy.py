@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mrl.algo import compute_policy_loss
 from mrl._compat.te import HAVE_TE
 from mrl.config.schema import BadSupport, Config, DType
-from mrl.megatron import compat
+from mrl.megatron import compat, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
 from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
@@ -118,6 +118,10 @@ class Policy:
         """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
         self.collector = StepCollector(freeze=t.gc_freeze, interval=t.gc_interval)
         self.collector.after_setup()
+        self.version = mismatch.WeightsVersion()
+        """Which engine weight version these weights are (the loop reports each push): each token's lag."""
+        self._replay_off_split: tuple[RLBatch, dict[str, float]] | None = None
+        """``routing_metrics``' lag-0 sums with replay off, for the routing part of the same batch's step."""
 
     def capture_reference(self) -> None:
         """The current weights become the KL reference (the loop calls it when RL starts)."""
@@ -147,9 +151,12 @@ class Policy:
         return export_peft(self.module, self.layout, self.bridge, self.lora, dst=dst, dtype=dtype)
 
     # -- batches ---------------------------------------------------------------------------------
-    def _micro_batches(self, batch: RLBatch, with_routes: bool) -> tuple[list[MicroBatch], list[int]]:
+    def _micro_batches(self, batch: RLBatch, with_routes: bool,
+                       version: int | None = None) -> tuple[list[MicroBatch], list[int]]:
         """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices (in
-        the whole batch). ``batch`` is the whole batch or this DP rank's share of it: the same plan."""
+        the whole batch). ``batch`` is the whole batch or this DP rank's share of it: the same plan.
+        ``version``: the trainer's (``WeightsVersion.current``); with ``batch.versions`` each token's lag behind
+        it goes along as ``data["lag"]``."""
         dp, r = self.layout.dp.size, self.layout.dp.rank
         whole = WholeBatch.of(batch)
         lengths = list(whole.lengths)
@@ -164,11 +171,11 @@ class Policy:
                 size -= 1
             plan = [(mine[j:j + size], None) for j in range(0, len(mine), size)]
         seq = round_up(max(lengths), self.layout.tp.size)  # SP splits S over TP
-        return [self._micro_batch(batch, idx, pk, pk.width if pk else seq, with_routes, whole.support_width)
+        return [self._micro_batch(batch, idx, pk, pk.width if pk else seq, with_routes, whole.support_width, version)
                 for idx, pk in plan], mine
 
     def _micro_batch(self, batch: RLBatch, idx: list[int], pk: Packing | None, width: int,
-                     with_routes: bool, support_width: int) -> MicroBatch:
+                     with_routes: bool, support_width: int, version: int | None = None) -> MicroBatch:
         """Samples ``idx`` (of the whole batch) one per row of ``width`` tokens (the loss layout), packed into
         rows if ``pk``. ``valid`` (positions the engine routed) stays in the input's row layout, for routing
         metrics."""
@@ -178,6 +185,7 @@ class Policy:
         behav = torch.zeros(size, width - 1)
         adv = torch.zeros(size)
         valid = torch.zeros(size, width)  # rows the engine routed: every token but the last
+        lag = torch.zeros(size, width - 1, dtype=torch.int32) if version is not None and batch.versions else None
         sup = batch.support if self.support_spec is not None else None
         support = [[[] for _ in range(width - 1)] for _ in idx] if sup is not None else None
         routes = []
@@ -194,6 +202,8 @@ class Policy:
                 mask[b, p - 1:p - 1 + resp] = _host(trained, np.float32)
             behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[at][:resp], np.float32)
             adv[b] = batch.advantages[at]
+            if lag is not None:
+                lag[b, p - 1:p - 1 + resp] = version - _host(batch.versions[at][:resp], np.int32)
             valid[b, :len(toks) - 1] = 1.0
             if with_routes:
                 routes.append(align_routes(batch.routes[at], width, self.codec.num_experts))
@@ -219,8 +229,10 @@ class Policy:
             if support_t is not None:
                 support_t = pk.pack_predictions(support_t, -1)
         dev = compat.to_device  # asynchronous copies from pinned memory: the host keeps running ahead
-        return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None,
-                          {"mask": dev(mask), "behav": dev(behav), "adv": dev(adv), "valid": dev(valid)},
+        data = {"mask": dev(mask), "behav": dev(behav), "adv": dev(adv), "valid": dev(valid)}
+        if lag is not None:
+            data["lag"] = dev(lag)
+        return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None, data,
                           packing=pk, support=dev(support_t) if support_t is not None else None)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -229,7 +241,8 @@ class Policy:
         if self.support_spec is not None and batch.support is None:
             raise ValueError("train.sampling_mask=true but the batch carries no sampling supports (the rollout "
                              "must ask for top logprobs and rebuild them: sampling_mask.engine_support)")
-        mbs, _ = self._micro_batches(batch, replay)
+        version = self.version.current
+        mbs, _ = self._micro_batches(batch, replay, version)
         algo = self.cfg.algo
 
         driver = self.replay if replay else None
@@ -261,6 +274,7 @@ class Policy:
         if stepped is None:  # no update, no scheduler step (as megatron skips an overflow)
             return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
         ok, grad_norm = stepped
+        self.version.stepped(bool(ok))
         self.scheduler.step(increment=1)
         metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
                                    "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
@@ -269,14 +283,19 @@ class Policy:
         if outs:
             metrics |= _mean_metrics(outs)
             metrics |= self._engine_gap(outs, mbs, "replay_on" if replay else "replay_off")
-        return self._reduce(metrics)
+            metrics |= mismatch.split_sums(WholeBatch.of(batch).versions, outs, mbs, version, replay, algo)
+            off, self._replay_off_split = self._replay_off_split, None
+            if replay and off is not None and off[0] is batch:
+                metrics |= off[1]
+        return mismatch.ratios(self._reduce(metrics), self.layout.dp.size)
 
     def routing_metrics(self, batch: RLBatch) -> dict[str, float]:
         """Natural routing (RECORD, no replay) vs the engine's: disagreement rate, and the train-vs-engine
         logprob gap with replay off (the replay-on gap comes with the training step itself)."""
         if batch.routes is None:
             return {}
-        mbs, _ = self._micro_batches(batch, True)
+        version = self.version.current
+        mbs, _ = self._micro_batches(batch, True, version)
         self.record.recorded.clear()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                 forward_only=True, driver=self.record, support=self.support_spec,
@@ -290,6 +309,8 @@ class Policy:
         metrics = {"routing_disagreement": _mean(rates)} if rates else {}
         if outs:
             metrics |= self._engine_gap(outs, mbs, "replay_off")
+            split = mismatch.split_sums(WholeBatch.of(batch).versions, outs, mbs, version, False, None)
+            self._replay_off_split = (batch, split) if split else None
         return self._reduce(metrics)
 
     def _engine_gap(self, outs, mbs, tag: str) -> dict[str, float]:

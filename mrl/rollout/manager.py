@@ -19,8 +19,13 @@ hung engine holds neither the rollouts nor a drain.
 
 Routes: each call asks only for the rows its input adds (``routed_experts_start_len`` = rows the sample
 already holds, SGLang 0.5.14); a resumed segment or a later turn of an episode appends its rows, so no
-call returns the whole history again. ``generate_turn`` drives one model turn of a multi-turn episode
-(``mrl.rollout.multiturn``) with the same machinery.
+call returns the whole history again -- unless the weights may have changed since the sample's rows were
+routed (a drain for a weight sync came between, or a newer LoRA adapter serves it): the engine then
+recomputes the whole prefix under the new weights (its cache was flushed, or is keyed on the adapter),
+routing it anew, and the call asks for every row and replaces the sample's. Replaying the old rows would
+make the trainer compute the prefix with routes the engine no longer used, so even the tokens sampled by
+the trainer's own weights would differ from the engine's logprobs. ``generate_turn`` drives one model
+turn of a multi-turn episode (``mrl.rollout.multiturn``) with the same machinery.
 
 LoRA (``adapters``, ``mrl.rollout.lora.AdapterRouter``): each call names the newest adapter version loaded
 on every engine, and its tokens get that version (the policy version is the adapter's; the engine's own
@@ -44,6 +49,10 @@ from mrl.rollout.protocol import EngineHTTPError, EngineHung, EngineProtocolErro
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.routing.codec import RoutesCodec, RoutesError
 from mrl.routing.sampling_mask import engine_support
+
+
+ROUTES_WEIGHTS = "routes_weights"
+"""``Sample.metadata`` key: which weights routed the sample's rows (drains so far, LoRA adapter version)."""
 
 
 class NoEngineAvailable(RuntimeError):
@@ -123,6 +132,8 @@ class RolloutManager:
         self._seq = itertools.count()
         self._gate = asyncio.Event()  # cleared while drained for a weight sync: no request may start
         self._gate.set()
+        self._drains = 0
+        """Drains so far: each may precede new weights (and a flushed cache)."""
 
     def add_engine(self, client: EngineClient) -> None:
         """A new engine (a restarted one, its weights already current) takes requests from now on. Call it
@@ -203,16 +214,20 @@ class RolloutManager:
         slot = self._pick()
         rid = f"{self.run_id}-g{sample.group_id}-s{sample.index}-{next(self._seq)}"
         inputs = sample.tokens
-        start_row = sample.route_rows if self.codec is not None else 0
         async with slot.sem:
             await self._gate.wait()  # after the semaphore: a call queued on it must not slip past a drain
             if not slot.healthy:
                 return None
+            adapter = self.adapters.acquire(slot.client.url) if self.adapters is not None else None
+            # read after the gate: a drain while this call waited there counts
+            weights = f"{self._drains}:{adapter[1] if adapter else ''}"
+            start_row = sample.route_rows if self.codec is not None else 0
+            if start_row and sample.metadata.get(ROUTES_WEIGHTS) != weights:
+                start_row = 0  # the prefix is routed anew: every row, replacing the sample's
             loop = asyncio.get_running_loop()
             if not slot.inflight:  # the engine owes no answer yet: its silence is counted from now
                 slot.progress = loop.time()
             slot.inflight += 1
-            adapter = self.adapters.acquire(slot.client.url) if self.adapters is not None else None
             try:
                 params = self.sampling.to_request(budget)
                 if self.sampling.seed is not None:  # a function of the sample, not of timing or engine
@@ -245,7 +260,7 @@ class RolloutManager:
                     self.adapters.release(slot.client.url, adapter)
         slot.served += 1
         try:
-            return self._apply(sample, inputs, out, budget, start_row, adapter[1] if adapter else None)
+            return self._apply(sample, inputs, out, budget, start_row, adapter[1] if adapter else None, weights)
         except (RoutesError, ValueError) as e:
             self._retry_or_fail(sample, e)
             return None
@@ -298,7 +313,7 @@ class RolloutManager:
             sample.error = f"gave up after {self.max_retries} retries: {err}"
 
     def _apply(self, sample: Sample, inputs: list[int], out: GenerateOutput, budget: int,
-               start_row: int, adapter_version: int | None = None) -> str | None:
+               start_row: int, adapter_version: int | None = None, weights: str | None = None) -> str | None:
         new = out.output_ids
         if len(new) > budget:
             raise ValueError(f"engine returned {len(new)} tokens for a budget of {budget}")
@@ -328,7 +343,9 @@ class RolloutManager:
         sample.versions += [version] * len(new)
         sample.loss_mask += [1] * len(new)
         if routes is not None:
-            sample.routes = routes if sample.routes is None else np.concatenate([sample.routes, routes])
+            fresh = sample.routes is None or start_row == 0
+            sample.routes = routes if fresh else np.concatenate([sample.routes, routes])
+            sample.metadata[ROUTES_WEIGHTS] = weights
         sample.num_segments += 1
         self.stats.segments += 1
         self.stats.prompt_tokens += out.prompt_tokens or 0
@@ -350,6 +367,7 @@ class RolloutManager:
         cost >= 1 s. Aborts land within one decode step; they are re-sent until every call is back
         (a request that reached the engine after an abort would otherwise run to completion)."""
         self._gate.clear()
+        self._drains += 1
         if self.adapters is not None and not self._holding:  # engines may be paused next: no unload
             self._holding = True
             self.adapters.hold()

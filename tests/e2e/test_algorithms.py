@@ -40,6 +40,12 @@ def test_dapo_overlap_with_kl_to_reference_syncing_every_second_step(tmp_path):
     assert steps[0]["kl_ref"] == 0.0
     assert all(r["kl_ref"] > 0.0 for r in steps[2:])
     assert all(k in steps[-1] for k in ("clip_frac_high", "clip_frac_low", "is_weight_mean"))
+    # the mismatch split knows the trainer's weights from its pushes: after an unpushed update (steps 2 and 4)
+    # no token was sampled by them, and every token counts as stale; step 1 trains on v1's own tokens, exactly
+    assert [r["mismatch/numerics_tokens"] == 0 for r in steps][1::2] == [True, True]
+    assert all(r["mismatch/stale_tokens"] > 0 for r in steps[1::2])
+    assert steps[0]["mismatch/numerics_tokens"] > 0 and steps[0]["mismatch/numerics_kl"] <= 1e-6
+    assert all(r["mismatch/numerics_kl"] <= 1e-6 for r in steps if r["mismatch/numerics_tokens"] > 0)
 
 
 def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
@@ -70,6 +76,9 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     assert all(r["clip_frac_high"] == 0.0 and r["clip_frac_low"] == 0.0 for r in steps)
     assert all(r["support_unknown_tokens"] == 0 and r["outside_support_tokens"] == 0 for r in steps)
     assert all(r["logprob_diff_replay_on"] < 1e-4 for r in steps)
+    # sync mode: every token was sampled by the weights the trainer scores it with (the numerics part only)
+    assert all(r["mismatch/stale_tokens"] == 0 and r["mismatch/numerics_tokens"] > 0
+               and r["mismatch/numerics_kl"] <= 1e-6 for r in steps), steps
     assert all(r["rollout/env_episodes"] > 0 for r in steps)  # the samples were episodes of the environment
 
 
@@ -85,3 +94,7 @@ def test_dapo_on_multi_turn_episodes(tmp_path):
     assert steps[-1]["rollout/groups_no_signal"] > 0
     assert all(r["rollout/env_turns_per_episode"] > 1.2 for r in steps)  # tool calls, observations, answers
     assert all(k in steps[-1] for k in ("clip_frac_high", "clip_frac_low", "is_weight_mean"))
+    # episodes whose turns span a sync included: the trainer's own tokens match the engine's exactly (fp32)
+    exact = [r for r in steps if r["mismatch/numerics_tokens"] > 0]
+    assert exact and all(r["mismatch/numerics_kl"] <= 1e-6 and r["mismatch/numerics_logprob_diff"] <= 1e-6
+                         for r in exact), steps

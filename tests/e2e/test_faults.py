@@ -364,6 +364,11 @@ def test_trainer_rank_killed_exits_clearly_naming_the_checkpoint(tmp_path, relia
     left = [(p.pid, _cmdline(p)[:120]) for p in under_job if _alive(p)]
     assert not left, f"processes of the job survived it: {left}"
     done_before = max(r["step"] for r in _steps(run))
+    # the steps done before the kill: EP2 (DP2) sums the mismatch split over both DP ranks, and the tokens
+    # sampled by the trainer's own weights match the engine's exactly (fp32, replay on)
+    exact = [r for r in _steps(run) if r["mismatch/numerics_tokens"] > 0]
+    assert exact and all(r["mismatch/numerics_kl"] <= 1e-6 and r["mismatch/numerics_logprob_diff"] <= 1e-6
+                         for r in exact), _steps(run)
 
     reliability.record(
         category="fault", name=f"trainer rank {victim_rank} SIGKILLed", survived=True,

@@ -16,7 +16,7 @@ def make_batch(n: int = 8, *, routes_dtype=np.uint8, support: bool = True, loss_
                seed: int = 0) -> RLBatch:
     """Ragged samples with every optional field: supports of 0-5 ids per token, some empty (not rebuilt)."""
     g = np.random.default_rng(seed)
-    tokens, plens, behav, routes, sup, mass, masks = [], [], [], [], [], [], []
+    tokens, plens, behav, routes, sup, mass, masks, vers = [], [], [], [], [], [], [], []
     for _ in range(n):
         p, r = int(g.integers(2, 6)), int(g.integers(1, 9))
         tokens.append(g.integers(0, 151_000, p + r).tolist())
@@ -27,13 +27,15 @@ def make_batch(n: int = 8, *, routes_dtype=np.uint8, support: bool = True, loss_
         sup.append([sorted(g.choice(151_000, int(g.integers(0, 6)), replace=False).tolist()) for _ in range(r)])
         mass.append((-g.random(r)).tolist())
         masks.append(g.integers(0, 2, r).tolist())
+        vers.append(np.sort(g.integers(3, 6, r)).tolist())  # a partial rollout's tokens span versions
     return RLBatch(tokens=tokens, prompt_lens=plens, behav_logp=behav, advantages=g.normal(size=n).tolist(),
                    routes=routes, support=sup if support else None, support_log_mass=mass if support else None,
-                   loss_mask=masks if loss_mask else None)
+                   loss_mask=masks if loss_mask else None, versions=vers)
 
 
 def assert_same_samples(got: RLBatch, want: RLBatch) -> None:
-    for name in ("tokens", "prompt_lens", "behav_logp", "advantages", "support", "support_log_mass", "loss_mask"):
+    for name in ("tokens", "prompt_lens", "behav_logp", "advantages", "support", "support_log_mass", "loss_mask",
+                 "versions"):
         assert getattr(got, name) == getattr(want, name), name  # floats compared exactly
     assert (got.routes is None) == (want.routes is None)
     for a, b in zip(got.routes or [], want.routes or []):
@@ -58,11 +60,11 @@ def test_every_share_round_trips_exactly(routes_dtype, dp):
 
 def test_none_fields_stay_none():
     batch = make_batch(support=False, loss_mask=False)
-    batch.routes = None
+    batch.routes = batch.versions = None
     header = make_header(batch, 1.0, {}, 2)
     assert [f.name for f in header.fields] == ["tokens", "behav_logp"]
     got = decode(header, range(4, 8), encode(batch, header, range(4, 8)))
-    assert got.routes is got.support is got.support_log_mass is got.loss_mask is None
+    assert got.routes is got.support is got.support_log_mass is got.loss_mask is got.versions is None
     assert_same_samples(got, share_of(batch, header, range(4, 8)))
 
 
