@@ -182,6 +182,12 @@ class ParallelConfig:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
+    @property
+    def local_world_size(self) -> int:
+        """Trainer processes ``mrl train`` starts on one machine: ``world_size``, else the smallest world that
+        holds both the dense (tp*pp*cp) and the expert (ep*etp*pp) layout."""
+        return self.world_size or max(self.tp * self.pp * self.cp, self.ep * self.expert_tp * self.pp)
+
     def check_world_size(self, world_size: int) -> None:
         """Raise a ValueError naming the fields when the layout does not fit ``world_size`` ranks."""
         mp = self.model_parallel_size
