@@ -72,11 +72,16 @@ def check_run_dir(cfg: Config, where: str) -> str | None:
 
 def check_layout(cfg: Config, where: str) -> str | None:
     """The trainer's world size fits parallel.* (the model's own constraints are checked with the model)."""
-    if cfg.cluster.kind.value == "slurm" and where == SUBMIT:
-        c = cfg.cluster
+    from mrl.config.schema import ClusterKind
+
+    c = cfg.cluster
+    if where == SUBMIT and c.kind == ClusterKind.slurm:
         world, how = c.num_train_nodes * c.nproc_per_node, (
             f" (trainer world size = cluster.num_train_nodes * cluster.nproc_per_node = "
             f"{c.num_train_nodes}*{c.nproc_per_node})")
+    elif (nodes := os.environ.get("PET_NNODES", "").split(":")[-1]).isdigit() and (
+            per := os.environ.get("PET_NPROC_PER_NODE", "")).isdigit():  # a Slurm trainer node: torchrun's world
+        world, how = int(nodes) * int(per), f" (trainer world size = PET_NNODES * PET_NPROC_PER_NODE = {nodes}*{per})"
     else:
         world, how = cfg.parallel.local_world_size, ""
     try:

@@ -177,6 +177,22 @@ def test_run_dir_others_can_write_is_refused_as_before(tmp_path):
     assert msg.startswith(f"run_dir={shared} is writable by others (mode 0777)"), msg
 
 
+def test_on_a_slurm_trainer_node_the_world_is_torchruns(monkeypatch):
+    """``mrl train`` on a node of a multi-node trainer: the world is PET_NNODES * PET_NPROC_PER_NODE, not the
+    smallest one the layout fits."""
+    from mrl.config.load import compose
+    from mrl.preflight import check_layout
+
+    layout = ["parallel.world_size=null", "parallel.tp=2", "parallel.ep=3", "parallel.etp=1"]
+    assert check_layout(compose(layout), "local").startswith("parallel.tp/pp/cp: world size 3")  # one machine
+    monkeypatch.setenv("PET_NNODES", "2")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    assert check_layout(compose(layout), "local") is None  # 6 ranks hold tp=2 and ep=3
+    assert check_layout(compose(["parallel.world_size=null", "parallel.tp=4"]), "local") == (
+        "parallel.tp/pp/cp: world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4 (trainer world size = "
+        "PET_NNODES * PET_NPROC_PER_NODE = 2*3)")
+
+
 def test_a_taken_port_is_named(tmp_path):
     from mrl.config.load import compose
     from mrl.preflight import check_ports
