@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import socket
 import sys
 from typing import Callable
@@ -279,6 +280,31 @@ def _safetensors_files(path: str) -> tuple[list[str], str | None]:
     return files, None if files else "no *.safetensors files"
 
 
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts\.)(?P<e>\d+)(?P<rest>\..+)$")
+
+
+def expert_gaps(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Per-expert tensors (``<layer>.experts.<e>.<proj>``, the hub layout) that a layer lacks or holds in
+    another shape than its other experts: seen from the headers alone, before the bridge (whose config costs
+    the import of transformers) names every expected tensor."""
+    layers: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}
+    for name, shape in shapes.items():
+        if m := _EXPERT.match(name):
+            layers.setdefault(m["layer"], {}).setdefault(m["rest"], {})[int(m["e"])] = shape
+    missing, odd = [], []
+    for layer, projs in sorted(layers.items()):
+        experts = set().union(*projs.values())
+        experts |= set(range(max(experts) + 1))
+        for rest, found in sorted(projs.items()):
+            missing += [f"{layer}{e}{rest}" for e in sorted(experts - set(found))]
+            common = max(set(found.values()), key=list(found.values()).count)
+            odd += [f"{layer}{e}{rest} is {list(s)}, its layer's other experts {list(common)}"
+                    for e, s in sorted(found.items()) if s != common]
+    problems = ([f"missing tensors: {missing[:5]}" + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")]
+                if missing else []) + (["mis-shaped tensors: " + "; ".join(odd[:3])] if odd else [])
+    return "checkpoint is incomplete: " + "; ".join(problems) if problems else None
+
+
 def check_model(cfg: Config, where: str) -> str | None:
     """config.json of a mapped architecture, tokenizer.json of this model, every tensor the bridge needs with
     its shape (headers only: a truncated file is one whose header does not cover it), a layout that can
@@ -301,12 +327,15 @@ def check_model(cfg: Config, where: str) -> str | None:
         return _model_msg(path, why)
     from safetensors import safe_open
 
+    shapes: dict[str, tuple[int, ...]] = {}
     for fn in files:
         try:
             with safe_open(fn, framework="numpy") as f:  # the header only; numpy: no torch for this
-                f.keys()
+                shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
         except Exception as e:  # safetensors raises its own error type for a bad or truncated header
             return _model_msg(path, f"{os.path.basename(fn)}: not a complete safetensors file ({e})")
+    if why := expert_gaps(shapes):
+        return _model_msg(path, why)
     from mrl.models import get_bridge
     from mrl.models.checkpoint import HFCheckpoint, check_tokenizer
 

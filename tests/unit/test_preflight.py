@@ -48,15 +48,28 @@ def _truncated(tiny, tmp_path) -> str:
     return path
 
 
-def _missing_expert(tiny, tmp_path) -> str:
+def _edited(tiny, tmp_path, edit) -> str:
     from safetensors.torch import load_file, save_file
 
     path = _copy(tiny, tmp_path)
     f = os.path.join(path, "model.safetensors")
     tensors = load_file(f)
-    del tensors[EXPERT]
+    edit(tensors)
     save_file(tensors, f, metadata={"format": "pt"})
     return path
+
+
+def _missing_expert(tiny, tmp_path) -> str:
+    return _edited(tiny, tmp_path, lambda t: t.pop(EXPERT))
+
+
+def _mis_shaped_expert(tiny, tmp_path) -> str:
+    return _edited(tiny, tmp_path, lambda t: t.update({EXPERT: t[EXPERT][:, :-1].contiguous()}))
+
+
+def _missing_norm(tiny, tmp_path) -> str:
+    """A tensor only the bridge knows is needed (no sibling shows it is missing)."""
+    return _edited(tiny, tmp_path, lambda t: t.pop("model.norm.weight"))
 
 
 def _no_tokenizer(tiny, tmp_path) -> str:
@@ -122,6 +135,11 @@ CASES = {
     "model missing one expert tensor": (
         lambda tiny, t: [f"model.hf_path={_missing_expert(tiny, t)}"],
         ["model.hf_path=", f"missing tensors: ['{EXPERT}']"]),
+    "model with one expert tensor of another shape": (
+        lambda tiny, t: [f"model.hf_path={_mis_shaped_expert(tiny, t)}"],
+        ["model.hf_path=", f"mis-shaped tensors: {EXPERT} is [64, 31], its layer's other experts [64, 32]"]),
+    "model missing its final norm": (lambda tiny, t: [f"model.hf_path={_missing_norm(tiny, t)}"],
+                                     ["model.hf_path=", "missing tensors: ['model.norm.weight']"]),
     "model without a tokenizer": (lambda tiny, t: [f"model.hf_path={_no_tokenizer(tiny, t)}"],
                                   ["model.hf_path=", "tokenizer.json: missing"]),
     "layout that cannot shard the model": (
@@ -233,6 +251,17 @@ def test_a_good_config_passes(tiny, tmp_path):
         cfg = compose([f"model.hf_path={tiny}", f"run_dir={tmp_path / 'run'}", *overrides])
         assert run_preflight(cfg) == [], overrides
     assert not (tmp_path / "run").exists()
+
+
+def test_every_built_in_checkpoint_passes_the_model_check(ckpt_dir):
+    """No false alarm from the header-only expert check or the bridge's: each family's tiny checkpoint (dense
+    first layers, shared experts, MoE every 2nd layer, multi-token-prediction layers) passes."""
+    from mrl.config.load import compose
+    from mrl.preflight import check_model
+
+    for preset, path in sorted(ckpt_dir.items()):
+        assert check_model(compose([f"model.hf_path={path}", "model.make_tiny_if_missing=false"]), "local") is None, \
+            preset
 
 
 def _leftovers(marker: str) -> list[str]:
