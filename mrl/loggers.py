@@ -141,6 +141,7 @@ class WandbLogger(Logger):
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # W&B's service process (wandb-core) ends with the run, not at interpreter exit
 
 
 class MlflowLogger(Logger):

@@ -126,8 +126,11 @@ def test_every_tracker_gets_config_metrics_and_curves(offline):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    import psutil
+
     cfg = offline
     _drive(cfg)
+    assert not psutil.Process().children(recursive=True)  # W&B's service process ended with the run
     want = _expected(cfg.run_dir)
     assert len(want) == len(SFT) + STEPS * 4 + STEPS // 2  # every scalar: warm start, 4 per step, evals
 
