@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import sys
+import threading
 import time
 from typing import Any
 
@@ -155,6 +158,7 @@ class MlflowLogger(Logger):
     MAX_PARAMS = 100  # MLflow's limit on parameters in one log_batch
     MAX_METRICS = 1000  # and on metrics
     MAX_PARAM_CHARS = 6000  # a longer value is refused; cut, and the whole config is in config.json
+    CLOSE_TIMEOUT_S = 120.0  # the queued calls' last chance at the end of the run
 
     def __init__(self, cfg, run_id: str | None):
         _require("mlflow", self.name)
@@ -174,18 +178,38 @@ class MlflowLogger(Logger):
             run_id = self.client.create_run(exp_id, run_name=_run_name(cfg),
                                             tags={"mrl.run_dir": os.path.abspath(cfg.run_dir)}).info.run_id
         self.run_id = run_id
+        # the calls are HTTP to a tracking server: sent from a thread of their own so that a slow or
+        # unreachable server never holds up a training step; the first failure is reported, the run goes on
+        self._calls: queue.Queue = queue.Queue()
+        self.error: Exception | None = None
+        self._sender = threading.Thread(target=self._send, name="mlflow-logger", daemon=True)
+        self._sender.start()
+
+    def _send(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args, kwargs = call
+            try:
+                fn(*args, **kwargs)
+            except Exception as e:  # any failure of the tracker: reported once, never the run's
+                if self.error is None:
+                    print(f"[mrl] logger=mlflow: {type(e).__name__}: {e} (further MLflow errors not shown)",
+                          file=sys.stderr, flush=True)
+                self.error = e
+
+    def _call(self, fn, *args, **kwargs) -> None:
+        self._calls.put((fn, (self.run_id, *args), kwargs))
 
     def log_config(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        self.client.log_dict(self.run_id, config, "config.json")
+        self._call(self.client.log_dict, config, "config.json")
         if self.resumed:  # MLflow parameters cannot change: the run's first start logged them
             return
         params = [Param(k, json.dumps(v) if not isinstance(v, str) else v)
                   for k, v in sorted(flatten(config).items())]
         params = [Param(p.key, p.value[:self.MAX_PARAM_CHARS]) for p in params]
         for i in range(0, len(params), self.MAX_PARAMS):
-            self.client.log_batch(self.run_id, params=params[i:i + self.MAX_PARAMS])
+            self._call(self.client.log_batch, params=params[i:i + self.MAX_PARAMS])
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -193,13 +217,19 @@ class MlflowLogger(Logger):
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(batch), self.MAX_METRICS):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + self.MAX_METRICS])
+            self._call(self.client.log_batch, metrics=batch[i:i + self.MAX_METRICS])
 
     def log_image(self, key: str, path: str) -> None:
-        self.client.log_artifact(self.run_id, path)
+        self._call(self.client.log_artifact, path)
 
     def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+        """Send what is queued (at most ``CLOSE_TIMEOUT_S``), then end the MLflow run."""
+        self._call(self.client.set_terminated)
+        self._calls.put(None)
+        self._sender.join(self.CLOSE_TIMEOUT_S)
+        if self._sender.is_alive():
+            print(f"[mrl] logger=mlflow: {self._calls.qsize()} calls not sent within {self.CLOSE_TIMEOUT_S:.0f} s "
+                  "of the run's end; the MLflow run lacks them", file=sys.stderr, flush=True)
 
 
 def make_loggers(cfg, *, resuming: bool = False) -> list[Logger]:

@@ -192,3 +192,31 @@ def test_a_tracker_not_installed_names_logger_and_extra(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"^logger=wandb: the wandb package is not installed .*; "
                                           r"pip install 'mrl\[tracking\]'$"):
         make_loggers(cfg)
+
+
+def test_a_failing_tracking_server_neither_stops_nor_holds_the_run(tmp_path, monkeypatch, capsys):
+    """MLflow's calls (HTTP to a server) go out from a thread of their own: a server that hangs and then fails
+    costs the loop nothing, and its first error is one line."""
+    import time
+
+    from mrl.config.load import compose
+    from mrl.loggers import MlflowLogger
+
+    cfg = compose([f"run_dir={tmp_path}", "logger=[mlflow]", "tracking.offline=true"])
+    lg = MlflowLogger(cfg, None)
+    calls = []
+
+    def down(*args, **kwargs):
+        calls.append(kwargs)
+        time.sleep(0.2)
+        raise ConnectionError("tracking server down")
+
+    monkeypatch.setattr(lg.client, "log_batch", down)
+    t0 = time.perf_counter()
+    for step in range(5):
+        lg.log_metrics(step, {"train/reward": 1.0})
+    assert time.perf_counter() - t0 < 0.1  # 5 calls of 0.2 s each: none waited for
+    lg.close()
+    assert len(calls) == 5  # every call was made before close() returned
+    err = [line for line in capsys.readouterr().err.splitlines() if "logger=mlflow" in line]
+    assert err == ["[mrl] logger=mlflow: ConnectionError: tracking server down (further MLflow errors not shown)"]
