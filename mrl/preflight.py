@@ -322,6 +322,9 @@ def check_model(cfg: Config, where: str) -> str | None:
             json.load(f)
     except (OSError, ValueError) as e:
         return _model_msg(path, f"config.json is not JSON ({e})")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):  # before the costly part; its content after
+        return _model_msg(path, "tokenizer.json: missing; the RL loop encodes prompts with the model's own "
+                          "tokenizer (tokenizers' tokenizer.json next to config.json)")
     files, why = _safetensors_files(path)
     if why:
         return _model_msg(path, why)
