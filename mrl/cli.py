@@ -1,12 +1,15 @@
 """``mrl`` command line: each sub-command is a Hydra app over ``conf/``.
 
     mrl train [overrides...]              the RL loop (tiny model, CPU engine, copy_last task by default)
+    mrl check [overrides...]              the preflight of train/launch alone: every input checked, nothing started
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
     mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
 
 Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
+``mrl train`` and ``mrl launch`` run the preflight (mrl/preflight.py) first: a bad input ends them with exit
+status 2 and one line per failed check, before the run directory is made or any process starts.
 """
 
 from __future__ import annotations
@@ -69,8 +72,7 @@ def ensure_model(cfg: Config) -> str:
 
 
 def trainer_world_size(cfg: Config) -> int:
-    p = cfg.parallel
-    return p.world_size or max(p.tp * p.pp * p.cp, p.ep * p.expert_tp * p.pp)
+    return cfg.parallel.local_world_size
 
 
 def check_model(cfg: Config) -> int:
@@ -88,12 +90,39 @@ def check_model(cfg: Config) -> int:
     return torchrun("mrl.jobs.check_model", args, trainer_world_size(cfg), capture=False).returncode
 
 
+PREFLIGHT_FAILED = 2
+"""Exit status of a failed preflight (a config that does not compose or validate exits 1, as Hydra's own)."""
+
+
+def preflight(cfg: Config, where: str | None = None) -> int:
+    """Run the preflight; print each failure as one line. 0, or ``PREFLIGHT_FAILED``."""
+    from mrl.preflight import LOCAL, run_preflight
+
+    failures = run_preflight(cfg, where or LOCAL)
+    for msg in failures:
+        print(f"[mrl] {msg}", file=sys.stderr, flush=True)
+    return PREFLIGHT_FAILED if failures else 0
+
+
+def check(cfg: Config) -> int:
+    """``mrl check``: the preflight of ``mrl train`` (``mrl launch`` for ``cluster=slurm``), nothing else."""
+    from mrl.config.schema import ClusterKind
+    from mrl.preflight import LOCAL, SUBMIT
+
+    code = preflight(cfg, SUBMIT if cfg.cluster.kind == ClusterKind.slurm else LOCAL)
+    if not code:
+        print(f"[mrl] preflight passed: run_dir={cfg.run_dir}, model.hf_path={cfg.model.hf_path}", flush=True)
+    return code
+
+
 def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
     """The RL loop (mrl/train.py, entered through ``module``) on the trainer ranks; rank 0 starts the engines."""
     from omegaconf import OmegaConf
 
     from mrl.process import torchrun
 
+    if code := preflight(cfg):
+        return code
     secure_run_dir(cfg.run_dir)
     path = ensure_model(cfg)
     if cfg.model.hf_path != path:
@@ -175,13 +204,14 @@ def engine(cfg: Config) -> int:
 
 def launch(argv: list[str]) -> int:
     """``mrl launch``: not a Hydra app, because it takes flags of its own (--dry-run, --wait); it composes
-    the overrides itself (mrl/cluster/launch.py)."""
+    the overrides itself (mrl/cluster/launch.py), then runs the preflight of a submitted job."""
     from mrl.cluster.launch import main as launch_main
+    from mrl.preflight import SUBMIT
 
-    return launch_main(argv)
+    return launch_main(argv, preflight=lambda cfg: preflight(cfg, SUBMIT))
 
 
-COMMANDS = {"train": train, "check-model": check_model, "engine": engine}
+COMMANDS = {"train": train, "check": check, "check-model": check_model, "engine": engine}
 
 
 def main() -> None:

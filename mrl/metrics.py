@@ -1,6 +1,7 @@
 """What a run shows: a rich progress bar (a plain line every ``PLAIN_EVERY`` steps when the console is not
-a terminal: logs, CI, Slurm), TensorBoard scalars, metrics.jsonl, a PNG of the curves and a one-screen
-summary at the end. Controller (rank 0) only."""
+a terminal: logs, CI, Slurm), metrics.jsonl, a PNG of the curves, a one-screen summary at the end, and the
+experiment trackers of ``logger`` (TensorBoard by default, W&B, MLflow: ``mrl.loggers``), which get the
+config, every scalar at its step and the curves. Controller (rank 0) only."""
 
 from __future__ import annotations
 
@@ -28,13 +29,24 @@ PLAIN_EVERY = 10
 """Steps between progress lines when the console is not a terminal (a live bar only renders on one)."""
 
 
+def tracker_key(key: str) -> str:
+    """The trackers' name of a step metric of ``metrics.jsonl``: ``train/<key>`` unless it has a section."""
+    return key if "/" in key else f"train/{key}"
+
+
 class MetricsLog:
-    def __init__(self, run_dir: str, total: int, history: list[dict] | None = None):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, run_dir: str, total: int, history: list[dict] | None = None, cfg=None):
+        """``cfg``: the run's config, for its trackers (``logger``, ``tracking``); without, TensorBoard only.
+        A ``history`` (a resumed run's) continues the tracker runs it was logged to."""
+        from mrl.loggers import TensorBoardLogger, config_dict, make_loggers
 
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
-        self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.loggers = make_loggers(cfg, resuming=bool(history)) if cfg is not None else [TensorBoardLogger(run_dir)]
+        if cfg is not None:
+            config = config_dict(cfg)
+            for lg in self.loggers:
+                lg.log_config(config)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.history: list[dict] = list(history or [])
         self.console = Console(stderr=True)
@@ -48,7 +60,8 @@ class MetricsLog:
             self._bar.start()
 
     def scalar(self, key: str, value: float, step: int) -> None:
-        self.tb.add_scalar(key, value, step)
+        for lg in self.loggers:
+            lg.log_metrics(step, {key: value})
         self._record({"step": step, key: value})
 
     def progress(self, text: str, step: int | None = None, total: int | None = None) -> None:
@@ -60,13 +73,15 @@ class MetricsLog:
     def step(self, step: int, metrics: dict[str, float], staleness: Counter | None = None,
              extra: dict | None = None) -> None:
         """``extra``: non-scalar fields for ``metrics.jsonl`` only (e.g. requests served per engine)."""
-        for k, v in metrics.items():
-            self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        named = {tracker_key(k): v for k, v in metrics.items()}
+        for lg in self.loggers:
+            lg.log_metrics(step, named)
         if staleness:
             samples = [lag for lag, n in staleness.items() for _ in range(n)]
             import numpy as np
 
-            self.tb.add_histogram("rollout/staleness", np.asarray(samples), step)
+            for lg in self.loggers:
+                lg.log_histogram("rollout/staleness", np.asarray(samples), step)
             metrics = metrics | {"staleness_hist": dict(sorted(staleness.items()))}
         self._record({"step": step, **metrics, **(extra or {})})
         nan = float("nan")
@@ -90,12 +105,17 @@ class MetricsLog:
     def close(self, cfg) -> None:
         if not self.plain:
             self._bar.stop()
-        self.tb.close()
         self.jsonl.close()
-        self.plot(os.path.join(self.run_dir, "curves.png"))
+        curves = os.path.join(self.run_dir, "curves.png")
+        plotted = self.plot(curves)
+        for lg in self.loggers:
+            if plotted:
+                lg.log_image("curves", curves)
+            lg.close()
         self.summary(cfg)
 
-    def plot(self, path: str) -> None:
+    def plot(self, path: str) -> bool:
+        """The curves of ``CURVES`` that have points, as a PNG at ``path``; False when none has any."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -104,7 +124,7 @@ class MetricsLog:
         present = [(keys, t) for keys, t in CURVES
                    if any(self.series(k)[0] for k in ((keys,) if isinstance(keys, str) else keys))]
         if not present:
-            return
+            return False
         cols = min(3, len(present))
         rows = (len(present) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
@@ -125,6 +145,7 @@ class MetricsLog:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+        return True
 
     def summary(self, cfg) -> dict:
         def first_last_median(key):

@@ -186,7 +186,7 @@ class Controller:
 
     def __init__(self, cfg: Config, state: LoopState, engines: list | None = None):
         self.cfg = cfg
-        self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history)
+        self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history, cfg=cfg)
         self.engines = list(engines or [])  # started already (``launch_job_engines``)
         self.restarter: EngineRestarter | None = None
         self.rollout = None

@@ -14,6 +14,7 @@ import argparse
 import os
 import shutil
 import sys
+from typing import Callable
 
 from omegaconf import OmegaConf
 
@@ -77,7 +78,9 @@ def report(info: slurm.JobInfo, run_dir: str) -> str:
     return f"{head}\nSlurm log {log} (last {LOG_TAIL_LINES} lines):\n{slurm.tail(log, LOG_TAIL_LINES)}"
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], preflight: Callable[[Config], int] | None = None) -> int:
+    """``preflight``: checks of the composed config before anything is written (``mrl launch``: the inputs the
+    login node can see, ``mrl.preflight``); its nonzero status is returned."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -89,6 +92,8 @@ def main(argv: list[str]) -> int:
         cause = f" ({e.__cause__})" if e.__cause__ else ""
         print(f"mrl launch: bad config, nothing submitted: {e}{cause}", file=sys.stderr)
         return 2
+    if preflight is not None and (code := preflight(cfg)):  # each bad input: one line; nothing written or submitted
+        return code
     from mrl.rollout.secrets import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)  # once, before any node starts: every node then loads the same file

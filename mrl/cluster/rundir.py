@@ -20,6 +20,12 @@ def secure_run_dir(path: str) -> str:
     if not os.path.isdir(path):
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)  # makedirs' mode passes through the umask
+    check_run_dir(path)
+    return path
+
+
+def check_run_dir(path: str) -> None:
+    """Raise ``UnsafeRunDir`` when the existing directory ``path`` is another user's or others can write it."""
     st = os.stat(path)
     if st.st_uid != os.getuid():
         raise UnsafeRunDir(f"run_dir={path} is owned by {_user(st.st_uid)}, not by {_user(os.getuid())} who runs "
@@ -29,7 +35,6 @@ def secure_run_dir(path: str) -> str:
         raise UnsafeRunDir(f"run_dir={path} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} "
                            f"(mode {stat.S_IMODE(st.st_mode):04o}): anyone who can write it controls the run "
                            f"(config, engine URLs, checkpoints); run `chmod go-w {path}` or use another directory")
-    return path
 
 
 def _user(uid: int) -> str:

@@ -182,6 +182,12 @@ class ParallelConfig:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
+    @property
+    def local_world_size(self) -> int:
+        """Trainer processes ``mrl train`` starts on one machine: ``world_size``, else the smallest world that
+        holds both the dense (tp*pp*cp) and the expert (ep*etp*pp) layout."""
+        return self.world_size or max(self.tp * self.pp * self.cp, self.ep * self.expert_tp * self.pp)
+
     def check_world_size(self, world_size: int) -> None:
         """Raise a ValueError naming the fields when the layout does not fit ``world_size`` ranks."""
         mp = self.model_parallel_size
@@ -875,6 +881,32 @@ class TrainConfig:
 _ENGINE_DTYPES = {DType.fp32: "float32", DType.bf16: "bfloat16"}
 
 
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+"""Experiment trackers ``logger`` may list (``mrl.loggers``)."""
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    """Where the trackers of ``logger`` file the run (W&B project and run, MLflow experiment and run)."""
+
+    project: str = "mrl"
+    """W&B project; MLflow experiment."""
+    run_name: Optional[str] = None
+    """Run name in W&B and MLflow; null = the run directory's name."""
+    offline: bool = False
+    """W&B offline mode (its files under ``run_dir/wandb``, uploaded later with ``wandb sync``); MLflow to a
+    local file store (``run_dir/mlruns``) unless ``mlflow_tracking_uri`` is set."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking URI (``http://host:5000``, ``file:/path``); null = MLflow's own
+    (``$MLFLOW_TRACKING_URI``), or the local file store with ``offline``."""
+
+    def __post_init__(self) -> None:
+        if not self.project:
+            _fail("tracking.project", "must be a non-empty name")
+        if self.run_name == "":
+            _fail("tracking.run_name", "must be a non-empty name or null")
+
+
 @dataclass(kw_only=True)
 class Config:
     """Root config: one node per component; YAML presets in conf/ extend it."""
@@ -891,8 +923,19 @@ class Config:
     run_dir: str = "runs/default"
     """Where logs, the resolved config and outputs go."""
     seed: int = 1234
+    logger: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that get the config, every metric per step and the curves, from rank 0: any of
+    tensorboard, wandb, mlflow (``logger=[tensorboard,wandb]``; wandb and mlflow: ``pip install
+    'mrl[tracking]'``). ``metrics.jsonl`` and ``curves.png`` are written whatever the list."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Project and run names of the trackers, offline mode."""
 
     def __post_init__(self) -> None:
+        for name in self.logger:
+            if name not in LOGGERS:
+                _fail("logger", f"unknown logger {name!r}; choose from {list(LOGGERS)}")
+        if len(set(self.logger)) != len(self.logger):
+            _fail("logger", f"lists a logger twice: {list(self.logger)}")
         r = self.rollout
         if r.cpu_mode and r.engine_dtype not in (None, "float32"):
             _fail("rollout.engine_dtype", f"{r.engine_dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")

@@ -52,17 +52,23 @@ def attention_backend() -> str:
     return "fa3" if has_fa3() else "triton"
 
 
+def check_gpu_packages() -> None:
+    """The cheap part of ``check_gpu_stack`` (nothing imported, no GPU touched): SGLang and its GPU kernel
+    package are installed."""
+    if _package_dir("sglang") is None:
+        raise GPUStackError(f"rollout.cpu_mode=false: SGLang is not installed; {INSTALL_HINT}")
+    if _package_dir("sgl_kernel") is None:
+        raise GPUStackError(f"rollout.cpu_mode=false: SGLang's GPU kernels (package sgl_kernel, from "
+                            f"sglang-kernel) are not installed; {INSTALL_HINT}")
+
+
 @functools.lru_cache(maxsize=1)
 def check_gpu_stack() -> None:
     """Raise ``GPUStackError`` naming what is missing when SGLang cannot serve on this host's GPUs.
 
     Imports run in a child process: the caller (a trainer rank) must not initialise CUDA or load
     SGLang's kernels into its own address space."""
-    if _package_dir("sglang") is None:
-        raise GPUStackError(f"rollout.cpu_mode=false: SGLang is not installed; {INSTALL_HINT}")
-    if _package_dir("sgl_kernel") is None:
-        raise GPUStackError(f"rollout.cpu_mode=false: SGLang's GPU kernels (package sgl_kernel, from "
-                            f"sglang-kernel) are not installed; {INSTALL_HINT}")
+    check_gpu_packages()
     probe = ("import torch, sys\n"
              "if not torch.cuda.is_available(): sys.exit('torch sees no CUDA GPU (torch ' + torch.__version__ + ')')\n"
              "import sgl_kernel\n")

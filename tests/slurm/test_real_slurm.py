@@ -34,12 +34,18 @@ def read(path) -> str:
 
 
 def test_failing_job_is_reported_with_its_slurm_log(slurm_cluster, tmp_path):
+    # what the login node can see is checked before submitting (mrl.preflight): nothing written or submitted
     p = mrl_launch(slurm_cluster, [*TINY_RUN, f"model.hf_path={tmp_path}/no_model", "model.make_tiny_if_missing=false",
-                                   f"run_dir={tmp_path}/run", "--wait", "--poll=1", "--timeout=120"])
+                                   f"run_dir={tmp_path}/run0", "--wait"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"[mrl] model.hf_path={tmp_path}/no_model: no such directory" in p.stderr
+    assert not (tmp_path / "run0").exists()
+    # a failure only the node meets: its cause, from the job's own log, is in what the user sees
+    p = mrl_launch(slurm_cluster, [*TINY_RUN, f"run_dir={tmp_path}/run", "--wait", "--poll=1", "--timeout=120"],
+                   env={"MRL_TRAIN_CMD": "echo 'node-only failure: no scratch space' >&2; exit 1"})
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAILED (exit code 1:0" in p.stderr and "Slurm log " in p.stderr
-    # the cause, from the job's own log, is in what the user sees
-    assert f"model.hf_path={tmp_path}/no_model: no config.json there" in p.stderr
+    assert "node-only failure: no scratch space" in p.stderr
     assert "trainer step exited with 1" in p.stderr
 
 

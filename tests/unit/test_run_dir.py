@@ -46,11 +46,11 @@ def test_run_dir_is_private_and_refused_when_others_can_write_it(tmp_path, relia
     shared.chmod(0o777)
     p = subprocess.run([MRL, "train", f"run_dir={shared}"], capture_output=True, text=True, timeout=120, cwd=REPO,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 1, p.stderr[-2000:]
+    assert p.returncode == 2, p.stderr[-2000:]  # the preflight's refusal: before anything is written or started
     assert f"[mrl] run_dir={shared} is writable by others (mode 0777)" in p.stderr, p.stderr[-2000:]
     assert not (shared / "config.yaml").exists()
     reliability.record(category="bad_input", name="world-writable run directory", survived=True,
-                       injected="mrl train run_dir=<a 0777 directory>", expected="exit 1 naming the path",
+                       injected="mrl train run_dir=<a 0777 directory>", expected="exit 2 naming the path",
                        message=p.stderr.strip().splitlines()[-1].replace(str(tmp_path), "<tmp>"))
 
 

@@ -1,0 +1,373 @@
+"""Preflight: every input of a run that can be checked before a process starts, one line per failure.
+
+    failures = run_preflight(cfg)              # [] or one line per failed check, each naming field and value
+    failures = run_preflight(cfg, where=SUBMIT)  # ``mrl launch``: the nodes check what lives on them
+
+``mrl train`` and ``mrl launch`` run it first (exit status 2 on a failure, before the run directory is made
+or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each check is a function of the
+config returning None or its one-line message. Nothing here writes a file.
+
+The cheap checks (run directory, layout, data, reward and environment fns, GPU packages, ports, trackers)
+run first, all of them; the model check imports torch and transformers for the model's bridge (seconds),
+so it runs only when they pass. It reads safetensors headers, never tensor data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import inspect
+import json
+import os
+import re
+import socket
+import sys
+from typing import Callable
+
+from mrl.config.schema import Config
+
+LOCAL = "local"  # ``mrl train``/``mrl check``: this host runs the job (or is one of its Slurm nodes)
+SUBMIT = "submit"  # ``mrl launch``: the job runs on other nodes; what only they can see is checked there
+
+Check = Callable[[Config, str], "str | None"]
+
+
+def _named(key: str, value, msg: str) -> str:
+    """``key=value: msg``, or ``key: msg`` when the message already shows the value."""
+    return f"{key}: {msg}" if str(value) in msg else f"{key}={value}: {msg}"
+
+
+def _in_image(cfg: Config, where: str) -> bool:
+    """``mrl launch`` with a container: paths and packages are the image's, checked on the nodes."""
+    from mrl.config.schema import ContainerKind
+
+    return where == SUBMIT and cfg.cluster.container != ContainerKind.none
+
+
+def check_run_dir(cfg: Config, where: str) -> str | None:
+    """An existing run directory must be this user's, private and writable; a new one must be creatable."""
+    from mrl.cluster.rundir import UnsafeRunDir
+    from mrl.cluster.rundir import check_run_dir as refuse_unsafe
+
+    path = cfg.run_dir
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"run_dir={path}: exists and is not a directory"
+        try:
+            refuse_unsafe(path)
+        except UnsafeRunDir as e:
+            return str(e)
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"run_dir={path}: not writable by this user"
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"run_dir={path}: cannot be created: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"run_dir={path}: cannot be created: {parent} is not writable by this user"
+    return None
+
+
+def check_layout(cfg: Config, where: str) -> str | None:
+    """The trainer's world size fits parallel.* (the model's own constraints are checked with the model)."""
+    from mrl.config.schema import ClusterKind
+
+    c = cfg.cluster
+    if where == SUBMIT and c.kind == ClusterKind.slurm:
+        world, how = c.num_train_nodes * c.nproc_per_node, (
+            f" (trainer world size = cluster.num_train_nodes * cluster.nproc_per_node = "
+            f"{c.num_train_nodes}*{c.nproc_per_node})")
+    elif (nodes := os.environ.get("PET_NNODES", "").split(":")[-1]).isdigit() and (
+            per := os.environ.get("PET_NPROC_PER_NODE", "")).isdigit():  # a Slurm trainer node: torchrun's world
+        world, how = int(nodes) * int(per), f" (trainer world size = PET_NNODES * PET_NPROC_PER_NODE = {nodes}*{per})"
+    else:
+        world, how = cfg.parallel.local_world_size, ""
+    try:
+        cfg.parallel.check_world_size(world)
+    except ValueError as e:
+        return f"{e}{how}"
+    return None
+
+
+def check_data(cfg: Config, where: str) -> str | None:
+    """The prompt files exist and yield at least one usable row (malformed rows: as the run reports them)."""
+    if _in_image(cfg, where):
+        return None
+    from mrl.data import build_prompt_source
+
+    d = cfg.data
+    for split in ("train", "eval") if cfg.train.eval_every else ("train",):
+        key, path = ("data.path", d.path) if split == "train" else ("data.eval_path", d.eval_path)
+        if d.path is not None:
+            if path is None:
+                return (f"data.eval_path: not set, so the JSONL run (data.path={d.path}) has no held-out prompts "
+                        f"for train.eval_every={cfg.train.eval_every}; set data.eval_path or train.eval_every=0")
+            if not os.path.isfile(path):
+                return _named(key, path, "is a directory, not a JSONL file" if os.path.isdir(path)
+                              else "no such file")
+        try:
+            build_prompt_source(d, split=split)
+        except (ValueError, TypeError, OSError) as e:
+            msg = str(e)
+            if path is None:  # a built-in task: its errors name data.task / data.task_args
+                return msg if msg.startswith("data.") else f"data.task={d.task}: {msg}"
+            return _named(key, path, msg)
+    return None
+
+
+@contextlib.contextmanager
+def _ranks_sys_path():
+    """Import user modules as the job will: its processes run ``python -m ...``, which puts the working
+    directory first on ``sys.path`` (the ``mrl`` script's own path starts at its bin directory)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def check_reward_fn(cfg: Config, where: str) -> str | None:
+    """``reward.fn`` imports and accepts ``(prompt, response_text)``."""
+    if _in_image(cfg, where):
+        return None
+    from mrl.reward import load_reward_fn
+
+    try:
+        with _ranks_sys_path():
+            load_reward_fn(cfg.reward.fn)
+    except (ValueError, ImportError) as e:
+        return str(e)
+    return None
+
+
+def check_env_fn(cfg: Config, where: str) -> str | None:
+    """``rollout.env.fn`` (or the built-in task's environment) imports, is an ``mrl.env.Environment`` class or a
+    factory, and takes ``rollout.env.args``."""
+    if _in_image(cfg, where):
+        return None
+    path = cfg.rollout.env.fn
+    if path is None and cfg.data.path is None:
+        from mrl.data.tasks import TASKS
+
+        path = getattr(TASKS.get(cfg.data.task), "env", None)  # a built-in multi-turn task names its own
+    if path is None:
+        return None
+    from mrl.env.base import Environment, load_env_factory
+
+    try:
+        with _ranks_sys_path():
+            factory = load_env_factory(path)
+    except ValueError as e:
+        return str(e)
+    except Exception as e:  # the module raised on import: what the first episode would raise
+        return f"rollout.env.fn={path!r}: importing it failed: {type(e).__name__}: {e}"
+    if inspect.isclass(factory) and not issubclass(factory, Environment):
+        return f"rollout.env.fn={path!r}: {factory.__name__} is not a subclass of mrl.env.Environment"
+    args = dict(cfg.rollout.env.args)
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the first episode tells
+        return None
+    try:
+        sig.bind(**args)
+    except TypeError as e:
+        return (f"rollout.env.fn={path!r}: cannot be called with rollout.env.args={args} ({e}); "
+                f"its signature is {sig}")
+    return None
+
+
+def _starts_engines(cfg: Config) -> bool:
+    r = cfg.rollout
+    return not (r.engine_urls or r.engine_url_dir)
+
+
+def check_gpu_stack(cfg: Config, where: str) -> str | None:
+    """GPU engines started here need SGLang's GPU kernels and a GPU (what ``gpu_mode.check_gpu_stack`` later
+    proves by loading them, in a child process: seconds, so not here)."""
+    if cfg.rollout.cpu_mode or where == SUBMIT or not _starts_engines(cfg):
+        return None
+    from mrl.rollout.gpu_mode import GPUStackError, check_gpu_packages
+
+    try:
+        check_gpu_packages()
+    except GPUStackError as e:
+        return str(e)
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return ("rollout.cpu_mode=false: this host has no NVIDIA GPU (no /dev/nvidia<N> device); run on a GPU "
+                "node, or use rollout=cpu")
+    return None
+
+
+def _port_in_use(port: int) -> str | None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers that take it: TIME_WAIT is no clash
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def check_ports(cfg: Config, where: str) -> str | None:
+    """The fixed ports this host would listen on are free: the rendezvous port on the first node of a
+    multi-node trainer, ports named in ``rollout.server_args`` of engines started here. (Every other port is
+    picked free when it is bound.)"""
+    if where == SUBMIT:
+        return None
+    wanted = []
+    if os.environ.get("PET_NNODES") and os.environ.get("PET_NODE_RANK", "0") == "0" and os.environ.get(
+            "PET_MASTER_PORT"):
+        wanted.append(("MASTER_PORT", os.environ["PET_MASTER_PORT"], "torchrun's rendezvous on this node"))
+    if _starts_engines(cfg):
+        wanted += [(f"rollout.server_args.{k}", v, "an engine's") for k, v in cfg.rollout.server_args.items()
+                   if k.endswith("port") and v is not None]
+    for key, value, what in wanted:
+        try:
+            port = int(value)
+        except (TypeError, ValueError):
+            return f"{key}={value}: not a port number"
+        if not 0 < port < 65536:
+            return f"{key}={value}: not a port number (1-65535)"
+        why = _port_in_use(port)
+        if why:
+            return f"{key}={port}: {what} port is not free on this host ({why})"
+    return None
+
+
+EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # logger name -> module it imports
+
+
+def check_loggers(cfg: Config, where: str) -> str | None:
+    """The trackers of ``logger`` are installed (rank 0 imports them when the run starts)."""
+    if _in_image(cfg, where):
+        return None
+    missing = [n for n in cfg.logger if n in EXTRAS and importlib.util.find_spec(EXTRAS[n]) is None]
+    if missing:
+        return (f"logger={list(cfg.logger)}: {', '.join(missing)} not installed; pip install 'mrl[tracking]' "
+                "(or drop it from logger)")
+    return None
+
+
+def _model_msg(path: str, msg: str) -> str:
+    key = f"model.hf_path={path}"
+    for prefix in (path + "/", path + ": ", path):
+        if msg.startswith(prefix):
+            return f"{key}: {msg[len(prefix):]}"
+    return f"{key}: {msg}"
+
+
+def _safetensors_files(path: str) -> tuple[list[str], str | None]:
+    """The checkpoint's files (the index's when there is one), or a message."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return [], f"model.safetensors.index.json: not a safetensors index ({type(e).__name__}: {e})"
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            return [], f"model.safetensors.index.json names files that are not there: {missing[:3]}"
+        return [os.path.join(path, n) for n in names], None
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    return files, None if files else "no *.safetensors files"
+
+
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts\.)(?P<e>\d+)(?P<rest>\..+)$")
+
+
+def expert_gaps(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Per-expert tensors (``<layer>.experts.<e>.<proj>``, the hub layout) that a layer lacks or holds in
+    another shape than its other experts: seen from the headers alone, before the bridge (whose config costs
+    the import of transformers) names every expected tensor."""
+    layers: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}
+    for name, shape in shapes.items():
+        if m := _EXPERT.match(name):
+            layers.setdefault(m["layer"], {}).setdefault(m["rest"], {})[int(m["e"])] = shape
+    missing, odd = [], []
+    for layer, projs in sorted(layers.items()):
+        experts = set().union(*projs.values())
+        experts |= set(range(max(experts) + 1))
+        for rest, found in sorted(projs.items()):
+            missing += [f"{layer}{e}{rest}" for e in sorted(experts - set(found))]
+            common = max(set(found.values()), key=list(found.values()).count)
+            odd += [f"{layer}{e}{rest} is {list(s)}, its layer's other experts {list(common)}"
+                    for e, s in sorted(found.items()) if s != common]
+    problems = ([f"missing tensors: {missing[:5]}" + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")]
+                if missing else []) + (["mis-shaped tensors: " + "; ".join(odd[:3])] if odd else [])
+    return "checkpoint is incomplete: " + "; ".join(problems) if problems else None
+
+
+def check_model(cfg: Config, where: str) -> str | None:
+    """config.json of a mapped architecture, tokenizer.json of this model, every tensor the bridge needs with
+    its shape (headers only: a truncated file is one whose header does not cover it), a layout that can
+    shard the model."""
+    if _in_image(cfg, where):
+        return None
+    path = cfg.model.hf_path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        if cfg.model.make_tiny_if_missing:
+            return None  # ``ensure_model`` writes the tiny checkpoint there
+        what = "no such directory" if not os.path.isdir(path) else "no config.json there"
+        return _model_msg(path, f"{what} (and model.make_tiny_if_missing=false)")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return _model_msg(path, f"config.json is not JSON ({e})")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):  # before the costly part; its content after
+        return _model_msg(path, "tokenizer.json: missing; the RL loop encodes prompts with the model's own "
+                          "tokenizer (tokenizers' tokenizer.json next to config.json)")
+    files, why = _safetensors_files(path)
+    if why:
+        return _model_msg(path, why)
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for fn in files:
+        try:
+            with safe_open(fn, framework="numpy") as f:  # the header only; numpy: no torch for this
+                shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
+        except Exception as e:  # safetensors raises its own error type for a bad or truncated header
+            return _model_msg(path, f"{os.path.basename(fn)}: not a complete safetensors file ({e})")
+    if why := expert_gaps(shapes):
+        return _model_msg(path, why)
+    from mrl.models import get_bridge
+    from mrl.models.checkpoint import HFCheckpoint, check_tokenizer
+
+    try:
+        bridge = get_bridge(path)
+        hc = bridge.hf_config
+        check_tokenizer(path, vocab_size=bridge.vocab_size, special_ids={
+            k: getattr(hc, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        ckpt = HFCheckpoint(path)
+        padded = bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
+        ckpt.check_against(bridge.hf_tensor_shapes(padded), skip=bridge.skipped_hf_tensors(ckpt.shapes))
+    except (ValueError, OSError, KeyError, TypeError) as e:  # transformers' config errors among them
+        return _model_msg(path, str(e))
+    try:
+        cfg.parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
+                                 num_query_groups=bridge.num_query_groups)
+    except ValueError as e:
+        return f"{e} (model.hf_path={path})"
+    return None
+
+
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
+                            check_gpu_stack, check_ports, check_loggers)
+COSTLY: tuple[Check, ...] = (check_model,)
+
+
+def run_preflight(cfg: Config, where: str = LOCAL) -> list[str]:
+    """One line per failed check, [] when the run may start. The costly checks run when the cheap ones pass."""
+    failures = [msg for check in CHEAP if (msg := check(cfg, where))]
+    if not failures:
+        failures = [msg for check in COSTLY if (msg := check(cfg, where))]
+    return [" ".join(m.split()) for m in failures]  # one line each, whatever a library's message held
