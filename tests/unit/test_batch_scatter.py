@@ -89,7 +89,7 @@ def test_a_share_carries_its_own_samples_only_in_their_dtypes():
         share = dp_share(8, 2, 1)
         segments, size = layout(header, share)
         want = sum(len(batch.tokens[i]) * 4 + len(batch.behav_logp[i]) * 8 + batch.routes[i].size * itemsize
-                   for i in share)
+                   + len(batch.versions[i]) * 4 for i in share)
         assert want <= size < want + len(segments) * ALIGN
         assert all(offset % ALIGN == 0 for _, offset, _ in segments)
     long = make_batch(n=8)
