@@ -45,9 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _bench_common import environment, make_model  # noqa: E402
-
-MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
+from _bench_common import environment  # noqa: E402
 
 
 # -- workload --------------------------------------------------------------------------------------
@@ -91,7 +89,9 @@ def write_prompts(path: str, tok, a, rows: int, seed: int = 0) -> dict:
 # -- the run's config ------------------------------------------------------------------------------
 def overrides(a, hf: str, prompts: str, run_dir: str, steps: int) -> list[str]:
     """``mrl train`` overrides of the loop; the ceilings compose the same ones."""
-    args = [] if a.cpu else ["rollout=gpu", "model.dtype=bf16", "train.optimizer_states_dtype=bf16",
+    # engines after the trainer's GPUs, also for the engine ceiling (a process that is no trainer rank)
+    args = [] if a.cpu else ["rollout=gpu", f"rollout.base_gpu_id={a.trainer_procs}", "model.dtype=bf16",
+                             "train.optimizer_states_dtype=bf16",
                              f"train.micro_batch_size={a.micro_batch_size}", f"train.pack_max_len={a.pack_len}"]
     args += [f"model.hf_path={hf}", "model.make_tiny_if_missing=false", "data=jsonl", f"data.path={prompts}",
             f"train.steps={steps}", f"train.prompts_per_step={a.prompts}", f"rollout.n_samples_per_prompt={a.samples}",
@@ -155,7 +155,8 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
     visible = [int(g) for g in a.gpus.split(",")] if not a.cpu else []  # NVML counts physical GPUs
     t_start = time.time()
     with BusySampler(visible) as sampler:
-        proc = subprocess.Popen([MRL, "train", *overrides(a, hf, prompts, run_dir, steps)], cwd=REPO, env=_gpu_env(a),
+        proc = subprocess.Popen([sys.executable, "-m", "mrl", "train", *overrides(a, hf, prompts, run_dir, steps)],
+                                cwd=REPO, env=_gpu_env(a),
                                 stdout=log, stderr=subprocess.STDOUT)
         pos = 0
         while proc.poll() is None or os.path.exists(metrics) and os.path.getsize(metrics) > pos:
@@ -175,9 +176,10 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
             time.sleep(0.1)
         rc = proc.wait()
     log.close()
-    if rc:
-        raise RuntimeError(f"mrl train exited {rc}; see {os.path.join(a.out, 'loop.log')}")
-    rows = [json.loads(x) for x in open(metrics)]
+    rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+    if rc:  # the steps that ran are kept in the report; the run counts as failed
+        return {"exit_code": rc, "steps": [r for r in rows if "step_seconds" in r],
+                "logged_at_s": {str(k): t - t_start for k, t in seen.items()}}
     steps_rows = [r for r in rows if "step_seconds" in r]
     timed = steps_rows[a.warmup:]
     seconds = sum(r["step_seconds"] for r in timed)
@@ -186,9 +188,11 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
     t0 = seen[timed[0]["step"]] - timed[0]["step_seconds"]
     t1 = seen[timed[-1]["step"]]
     busy = sampler.busy(t0, t1)
-    return {"steps": [{k: r.get(k) for k in ("step", "batch_tokens", "response_len", "version", "sync_bytes",
-                                                 "dropped_stale", "buffered", "staleness_hist", *phases)}
-                      | {"logged_at_s": seen.get(r["step"], float("nan")) - t_start} for r in steps_rows],
+    keep = ("step", "batch_tokens", "response_len", "version", "sync_bytes", "dropped_stale", "buffered",
+            "staleness_hist", "mismatch/numerics_kl", "mismatch/stale_kl", *phases)
+    return {"exit_code": 0, "steps": [{k: r.get(k) for k in keep}
+                                      | {"logged_at_s": seen.get(r["step"], float("nan")) - t_start}
+                                      for r in steps_rows],
             "warmup_steps": a.warmup, "timed_steps": len(timed), "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds,
             "phase_median_s": {k: statistics.median(r.get(k, 0.0) for r in timed) for k in phases},
@@ -282,7 +286,11 @@ def main() -> int:
     tmp = os.path.join(a.out, "work")
     os.makedirs(tmp, exist_ok=True)
     t = time.perf_counter()
-    hf = make_model(os.path.join(a.out if a.keep else tmp, f"model_{a.model}"), a.model)
+    hf = os.path.join(a.out if a.keep else tmp, f"model_{a.model}")
+    # in a process of its own: on GPUs it builds the model on the trainer's first GPU, whose memory the
+    # trainer needs back whole
+    subprocess.run([sys.executable, os.path.join(HERE, "_bench_common.py"), "make-model", hf, "--preset", a.model],
+                   check=True, env=_gpu_env(a), stdout=subprocess.DEVNULL)
     from tokenizers import Tokenizer
 
     if not os.path.exists(os.path.join(hf, "tokenizer.json")):  # random checkpoints of a preset shape: any
@@ -300,6 +308,10 @@ def main() -> int:
     loop = run_loop(a, hf, prompts, os.path.join(tmp, "loop"))
     report["loop"] = loop
     json.dump(report, open(out_json, "w"), indent=1)
+    if loop["exit_code"]:
+        print(f"[loop_e2e] mrl train exited {loop['exit_code']} after {len(loop['steps'])} steps; see "
+              f"{os.path.join(a.out, 'loop.log')} (the steps are in {out_json})", flush=True)
+        return 1
     print(f"[loop_e2e] loop: {loop['tokens_per_s']:.0f} tokens/s over {loop['timed_steps']} steps, first step at "
           f"{loop['time_to_first_step_s']:.1f} s, phases {json.dumps(loop['phase_median_s'])}, "
           f"busy {loop['gpu_busy_fraction']}", flush=True)

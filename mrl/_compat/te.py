@@ -1,5 +1,8 @@
 """Transformer Engine: optional (GPU only). ``HAVE_TE`` tells whether megatron's TE spec can be used."""
 
+import contextlib
+import types
+
 try:  # TE is never required; CPU boxes and CI do not have it
     import transformer_engine  # noqa: F401
     import transformer_engine.pytorch  # noqa: F401
@@ -28,3 +31,26 @@ def te_linear_kinds() -> dict[type, str]:
         if hasattr(mte, name):  # defined only where TE has GroupedLinear
             kinds[getattr(mte, name)] = kind
     return kinds
+
+
+@contextlib.contextmanager
+def optimizer_states_by_reference(optimizer):
+    """While megatron builds a checkpoint's sharded state dict, TE's ``FusedAdam`` answers ``state_dict()``
+    as torch's optimizers do, with references to its states.
+
+    megatron's ``DistributedOptimizer.state_dict`` keeps only the inner optimizer's param groups and drops
+    its states, but TE's ``FusedAdam.state_dict`` first copies every state to a new fp32 tensor on the GPU:
+    with bf16 states that is twice the model's size in fp32 at once, more than a full trainer GPU has left,
+    and the save fails with an out-of-memory error at the end of the run. The parameter states themselves
+    are written per parameter by megatron's sharded path, which reads each through TE's own accessors."""
+    import torch
+
+    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    fused = [o for o in inner if o is not None and hasattr(o, "get_unscaled_state")]
+    for o in fused:
+        o.state_dict = types.MethodType(torch.optim.Optimizer.state_dict, o)
+    try:
+        yield
+    finally:
+        for o in fused:
+            del o.state_dict

@@ -8,6 +8,7 @@ file for RNG state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.algo import compute_policy_loss
-from mrl._compat.te import HAVE_TE
+from mrl._compat.te import HAVE_TE, optimizer_states_by_reference
 from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import compat, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
@@ -408,8 +409,10 @@ class Policy:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                     opt._init_optimizer_states_with_dummy_values()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=self._CKPT_META)}
+        saving = contextlib.nullcontext() if is_loading else optimizer_states_by_reference(self.optimizer)
+        with saving:  # TE's FusedAdam would copy every optimizer state to fp32 on the GPU first
+            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self._CKPT_META)
+        return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
