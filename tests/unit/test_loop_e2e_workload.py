@@ -1,0 +1,52 @@
+"""bench/loop_e2e.py's workload: prompts of exactly the drawn token counts, per-sample budgets in range and
+long-tailed, and the overrides it gives ``mrl train`` compose into the config the bench describes."""
+
+import argparse
+import json
+import os
+import random
+import sys
+
+from tokenizers import Tokenizer
+
+from mrl.config.load import compose
+from mrl.models.tiny import build_tokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import loop_e2e  # noqa: E402
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(samples=8, prompt_len=[40, 60], response_median=30.0, response_sigma=0.9, max_response=200,
+                min_response=4, cpu=True, prompts=4, inflight=4, engine_batch=32, micro_batch_size=4, pack_len=4096,
+                trainer_procs=1, set=[])
+    return argparse.Namespace(**(base | kw))
+
+
+def test_prompts_have_their_drawn_lengths_and_budgets(tmp_path):
+    tok = build_tokenizer(512)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    a = _args()
+    path = str(tmp_path / "p.jsonl")
+    summary = loop_e2e.write_prompts(path, tok, a, rows=40)
+    rows = [json.loads(x) for x in open(path)]
+    rng = random.Random(0)  # the same draws, in the same order, as write_prompts
+    for row in rows:
+        plen = rng.randint(*a.prompt_len)
+        budgets = loop_e2e.response_budgets(rng, a.samples, a.response_median, a.response_sigma, a.max_response,
+                                            a.min_response)
+        loop_e2e.prompt_text(rng, tok, plen)
+        assert len(tok.encode(row["prompt"]).ids) == plen and row["max_new_tokens"] == budgets
+    flat = [b for r in rows for b in r["max_new_tokens"]]
+    assert min(flat) >= a.min_response and max(flat) <= a.max_response
+    assert summary["response_budget_p90"] > 2 * summary["response_budget_p50"]  # long-tailed
+    assert summary["rows"] == 40
+
+
+def test_gpu_overrides_compose(tmp_path):
+    a = _args(cpu=False, trainer_procs=2, set=["parallel=ep2", "rollout.engine_tp=2"])
+    cfg = compose(loop_e2e.overrides(a, "/m", "/p.jsonl", str(tmp_path / "run"), steps=22))
+    assert (cfg.rollout.cpu_mode, cfg.rollout.base_gpu_id, cfg.rollout.engine_tp, cfg.parallel.ep) == (False, 2, 2, 2)
+    assert (cfg.train.steps, cfg.train.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (22, 4, 8)
+    assert cfg.rollout.ignore_eos and cfg.train.mode.value == "overlap" and cfg.weight_sync.every_n_steps == 1
