@@ -15,6 +15,7 @@ their ids are kept in ``<run_dir>/trackers.json``.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import queue
@@ -27,16 +28,18 @@ EXTRA_HINT = "pip install 'mrl[tracking]'"
 IDS_FILE = "trackers.json"
 
 
-class Logger:
-    """One tracker. Scalars are keyed by name with the trainer's step; images are files (PNG)."""
+class Logger(abc.ABC):
+    """One tracker. Scalars are keyed by name with the trainer's step; images are files (PNG). Every tracker
+    takes scalars; the other methods are optional (a tracker without them ignores them)."""
 
     name = ""
 
     def log_config(self, config: dict[str, Any]) -> None:
         """The run's resolved config (nested dicts)."""
 
+    @abc.abstractmethod
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Scalars of one step, by their tracker name (``mrl.metrics.tracker_key``)."""
 
     def log_histogram(self, key: str, values, step: int) -> None:
         """A distribution (e.g. sample staleness); trackers without histograms ignore it."""

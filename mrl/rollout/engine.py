@@ -224,8 +224,8 @@ class Engine:
             if self.dtype:
                 cmd += ["--dtype", self.dtype]
             if not _GRAPH_SIZE_KEYS & set(self.server_args):
-                # SGLang sizes its decode graphs by GPU memory (up to 512 requests on an H200); this engine never
-                # decodes more than max_running_requests at once, so larger graphs only cost start time and memory
+                # SGLang sizes its decode graphs by the GPU's memory, past what this engine ever runs at once
+                # (max_running_requests): the larger graphs would only cost start time and memory
                 cmd += ["--cuda-graph-max-bs-decode", str(self.max_running_requests)]
         if self.lora is not None:
             cmd += self.lora.server_args(cpu_mode=self.cpu_mode)

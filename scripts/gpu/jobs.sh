@@ -1,6 +1,6 @@
 # The GPU jobs of run_checks.sh and run_phases.sh (sourced). job NAME GPUS TE runs one job with
 # CUDA_VISIBLE_DEVICES=GPUS (TE = "te": Transformer Engine on the path), logging to WORK/NAME.log and its exit
-# status to WORK/NAME.rc. Needs STACK, WORK and ROOT set by the caller.
+# status to WORK/NAME.rc. Needs STACK, WORK, DEST, ROOT and TIMEOUT set by the caller, which calls prepare_work first.
 #   learn   mrl train (GRPO, model=tiny_gpu, bf16) with the trainer on the first GPU and a GPU engine on the
 #           second, weights synced into the live engine every step over NCCL (LEARN_ARGS: more overrides; one
 #           GPU shared by both needs a transport that can share it: weight_sync.transport=tensor (CUDA IPC)
@@ -18,6 +18,12 @@
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
+prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded
+  mkdir -p "$WORK" "$DEST"
+  export PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$WORK/gpus.txt"
+}
+
 job() {  # name gpus te
   local name=$1 gpus=$2 te=$3 n
   n=$(echo "$gpus" | tr ',' '\n' | wc -l)

@@ -8,12 +8,11 @@
 set -uo pipefail
 STACK=${1:?stack}; WORK=${2:?work dir}; DEST=${3:?dest}; shift 3
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$WORK" "$DEST"
-export PYTHONUNBUFFERED=1 TIMEOUT=${TIMEOUT:-560}
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$WORK/gpus.txt"
 
 # shellcheck source=jobs.sh
 source "$ROOT/scripts/gpu/jobs.sh"
+export TIMEOUT=${TIMEOUT:-560}
+prepare_work
 
 for spec in "$@"; do
   name=${spec%%=*}; rest=${spec#*=}; te=""

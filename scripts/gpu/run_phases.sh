@@ -7,11 +7,10 @@
 set -uo pipefail
 STACK=${1:?stack}; WORK=${2:?work dir}; DEST=${3:?dest}; shift 3
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$WORK" "$DEST"
-export PYTHONUNBUFFERED=1 TIMEOUT=${TIMEOUT:-1500}
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$WORK/gpus.txt"
 # shellcheck source=jobs.sh
 source "$ROOT/scripts/gpu/jobs.sh"
+export TIMEOUT=${TIMEOUT:-1500}
+prepare_work
 
 p=0
 for phase in "$@"; do
