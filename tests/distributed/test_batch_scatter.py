@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.conftest import read_json, run_torchrun
+from tests.jobs.outcome import record_outcome
 
 CASES = {  # name: (parallel preset, overrides, DP size)
     "dp2_packed": ("tp1", ["parallel.world_size=2", "train.packing=true"], 2),
@@ -146,16 +147,8 @@ def _hang(out: str) -> None:
     scatter = BatchScatter(dp_rank=me, dp_size=2, group=dist.group.WORLD)
     if me == 0:
         scatter._send = lambda *a: time.sleep(8)
-    t0 = time.monotonic()
-    try:
-        scatter.deliver((make_batch(), 1.0, {}) if me == 0 else None, what="the step-1 batch")
-        res = {"type": None, "message": "no error"}
-    except Exception as e:
-        res = {"type": type(e).__name__, "message": str(e)}
-    res["seconds"] = time.monotonic() - t0
-    with open(os.path.join(out, f"rank{me}.json"), "w") as f:
-        json.dump(res, f)
-    os._exit(0)  # the process group is broken: skip its teardown
+    record_outcome(out, me, lambda: scatter.deliver((make_batch(), 1.0, {}) if me == 0 else None,
+                                                    what="the step-1 batch"))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import pytest
 from mrl.rollout.client import ClientTimeouts, EngineClient
 from mrl.rollout.protocol import EngineUnavailable
 from tests.conftest import run_torchrun
+from tests.jobs.outcome import record_outcome
 from tests.fakes.fake_sglang import FakeSGLang, Faults
 
 pytestmark = pytest.mark.reliability
@@ -189,20 +190,14 @@ def _worker(kind: str, out: str) -> None:
         if kind != "dead":
             time.sleep(6)  # never joins within the limit
         os._exit(0)  # "dead": gone at once, its sockets closed
-    t0 = time.monotonic()
-    try:
+    def call():
         if kind == "barrier":
             with named("the barrier closing weight sync v3"):
                 dist.barrier()
         else:
             broadcast_object(None, what="the step-1 batch")
-        res = {"type": None, "message": "no error"}
-    except Exception as e:
-        res = {"type": type(e).__name__, "message": str(e)}
-    res["seconds"] = time.monotonic() - t0
-    with open(os.path.join(out, f"rank{me}.json"), "w") as f:
-        json.dump(res, f)
-    os._exit(0)  # the process group is broken: skip its teardown
+
+    record_outcome(out, me, call)
 
 
 if __name__ == "__main__":
