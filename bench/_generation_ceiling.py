@@ -16,7 +16,7 @@ import time
 from mrl.cli import ensure_model
 from mrl.config.load import compose
 from mrl.models import get_bridge
-from mrl.rollout.engine import engines_from_config
+from mrl.engine.launcher import engines_from_config
 from mrl.rollout.service import start_rollout
 from mrl.routing.codec import RoutesCodec
 

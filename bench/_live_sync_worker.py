@@ -37,7 +37,7 @@ from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
-from mrl.rollout.engine import free_port
+from mrl.engine.launcher import free_port
 from _engine_shards import engine_shard, expert_layouts, sampled_names
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport

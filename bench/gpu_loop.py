@@ -286,8 +286,8 @@ def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
 def _engine(a, hf: str, name: str, routes: bool, gpu: str):
     """One SGLang server on ``gpu`` (its first GPU at ``--engine-tp`` > 1); ``routes``: route capture on
     (``--enable-return-routed-experts``), the only difference between the routes and the plain engine."""
-    from mrl.rollout.cpu_mode import PYSHIM_DIR
-    from mrl.rollout.engine import Engine
+    from mrl.engine.cpu_mode import PYSHIM_DIR
+    from mrl.engine.launcher import Engine
 
     env = {"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1", "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"}
     if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU

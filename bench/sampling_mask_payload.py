@@ -86,7 +86,7 @@ async def measured_rows(url: str, api_key: str, codec_layers: tuple[int, int, in
 
 def measure_on_engine():
     from mrl.models.tiny import make_tiny_model
-    from mrl.rollout.engine import Engine
+    from mrl.engine.launcher import Engine
 
     tmp = tempfile.mkdtemp(prefix="mrl_smask_bench_")
     model = make_tiny_model(os.path.join(tmp, "tiny"))

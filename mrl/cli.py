@@ -116,7 +116,7 @@ def check(cfg: Config) -> int:
 
 
 def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
-    """The RL loop (mrl/train.py, entered through ``module``) on the trainer ranks; rank 0 starts the engines."""
+    """The RL loop (mrl/trainer/loop.py, entered through ``module``) on the trainer ranks; rank 0 starts the engines."""
     from omegaconf import OmegaConf
 
     from mrl.process import torchrun
@@ -127,7 +127,7 @@ def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
     path = ensure_model(cfg)
     if cfg.model.hf_path != path:
         cfg.model.hf_path = path
-    from mrl.rollout.secrets import ensure_run_secrets
+    from mrl.engine.secrets import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)  # engine keys: a 0600 file named by $MRL_ENGINE_KEYS_FILE, never the config
     resolved = os.path.join(cfg.run_dir, "config.yaml")
@@ -159,7 +159,7 @@ def engine(cfg: Config) -> int:
 
     from mrl.cluster.engines import announce, withdraw
     from mrl.console import route_library_output
-    from mrl.rollout.engine import engines_from_config
+    from mrl.engine.launcher import engines_from_config
 
     secure_run_dir(cfg.run_dir)
     route_library_output(cfg.run_dir, f"engine_node_{socket.gethostname()}")  # health polls, library warnings
@@ -168,9 +168,9 @@ def engine(cfg: Config) -> int:
     # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
     # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the
     # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
-    from mrl.rollout.engine import interface_address
+    from mrl.engine.launcher import interface_address
     from mrl.config.lora_engine import lora_engine_spec
-    from mrl.rollout.secrets import ensure_run_secrets
+    from mrl.engine.secrets import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)
     url_dir = r.engine_url_dir

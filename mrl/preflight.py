@@ -193,7 +193,7 @@ def check_gpu_stack(cfg: Config, where: str) -> str | None:
     proves by loading them, in a child process: seconds, so not here)."""
     if cfg.rollout.cpu_mode or where == SUBMIT or not _starts_engines(cfg):
         return None
-    from mrl.rollout.gpu_mode import GPUStackError, check_gpu_packages
+    from mrl.engine.gpu_mode import GPUStackError, check_gpu_packages
 
     try:
         check_gpu_packages()

@@ -102,7 +102,7 @@ def _raise_terminated(signum: int, _frame) -> None:
 
 def _forward_usr1(agent: subprocess.Popen | int):
     """SIGUSR1 (Slurm's warning before a preemption) goes to the ranks, torchrun's direct children (``agent``:
-    its process or pid): they checkpoint and exit (``mrl.train``); the default action would end the launcher
+    its process or pid): they checkpoint and exit (``mrl.trainer.loop``); the default action would end the launcher
     or the agent alone. A rank that gets it twice (from srun and from here) checkpoints once."""
     pid = agent if isinstance(agent, int) else agent.pid
 
@@ -216,7 +216,7 @@ def failure_summary(module: str, failures: dict, world_size: int | None = None) 
     return f"{module} failed: {'; '.join(parts)}{rest}."
 
 
-TRAIN_MODULES = ("mrl.jobs.train", "mrl.train")  # rank entry points of the RL loop
+TRAIN_MODULES = ("mrl.jobs.train", "mrl.trainer.loop")  # rank entry points of the RL loop
 LOOP_STATE_FILE = "loop_state.json"  # in <run_dir>/checkpoints/step_N, written last: the checkpoint is complete
 
 

@@ -4,7 +4,7 @@
 
 Rank 0 starts the engines the job owns first of all: they boot while the ranks import megatron and build
 the model. Library warnings go to ``<run_dir>/logs/rank<r>.log`` before megatron, transformers and torch are
-imported (they warn on import), then the loop runs (``mrl.train``).
+imported (they warn on import), then the loop runs (``mrl.trainer.loop``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from mrl.cluster.rundir import secure_run_dir
 from mrl.config.load import load_resolved
 from mrl.console import route_library_output
-from mrl.rollout.engine import launch_job_engines
+from mrl.engine.launcher import launch_job_engines
 
 
 def main(config_path: str) -> int:
@@ -26,7 +26,7 @@ def main(config_path: str) -> int:
     import torch  # noqa: F401  importing torch gives its logger a console handler: the routing replaces it
 
     route_library_output(cfg.run_dir, rank)
-    from mrl.train import main as run_loop  # after the routing: importing megatron warns
+    from mrl.trainer.loop import main as run_loop  # after the routing: importing megatron warns
 
     route_library_output(cfg.run_dir, rank)  # again: transformers installs its own console handler on import
     return run_loop(cfg, engines)

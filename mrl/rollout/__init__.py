@@ -1,1 +1,1 @@
-"""Rollouts from real SGLang engines: launcher (CPU mode and GPUs), async client, rollout manager."""
+"""The rollout process: async engine client, reply parsing, rollout manager, producer, buffer, multi-turn."""

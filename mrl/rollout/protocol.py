@@ -202,7 +202,7 @@ BATCHED_BUCKETS_FORMAT = "mrl_buckets:"
 sync, in the senders' global order: the prefix is followed by the JSON list ``[[group name, tensor count],
 ...]`` (one entry per bucket) and ``names``/``dtypes``/``shapes`` are the buckets' lists back to back. Only
 engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (mrl's engine patch,
-``mrl.rollout.engine_patches``) read it; others get one request per bucket."""
+``mrl.engine.patches``) read it; others get one request per bucket."""
 BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
 
 

@@ -51,10 +51,10 @@ class RolloutService:
         listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = listener.address
         env = dict(os.environ, **{ADDR_ENV: f"{host}:{port}", KEY_ENV: key.hex()})
-        # the trainer runs as ``python -m mrl.train`` from the job's directory: reward fns by dotted path
+        # the trainer runs as ``python -m mrl.jobs.train`` from the job's directory: reward fns by dotted path
         # (e.g. tests.e2e.reward_fns) resolve against it, so the child gets it on its path too
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
-        from mrl.rollout.engine import child_setup
+        from mrl.engine.launcher import child_setup
 
         # dies with this process (PR_SET_PDEATHSIG), even while it serves a long call (a batch wait)
         proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.service"], env=env, preexec_fn=child_setup(None))

@@ -40,7 +40,7 @@ from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
 from mrl.rollout.client import EngineClient, close_clients
-from mrl.rollout.engine import free_port, route_address
+from mrl.engine.launcher import free_port, route_address
 from mrl.rollout.protocol import (BATCHED_BUCKETS_FORMAT, EngineGuardError, EngineHTTPError, EngineProtocolError,
                                   EngineUnavailable, error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement

@@ -14,7 +14,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-runs/gpu_mismatch_split}}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-export NCCL_CUMEM_ENABLE=0  # as mrl sets for its own engines (mrl.rollout.gpu_mode): NCCL weight updates
+export NCCL_CUMEM_ENABLE=0  # as mrl sets for its own engines (mrl.engine.gpu_mode): NCCL weight updates
 STEPS=${STEPS:-60}; PORT=${PORT:-31000}; LIMIT=${TIMEOUT:-1500}
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import torch, sglang, megatron.core as m; from mrl._compat.te import trainer_spec; print('torch', torch.__version__, 'sglang', sglang.__version__, 'megatron-core', m.__version__, 'spec', trainer_spec())" | tee -a "$OUT/gpus.txt"
@@ -31,7 +31,7 @@ timeout "$LIMIT" python3 -m mrl train "${COMMON[@]}" "run_dir=$OUT/launched" ${E
 
 # 2. a plain SGLang server on GPU 1, started with what mrl needs of any engine: token ids in and out, integer
 #    weight versions, routed experts (Keep Routing), the run's dtype; then attached by URL
-BACKEND=$(python3 -c "from mrl.rollout.gpu_mode import attention_backend; print(attention_backend())")
+BACKEND=$(python3 -c "from mrl.engine.gpu_mode import attention_backend; print(attention_backend())")
 setsid python3 -m sglang.launch_server --model-path $M --host 127.0.0.1 --port "$PORT" --tp-size 1 --base-gpu-id 1 \
   --skip-tokenizer-init --weight-version 0 --enable-return-routed-experts --dtype bfloat16 \
   --mem-fraction-static 0.7 --max-running-requests 64 --attention-backend "$BACKEND" --skip-server-warmup \

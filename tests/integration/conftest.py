@@ -11,8 +11,8 @@ import os
 import pytest
 
 from mrl.process import open_files
-from mrl.rollout.engine import Engine
-from mrl.rollout.secrets import ENV_VAR, ensure_run_secrets
+from mrl.engine.launcher import Engine
+from mrl.engine.secrets import ENV_VAR, ensure_run_secrets
 
 
 @pytest.fixture(scope="session")

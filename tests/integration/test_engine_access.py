@@ -18,7 +18,7 @@ import pytest
 import sglang
 
 from mrl.rollout.client import EngineClient
-from mrl.rollout.secrets import REDACTED, EngineSecrets
+from mrl.engine.secrets import REDACTED, EngineSecrets
 
 # (endpoint, query): each takes a JSON body; the probes send it malformed, so an authorized probe gets 400/422.
 ADMIN = [("/init_weights_update_group", None), ("/update_weights_from_distributed", None),

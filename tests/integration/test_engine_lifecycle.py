@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from mrl.rollout.engine import Engine, EngineStartError
+from mrl.engine.launcher import Engine, EngineStartError
 from tests.conftest import REPO
 
 # An engine started from a launcher process that is then SIGKILLed. Its first port, picked by free_port(),
@@ -20,7 +20,7 @@ from tests.conftest import REPO
 # the engine must come up on a fresh one.
 LAUNCHER = """
 import json, sys, time
-import mrl.rollout.engine as m
+import mrl.engine.launcher as m
 busy, real = int(sys.argv[3]), m.free_port
 picks = iter([busy])
 m.free_port = lambda host="127.0.0.1": next(picks, None) or real(host)

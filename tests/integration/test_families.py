@@ -27,10 +27,10 @@ import torch
 
 from mrl.models import get_bridge
 from mrl.rollout.client import EngineClient
-from mrl.rollout.engine import Engine
+from mrl.engine.launcher import Engine
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
-from mrl.rollout.secrets import ensure_run_secrets
+from mrl.engine.secrets import ensure_run_secrets
 from mrl.routing.codec import RoutesCodec
 from tests.conftest import run_torchrun
 from tests.integration.test_keep_routing import _check_routers, _logprobs_by_seq, _run

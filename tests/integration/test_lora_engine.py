@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from mrl.rollout.client import EngineClient
-from mrl.rollout.engine import Engine
+from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
 from mrl.rollout.lora import AdapterRouter, adapter_name
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineHTTPError
 from mrl.rollout.sample import Sample, SamplingSpec
-from mrl.rollout.secrets import ensure_run_secrets
+from mrl.engine.secrets import ensure_run_secrets
 from mrl.weight_sync.lora import AdapterSync, AdapterSyncError, random_adapter, serialize_adapter
 
 RANK, ALPHA, MAX_RANK = 4, 8.0, 8

@@ -19,7 +19,7 @@ import torch
 
 from mrl.models import get_bridge
 from mrl.rollout.client import EngineClient
-from mrl.rollout.cpu_attention import INSTALLED_MARK
+from mrl.engine.cpu_attention import INSTALLED_MARK
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec

@@ -39,7 +39,7 @@ class FakeEngine:
 def serve_until_urls(monkeypatch, tmp_path, overrides: list[str], want: int) -> dict[str, str]:
     """Run cli.engine in this (main) thread; a helper thread waits for ``want`` announcements, reads them
     and sends SIGTERM."""
-    monkeypatch.setattr("mrl.rollout.engine.Engine", FakeEngine)
+    monkeypatch.setattr("mrl.engine.launcher.Engine", FakeEngine)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
     cfg = compose([f"model.hf_path={tmp_path}/model", f"run_dir={tmp_path}", *overrides])

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mrl.config.schema import TrainConfig
-from mrl.train import LOOP_STATE_FILE, prune_checkpoints, sync_tree
+from mrl.trainer.loop import LOOP_STATE_FILE, prune_checkpoints, sync_tree
 
 
 def _ckpt(root, step: int, complete: bool = True) -> None:

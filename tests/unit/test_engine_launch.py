@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from mrl.rollout import cpu_mode
-from mrl.rollout.engine import Engine, server_args_to_cli
+from mrl.engine import cpu_mode
+from mrl.engine.launcher import Engine, server_args_to_cli
 
 
 def test_server_args_passthrough():
@@ -66,8 +66,8 @@ def _rollout(**kw):
 
 
 def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path):
-    from mrl.rollout import gpu_mode
-    from mrl.rollout.engine import engines_from_config
+    from mrl.engine import gpu_mode
+    from mrl.engine.launcher import engines_from_config
 
     monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two trainer ranks on this node: GPUs 0 and 1
@@ -99,7 +99,7 @@ def test_gpu_engines_sample_with_the_backend_the_mask_rebuilds():
 
 
 def test_gpu_engine_without_sglang_kernels_names_what_is_missing(monkeypatch, tmp_path):
-    from mrl.rollout import gpu_mode
+    from mrl.engine import gpu_mode
 
     real = gpu_mode._package_dir
     monkeypatch.setattr(gpu_mode, "_package_dir", lambda name: None if name == "sgl_kernel" else real(name))
@@ -113,7 +113,7 @@ def test_gpu_engine_without_sglang_kernels_names_what_is_missing(monkeypatch, tm
 
 def test_gpu_stack_check_on_this_cpu_host_says_there_is_no_gpu():
     """On this CPU-only host the kernels are installed (CPU mode needs them) but torch sees no GPU."""
-    from mrl.rollout import gpu_mode
+    from mrl.engine import gpu_mode
 
     gpu_mode.check_gpu_stack.cache_clear()
     try:

@@ -1,4 +1,4 @@
-"""Patches mrl applies inside the SGLang servers it starts (``mrl.rollout.engine_patches``): compact routes,
+"""Patches mrl applies inside the SGLang servers it starts (``mrl.engine.patches``): compact routes,
 on GPU engines (``engine_shim``) and CPU engines (CPU mode's pyshim), without CPU mode's patches on GPUs.
 The engines themselves: tests/integration/test_keep_routing.py (routes of a real CPU engine are uint8)."""
 
@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
-from mrl.rollout import cpu_mode, engine_patches, gpu_mode
-from mrl.rollout.engine_patches import COMPACT_ROUTES_ENV, COMPACT_ROUTES_MARK, ROUTES_MODULE, SHIM_DIR, compact_ids
+from mrl.engine import cpu_mode, gpu_mode
+from mrl.engine import patches as engine_patches
+from mrl.engine.patches import COMPACT_ROUTES_ENV, COMPACT_ROUTES_MARK, ROUTES_MODULE, SHIM_DIR, compact_ids
 
 
 @pytest.mark.parametrize("values,dtype", [([0, 5, 255], torch.uint8), ([0, 256, 32767], torch.int16),

@@ -67,7 +67,7 @@ def _verdict(url: str, timeout: float = PROBE) -> tuple[str | None, float]:
 
 
 def test_liveness_verdict(stoppable, reliability):
-    from mrl.rollout.engine import free_port
+    from mrl.engine.launcher import free_port
 
     url, pgid = stoppable
     assert _verdict(url)[0] is None
@@ -272,7 +272,7 @@ def test_sync_still_fails_naming_an_engine_that_is_up_but_cannot_pause(world):
 # -- killing what is dead ----------------------------------------------------------------------------------
 def _stopped_group():
     """An Engine whose process group (a shell and its child) is SIGSTOPped."""
-    from mrl.rollout.engine import Engine
+    from mrl.engine.launcher import Engine
 
     eng = Engine(model_path="unused", name="stopped")
     eng.proc = subprocess.Popen(["sh", "-c", "sleep 600 & sleep 600"], start_new_session=True)
@@ -306,8 +306,8 @@ def _running(pid: int) -> bool:
 
 
 def test_restarter_kills_the_dead_engine_before_its_replacement_starts(monkeypatch):
-    from mrl.rollout.engine import Engine
-    from mrl.rollout.restart import EngineRestarter
+    from mrl.engine.launcher import Engine
+    from mrl.engine.restart import EngineRestarter
 
     seen = {}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mrl.config.schema import LoraConfig, RolloutConfig, WeightSyncConfig, WeightTransport
-from mrl.rollout.engine import Engine
+from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, MLP, LoraEngineSpec, hf_targets, lora_engine_spec
 from mrl.rollout.lora import AdapterRouter, adapter_name, adapter_version
 from mrl.rollout.manager import RolloutManager

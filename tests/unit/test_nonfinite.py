@@ -48,7 +48,7 @@ def test_nonfinite_step_is_skipped_on_every_rank_and_weights_refused(ckpt_dir, t
 
 def test_max_nonfinite_steps_in_a_row_stop_the_run(reliability):
     from mrl.config.load import compose
-    from mrl.train import NonFiniteSteps, NonFiniteUpdates
+    from mrl.trainer.loop import NonFiniteSteps, NonFiniteUpdates
 
     assert compose(["train.max_nonfinite_steps=2"]).train.max_nonfinite_steps == 2
     steps = NonFiniteSteps(2)

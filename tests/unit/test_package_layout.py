@@ -20,7 +20,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _package(module: str) -> str:
-    """``mrl.rollout.client`` -> ``mrl.rollout``; top-level modules (``mrl.train``) are their own."""
+    """``mrl.rollout.client`` -> ``mrl.rollout``; top-level modules (``mrl.cli``) are their own."""
     return ".".join(module.split(".")[:2])
 
 

@@ -58,7 +58,7 @@ def test_loop_state_is_json_and_pickles_are_not_loaded(tmp_path, reliability):
     from mrl.data import Prompt
     from mrl.rollout.buffer import Group
     from mrl.rollout.sample import Sample
-    from mrl.train import LoopState, _latest_checkpoint, state_from_json, state_to_json
+    from mrl.trainer.loop import LoopState, _latest_checkpoint, state_from_json, state_to_json
 
     routes = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
     s = Sample(prompt_ids=[1, 2], group_id=3, index=0, max_new_tokens=4, response_ids=[5], response_logprobs=[-0.5],

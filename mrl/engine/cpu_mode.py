@@ -51,7 +51,7 @@ def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None 
     With CUDA-only sgl_kernel builds SGLang cannot bind OpenMP threads itself (it needs the AMX
     kernels), so the launcher pins the process group to ``cpus`` and sizes each rank's thread pool:
     two engines on one box must not both spin threads on every core. ``batched_attention`` switches
-    SGLang's torch_native backend to ``mrl.rollout.cpu_attention`` (through the pyshim).
+    SGLang's torch_native backend to ``mrl.engine.cpu_attention`` (through the pyshim).
     """
     env = dict(base if base is not None else os.environ)
     stub = ensure_cuda_stub()
@@ -71,5 +71,5 @@ def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None 
     return env
 
 
-if __name__ == "__main__":  # python -m mrl.rollout.cpu_mode  (setup builds the stub ahead of time)
+if __name__ == "__main__":  # python -m mrl.engine.cpu_mode  (setup builds the stub ahead of time)
     print(ensure_cuda_stub())

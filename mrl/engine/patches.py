@@ -1,7 +1,7 @@
 """Narrow patches to SGLang inside the server processes mrl starts, CPU and GPU engines alike.
 
 Applied through a ``sitecustomize`` on the server's ``PYTHONPATH`` (``SHIM_DIR`` on GPUs; CPU mode's
-own shim, ``mrl/rollout/cpu/pyshim``, calls :func:`install` too). Each patch waits for SGLang to import
+own shim, ``mrl/engine/cpu/pyshim``, calls :func:`install` too). Each patch waits for SGLang to import
 its module (:class:`PatchOnImport`), so processes that never load that module pay nothing, and each
 one checks its target first: an SGLang without it runs unpatched, with a line in the engine log.
 Never imported by the trainer.
@@ -20,7 +20,7 @@ still send int32, which it reads as before.
 Replayed loads (``MRL_REPLAYED_LOAD=1``, the launcher's default): a ``flattened_bucket`` weight update
 is received into one flat buffer (SGLang allocates every tensor, then concatenates them into a second
 buffer of the same size) and, from the second bucket of a layout on, loaded by the copies its first
-load made (``mrl.rollout.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
+load made (``mrl.engine.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
 that is not pure copies (derived weights, conversions) keeps ``load_weights``; the engine log says which
 happened, once per layout. The same patch lets one request carry every bucket of a sync
 (``mrl.rollout.protocol.BATCHED_BUCKETS_FORMAT``; announced in the answer to
@@ -36,14 +36,14 @@ import json
 import os
 import sys
 
-SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_shim")
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
 ROUTES_MODULE = "sglang.srt.state_capturer.routed_experts"
 REPLAYED_LOAD_ENV = "MRL_REPLAYED_LOAD"
 RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
 REPLAYED_LOAD_MARK = "mrl: bucket layout replayed as copies"
 """Printed to the engine's log with the plan's size when a bucket layout's load was recorded."""
-COMPACT_ROUTES_MARK = "mrl: routes leave the scheduler in the smallest integer type (mrl.rollout.engine_patches)"
+COMPACT_ROUTES_MARK = "mrl: routes leave the scheduler in the smallest integer type (mrl.engine.patches)"
 """Printed to the engine's log when the patch is in place (once per server process that loads the module)."""
 
 
@@ -198,7 +198,7 @@ def _receive(runner, dtypes, shapes, group_name):
     import torch
     import torch.distributed as dist
 
-    from mrl.rollout import replayed_load as rl
+    from mrl.engine import replayed_load as rl
 
     flat = torch.empty(rl.bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=runner.device)
     dist.broadcast(flat, src=0, group=runner._model_update_group[group_name])
@@ -206,7 +206,7 @@ def _receive(runner, dtypes, shapes, group_name):
 
 
 def _load(runner, flat, names, dtypes, shapes, group_name) -> str:
-    from mrl.rollout import replayed_load as rl
+    from mrl.engine import replayed_load as rl
 
     plans = runner.__dict__.setdefault("_mrl_load_plans", {})
     key = (group_name, tuple(names), tuple(map(str, dtypes)), tuple(tuple(s) for s in shapes))

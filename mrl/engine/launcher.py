@@ -4,7 +4,7 @@
         eng.wait_healthy()
         ... EngineClient(eng.url) ...
 
-Every server requires the run's keys (``mrl.rollout.secrets``): SGLang reads them from the 0600 keys
+Every server requires the run's keys (``mrl.engine.secrets``): SGLang reads them from the 0600 keys
 file (``--config``), so they are on no command line, and its output goes to the log through a filter
 that redacts them (SGLang logs its server args, keys included). Servers bind to loopback unless given
 ``host`` (on clusters: the job's interface, ``interface_address``).
@@ -31,9 +31,9 @@ from typing import Any
 
 from mrl.process import (become_subreaper, die_with_parent, ignore_usr1, on_lasting_thread, open_files,
                          reap_zombies)
-from mrl.rollout import cpu_mode, engine_patches, gpu_mode
+from mrl.engine import cpu_mode, gpu_mode, patches
 from mrl.config.lora_engine import LoraEngineSpec
-from mrl.rollout.secrets import EngineSecrets, ensure_run_secrets
+from mrl.engine.secrets import EngineSecrets, ensure_run_secrets
 
 
 class EngineStartError(RuntimeError):
@@ -132,7 +132,7 @@ class Engine:
     plain data parallelism = several Engines."""
     cpu_mode: bool = True
     cpu_batched_attention: bool = True
-    """CPU mode: batched torch_native attention (``mrl.rollout.cpu_attention``)."""
+    """CPU mode: batched torch_native attention (``mrl.engine.cpu_attention``)."""
     memory_saver: bool = False
     """GPU: --enable-memory-saver, so release/resume_memory_occupation really free memory (colocated runs)."""
     base_gpu_id: int = 0
@@ -182,7 +182,7 @@ class Engine:
         reserved = [k for k in _RESERVED_SERVER_ARGS if k in self.server_args]
         if reserved:
             raise ValueError(f"rollout.server_args: {reserved} are set by mrl from the run's keys file "
-                             "(mrl.rollout.secrets), never from the config")
+                             "(mrl.engine.secrets), never from the config")
         if not self.port:
             self.port, self._port_retries = free_port(self.host), 3
 
@@ -244,7 +244,7 @@ class Engine:
         else:
             gpu_mode.check_gpu_stack()
             env = gpu_mode.gpu_env()
-        engine_patches.engine_env(env)
+        patches.engine_env(env)
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
         for k in [k for k in env if k in _TORCHRUN_VARS or k.startswith(("TORCHELASTIC_", "PET_"))]:

@@ -3,7 +3,7 @@
  * sglang-kernel 0.4.1 ships CUDA builds only, and sglang 0.5.10 imports sgl_kernel.kvcacheio
  * unconditionally (srt/mem_cache/memory_pool_host.py); its common_ops.abi3.so links 8 driver symbols.
  * Every entry point here reports CUresult 100 ("no device"), so torch and SGLang fall back to CPU.
- * mrl compiles this at setup/launch time (mrl/rollout/cpu_mode.py); the binary is never committed. */
+ * mrl compiles this at setup/launch time (mrl/engine/cpu_mode.py); the binary is never committed. */
 typedef int CUresult;
 static const char *msg = "no CUDA driver (mrl CPU-mode stub)";
 CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; if (s) *s = msg; return 0; }

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from mrl.rollout.engine import Engine
+from mrl.engine.launcher import Engine
 
 
 class EngineRestarter:

@@ -53,8 +53,8 @@ from mrl.metrics import MetricsLog
 from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.process import LOOP_STATE_FILE
-from mrl.rollout.engine import launch_job_engines, start_job_engines
-from mrl.rollout.restart import EngineRestarter, kill_engines
+from mrl.engine.launcher import launch_job_engines, start_job_engines
+from mrl.engine.restart import EngineRestarter, kill_engines
 from mrl.rollout.sample import Sample
 from mrl.routing.replay import check_routes
 from mrl.weight_sync.lora import AdapterChannel
