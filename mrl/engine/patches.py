@@ -4,7 +4,8 @@ Applied through a ``sitecustomize`` on the server's ``PYTHONPATH`` (``SHIM_DIR``
 own shim, ``mrl/engine/cpu/pyshim``, calls :func:`install` too). Each patch waits for SGLang to import
 its module (:class:`PatchOnImport`), so processes that never load that module pay nothing, and each
 one checks its target first: an SGLang without it runs unpatched, with a line in the engine log.
-Never imported by the trainer.
+The trainer and the rollout process import only its wire constants (``BATCHED_BUCKETS_FORMAT`` and the
+marks); nothing is patched outside an engine.
 
 Compact routes (``MRL_COMPACT_ROUTES=1``, the launcher's default): SGLang keeps each request's routes
 (expert ids, ``[rows, layers, top_k]``) as int32, pickles them from the scheduler to the tokenizer
@@ -23,9 +24,8 @@ buffer of the same size) and, from the second bucket of a layout on, loaded by t
 load made (``mrl.engine.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
 that is not pure copies (derived weights, conversions) keeps ``load_weights``; the engine log says which
 happened, once per layout. The same patch lets one request carry every bucket of a sync
-(``mrl.rollout.protocol.BATCHED_BUCKETS_FORMAT``; announced in the answer to
-``/init_weights_update_group``), so the engine posts its receives back to back instead of answering and
-waiting for the next request between buckets.
+(``BATCHED_BUCKETS_FORMAT``; announced in the answer to ``/init_weights_update_group``), so the engine
+posts its receives back to back instead of answering and waiting for the next request between buckets.
 """
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ REPLAYED_LOAD_MARK = "mrl: bucket layout replayed as copies"
 """Printed to the engine's log with the plan's size when a bucket layout's load was recorded."""
 COMPACT_ROUTES_MARK = "mrl: routes leave the scheduler in the smallest integer type (mrl.engine.patches)"
 """Printed to the engine's log when the patch is in place (once per server process that loads the module)."""
+BATCHED_BUCKETS_FORMAT = "mrl_buckets:"
+"""``load_format`` prefix of one ``/update_weights_from_distributed`` request that carries every bucket of a
+sync, in the senders' global order: the prefix is followed by the JSON list ``[[group name, tensor count],
+...]`` (one entry per bucket) and ``names``/``dtypes``/``shapes`` are the buckets' lists back to back. Only
+engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (this patch) read it;
+others get one request per bucket."""
+BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
 
 
 class PatchOnImport:
@@ -120,7 +127,6 @@ def replayed_load(module) -> None:
         return
     if getattr(update, "_mrl_replayed", False):
         return
-    from mrl.rollout.protocol import BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK
 
     @functools.wraps(update)
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
@@ -155,7 +161,7 @@ def _partial(e: Exception) -> str:
 
 
 def _receive_batch(runner, names, dtypes, shapes, layout_json: str):
-    """Every bucket of a sync from one request (``protocol.BATCHED_BUCKETS_FORMAT``): no request, answer and
+    """Every bucket of a sync from one request (``BATCHED_BUCKETS_FORMAT``): no request, answer and
     scheduler round trip between buckets, so on GPUs the broadcasts and the loads' copies queue back to back.
     A bucket whose load fails does not stop the receiving (the senders' broadcasts must stay matched); its
     error fails the request. A failed broadcast does (the sender tore its group down)."""

@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
+from mrl.engine.patches import BATCHED_BUCKETS_MARK
 from mrl.rollout.protocol import (
-    BATCHED_BUCKETS_MARK,
     EngineError,
     EngineGuardError,
     EngineHTTPError,
@@ -85,7 +85,7 @@ class EngineClient:
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}  # one per event loop
         self._max_connections = max_connections
         self.groups: set[str] = set()  # weight-update groups this client created
-        # of those, the ones whose engine takes every bucket of a sync in one request (protocol.BATCHED_BUCKETS_FORMAT)
+        # of those, the ones whose engine takes every bucket of a sync in one request (patches.BATCHED_BUCKETS_FORMAT)
         self.batched_groups: set[str] = set()
         self.paused: str | None = None  # pause mode in force, if any
 

@@ -197,15 +197,6 @@ def error_message(body: Any, text: str) -> str:
     return (text or "").strip()[:500] or "<empty body>"
 
 
-BATCHED_BUCKETS_FORMAT = "mrl_buckets:"
-"""``load_format`` prefix of one ``/update_weights_from_distributed`` request that carries every bucket of a
-sync, in the senders' global order: the prefix is followed by the JSON list ``[[group name, tensor count],
-...]`` (one entry per bucket) and ``names``/``dtypes``/``shapes`` are the buckets' lists back to back. Only
-engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (mrl's engine patch,
-``mrl.engine.patches``) read it; others get one request per bucket."""
-BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
-
-
 def parse_success(body: Any, ctx: tuple[str, str]) -> str:
     """``{"success": bool, "message": str}`` replies of weight/group endpoints."""
     if not isinstance(body, dict) or not isinstance(body.get("success"), bool):

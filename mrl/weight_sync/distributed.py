@@ -41,7 +41,8 @@ from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
 from mrl.rollout.client import EngineClient, close_clients
 from mrl.engine.launcher import free_port, route_address
-from mrl.rollout.protocol import (BATCHED_BUCKETS_FORMAT, EngineGuardError, EngineHTTPError, EngineProtocolError,
+from mrl.engine.patches import BATCHED_BUCKETS_FORMAT
+from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError,
                                   EngineUnavailable, error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
@@ -351,7 +352,7 @@ class DistributedWeightSync:
         return self._bodies
 
     def _batched_body(self, version: str | None) -> bytes:
-        """Every bucket in one request, in the global order (``protocol.BATCHED_BUCKETS_FORMAT``), with the
+        """Every bucket in one request, in the global order (``mrl.engine.patches.BATCHED_BUCKETS_FORMAT``), with the
         weight version the engine takes on success; the rest is encoded once."""
         if self._batched is None:
             metas = [self._bucket_meta(b) for b in self._global]

@@ -91,7 +91,7 @@ def test_a_shadowed_sitecustomize_still_runs(tmp_path):
     assert out.stdout.split()[-2:] == ["1", "True"]
 
 
-# -- every bucket of a sync in one request (protocol.BATCHED_BUCKETS_FORMAT) ----------------------------
+# -- every bucket of a sync in one request (patches.BATCHED_BUCKETS_FORMAT) ----------------------------
 class _Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -123,7 +123,7 @@ class _Runner:
 def _patched_runner(monkeypatch, arriving):
     """A runner class patched as in an engine; ``arriving``: the flat buffers the broadcasts deliver, in order
     (the collective itself runs in tests/integration/test_weight_sync.py, against real engines)."""
-    from mrl.rollout.protocol import BATCHED_BUCKETS_FORMAT
+    from mrl.engine.patches import BATCHED_BUCKETS_FORMAT
 
     cls = type("ModelRunner", (_Runner,), {})
     engine_patches.replayed_load(types.SimpleNamespace(__name__="fake", ModelRunner=cls))
@@ -170,7 +170,7 @@ def test_a_batch_that_does_not_add_up_is_refused_before_any_receive(monkeypatch,
 
 
 def test_the_group_answer_announces_batched_buckets(monkeypatch):
-    from mrl.rollout.protocol import BATCHED_BUCKETS_MARK
+    from mrl.engine.patches import BATCHED_BUCKETS_MARK
 
     runner, _, _ = _patched_runner(monkeypatch, [])
     assert runner.init_weights_update_group()[1].endswith(BATCHED_BUCKETS_MARK)
