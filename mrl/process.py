@@ -216,13 +216,13 @@ def failure_summary(module: str, failures: dict, world_size: int | None = None) 
     return f"{module} failed: {'; '.join(parts)}{rest}."
 
 
-TRAIN_MODULES = ("mrl.jobs.train", "mrl.trainer.loop")  # rank entry points of the RL loop
+TRAIN_MODULE = "mrl.jobs.train"  # the rank entry point of the RL loop
 LOOP_STATE_FILE = "loop_state.json"  # in <run_dir>/checkpoints/step_N, written last: the checkpoint is complete
 
 
 def resume_hint(module: str, args: list[str]) -> str:
-    """For the loop's ``<run_dir>/config.yaml``: where a rerun resumes (its ``_latest_checkpoint``)."""
-    if module not in TRAIN_MODULES or not args or not os.path.isfile(args[0]):
+    """For the loop's ``<run_dir>/config.yaml``: where a rerun resumes (``mrl.trainer.state.latest_checkpoint``)."""
+    if module != TRAIN_MODULE or not args or not os.path.isfile(args[0]):
         return ""
     import yaml
 

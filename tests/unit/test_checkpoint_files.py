@@ -9,7 +9,8 @@ import os
 import pytest
 
 from mrl.config.schema import TrainConfig
-from mrl.trainer.loop import LOOP_STATE_FILE, prune_checkpoints, sync_tree
+from mrl.process import LOOP_STATE_FILE
+from mrl.trainer.state import prune_checkpoints, sync_tree
 
 
 def _ckpt(root, step: int, complete: bool = True) -> None:

@@ -112,7 +112,7 @@ def test_build_batch_ships_each_tokens_version():
     from mrl.rollout.buffer import Group
     from mrl.rollout.sample import Sample
     from mrl.megatron.batch import RLBatch, WholeBatch
-    from mrl.trainer.loop import build_batch
+    from mrl.trainer.batch import build_batch
 
     def sample(versions):
         n = len(versions)

@@ -250,7 +250,7 @@ def test_build_batch_carries_the_loss_mask_and_normalizes_over_trained_tokens():
     from mrl.config.schema import Aggregation, AlgoConfig, Config, RolloutConfig
     from mrl.rollout.buffer import Group
     from mrl.rollout.sample import Sample
-    from mrl.trainer.loop import build_batch
+    from mrl.trainer.batch import build_batch
 
     def sample(mask, n=None):
         n = len(mask) if n is None else n
@@ -295,7 +295,7 @@ def test_advantages_are_taken_within_each_group_of_its_own_size():
     from mrl.config.schema import AlgoConfig, Config, RolloutConfig
     from mrl.rollout.buffer import Group
     from mrl.rollout.sample import Sample
-    from mrl.trainer.loop import build_batch
+    from mrl.trainer.batch import build_batch
 
     def sample():
         return Sample(prompt_ids=[1, 2], group_id=0, index=0, max_new_tokens=2, response_ids=[3, 4],

@@ -58,7 +58,7 @@ def test_loop_state_is_json_and_pickles_are_not_loaded(tmp_path, reliability):
     from mrl.data import Prompt
     from mrl.rollout.buffer import Group
     from mrl.rollout.sample import Sample
-    from mrl.trainer.loop import LoopState, _latest_checkpoint, state_from_json, state_to_json
+    from mrl.trainer.state import LoopState, latest_checkpoint, state_from_json, state_to_json
 
     routes = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
     s = Sample(prompt_ids=[1, 2], group_id=3, index=0, max_new_tokens=4, response_ids=[5], response_logprobs=[-0.5],
@@ -84,10 +84,10 @@ def test_loop_state_is_json_and_pickles_are_not_loaded(tmp_path, reliability):
     (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_2" / "loop_state.pkl").write_bytes(b"cos\nsystem\n(S'touch /tmp/x'\ntR.")
     with pytest.raises(ValueError, match=r"hold a pickled loop state \(loop_state.pkl"):
-        _latest_checkpoint(cfg)
+        latest_checkpoint(cfg)
     (tmp_path / "checkpoints" / "step_3").mkdir()
     (tmp_path / "checkpoints" / "step_3" / "loop_state.json").write_text(text)
-    assert _latest_checkpoint(cfg) == str(tmp_path / "checkpoints" / "step_3")
+    assert latest_checkpoint(cfg) == str(tmp_path / "checkpoints" / "step_3")
     reliability.record(category="bad_input", name="pickled loop state in a checkpoint", survived=True,
                        injected="checkpoints/step_2/loop_state.pkl holding a pickle that runs a command",
                        expected="never unpickled: resume refuses it naming the file", message="ValueError")

@@ -1,0 +1,270 @@
+"""Rank 0's part of the loop (``Controller``: engines, rollout process, metrics, the loop state) and the
+other ranks' (``OtherRank``: nothing), behind one interface, ``RankDuties``."""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections import Counter
+
+from mrl.config.schema import BadRoutes, Config, LoopMode
+from mrl.engine.launcher import start_job_engines
+from mrl.engine.restart import EngineRestarter, kill_engines
+from mrl.megatron.policy import Policy, RLBatch
+from mrl.metrics import MetricsLog
+from mrl.rollout.buffer import Group
+from mrl.routing.replay import check_routes
+from mrl.trainer.batch import build_batch
+from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, write_loop_state
+from mrl.weight_sync.transport import EngineEndpoint
+
+
+class RankDuties(abc.ABC):
+    """What the loop asks of rank 0 beyond the collective steps every rank runs. ``Controller`` does it on
+    rank 0; ``OtherRank`` answers the same calls on the other ranks with nothing, so that the loop never
+    branches on the rank. Every method is abstract: a side that misses one cannot be built."""
+
+    @abc.abstractmethod
+    def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint] | None:
+        """Start or find the engines, then the rollout process; the endpoints the weight sync serves."""
+
+    @abc.abstractmethod
+    def next_batch(self, version: int) -> tuple[RLBatch, float, dict] | None:
+        """The step's batch with its advantages, loss normalizer and reward figures."""
+
+    @abc.abstractmethod
+    def joining_engines(self) -> list[EngineEndpoint] | None:
+        """Restarted engines that are healthy now: they join at this sync."""
+
+    @abc.abstractmethod
+    def drain(self) -> int:
+        """Abort the engines' in-flight requests and hold new ones (resumed after the sync); how many."""
+
+    @abc.abstractmethod
+    def undrain(self) -> None:
+        """Generation goes on after a sync."""
+
+    @abc.abstractmethod
+    def set_adapter(self, name: str, version: int) -> None:
+        """LoRA: new requests name adapter ``name``, loaded on every engine (their tokens get ``version``)."""
+
+    @abc.abstractmethod
+    def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
+        """Joined engines take rollouts now (they hold this version); dropped ones get replacements."""
+
+    @abc.abstractmethod
+    def start_producing(self, first_credits: int, step: int) -> None:
+        """Generation starts, ``first_credits`` groups ahead."""
+
+    @abc.abstractmethod
+    def warm_start_progress(self, step: int, nll: float) -> None:
+        """One step of the supervised warm start is done."""
+
+    @abc.abstractmethod
+    def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
+        """The step's metrics, then maybe an evaluation."""
+
+    @abc.abstractmethod
+    def allow(self, n: int) -> None:
+        """Sync mode: let the producer generate the next batch."""
+
+    @abc.abstractmethod
+    def save_loop_state(self, path: str, state: LoopState) -> None:
+        """Complete checkpoint ``path`` (every rank's shards are written) with the loop state."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """End what this side started."""
+
+
+class Controller(RankDuties):
+    """Rank 0's duties: the metrics log, the engines (started here, or attached by URL) and the rollout
+    process that feeds the buffer from them (``mrl.rollout.service``: producer, rewards, buffer,
+    evaluation)."""
+
+    def __init__(self, cfg: Config, state: LoopState, engines: list | None = None):
+        self.cfg = cfg
+        self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history, cfg=cfg)
+        self.engines = list(engines or [])  # started already (``launch_job_engines``)
+        self.restarter: EngineRestarter | None = None
+        self.rollout = None
+
+    def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint]:
+        from mrl.rollout.service import start_rollout
+
+        r = self.cfg.rollout
+        urls = list(r.engine_urls) or self._discover(r)
+        if not urls:
+            self.engines = self.engines or start_job_engines(self.cfg)
+            for e in self.engines:
+                e.wait_healthy()
+            urls = [e.url for e in self.engines]
+        self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(self.cfg) else None
+        self.codec = policy.codec
+        self.rollout = start_rollout(self.cfg, hf_path, urls, policy.codec, {
+            "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
+            "buffered": state.buffered,
+            "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or []})
+        return [EngineEndpoint(u, r.engine_tp) for u in urls]
+
+    @staticmethod
+    def _discover(r) -> list[str]:
+        """Engines announced by ``mrl engine`` on cluster engine nodes (``<dir>/<name>.url``)."""
+        from mrl.cluster.engines import job_addresses, read_urls
+
+        if not r.engine_url_dir:
+            return []
+        allowed = job_addresses()
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            found = list(read_urls(r.engine_url_dir, allowed).values())
+            if len(found) >= r.num_engines:
+                return found[:r.num_engines]
+            time.sleep(2)
+        raise TimeoutError(f"rollout.engine_url_dir={r.engine_url_dir}: fewer than {r.num_engines} engines "
+                           "announced themselves within 15 min")
+
+    def take_batch(self, version: int) -> list[Group]:
+        """``train.prompts_per_step`` groups from the buffer whose routes can be replayed."""
+        t, codec = self.cfg.train, self.codec
+        out: list[Group] = []
+        while len(out) < t.prompts_per_step:
+            try:
+                got = self.rollout.take(t.prompts_per_step - len(out), version, timeout=t.batch_timeout_s)
+            except TimeoutError as e:
+                c = self.rollout.stats()["counts"]
+                hint = (f"; algo.dynamic_sampling discarded {c['groups_no_signal']} groups whose samples all got "
+                        "the same reward (the policy solves none or all of its prompts: warm-start it, or use a "
+                        "reward with partial credit)") if c.get("groups_no_signal") else ""
+                raise TimeoutError(f"{e}; producer counts {c}{hint}") from None
+            for g in got:
+                why = next((w for s in g.samples if (w := check_routes(
+                    len(s.tokens), s.routes, num_moe_layers=len(codec.moe_layers), top_k=codec.top_k,
+                    num_experts=codec.num_experts))), None) if t.replay else None
+                if why is None:
+                    out.append(g)
+                elif t.bad_routes == BadRoutes.error:
+                    raise ValueError(f"prompt {g.prompt.id}: {why} (train.bad_routes=error; 'drop' skips and counts)")
+                else:
+                    self.rollout.count("groups_bad_routes")
+                    if t.mode == LoopMode.sync:  # overlap mode: the buffer already returned its credit
+                        self.rollout.allow(1)
+        return out
+
+    def next_batch(self, version: int) -> tuple[RLBatch, float, dict]:
+        return build_batch(self.take_batch(version), self.cfg, self.cfg.train.replay)
+
+    def start_producing(self, first_credits: int, step: int) -> None:
+        self.rollout.start_producing(first_credits)
+        self.maybe_evaluate(step, first=True)
+
+    def maybe_evaluate(self, step: int, first: bool = False) -> None:
+        """Greedy accuracy on held-out prompts every ``train.eval_every`` steps."""
+        t = self.cfg.train
+        if t.eval_every and (first or step % t.eval_every == 0):
+            self.log.scalar("eval/accuracy", self.rollout.evaluate(t.eval_prompts), step)
+
+    def warm_start_progress(self, step: int, nll: float) -> None:
+        self.log.scalar("sft/nll", nll, step)
+        total = self.cfg.train.sft_warmup_steps
+        self.log.progress(f"warm start {step + 1}/{total}  nll {nll:.3f}", step + 1, total)
+
+    def joining_engines(self) -> list[EngineEndpoint]:
+        return [EngineEndpoint(e.url, self.cfg.rollout.engine_tp) for e in self.restarter.take_ready()]
+
+    def drain(self) -> int:
+        return self.rollout.drain(self.cfg.weight_sync.timeout_s)
+
+    def set_adapter(self, name: str, version: int) -> None:
+        self.rollout.set_adapter(name, version)
+
+    def undrain(self) -> None:
+        self.rollout.undrain()
+
+    def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
+        if self.restarter is None:
+            kill_engines(self.engines, dropped)  # a hung one would hold its cores to the end of the run
+            return {}
+        urls = {e.url for e in alive}
+        for ep in joining:
+            if ep.url in urls:
+                self.rollout.add_engine(ep.url)
+        self.restarter.replace(dropped)
+        return {"engines_restarted": float(self.restarter.restarted),
+                "engines_restart_failed": float(len(self.restarter.failed))}
+
+    def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
+        """The step's metrics with the rollout side's counters, then maybe an evaluation."""
+        st = self.rollout.stats()
+        m = m | {"dropped_stale": st["dropped_stale"], "buffered": st["buffered"],
+                 **{f"rollout/{k}": v for k, v in st["counts"].items()},
+                 **{f"rollout/{k}": st[k] for k in ("samples_failed", "samples_submitted", "samples_completed",
+                                                    "engine_failures", "retries")}}
+        self.log.step(step, m, staleness=Counter({int(k): v for k, v in st["staleness"].items()}),
+                      extra={"rollout/served_by_engine": st["served_by_engine"], "wall_seconds": wall_seconds})
+        self.maybe_evaluate(step)
+
+    def allow(self, n: int) -> None:
+        self.rollout.allow(n)
+
+    def save_loop_state(self, path: str, state: LoopState) -> None:
+        state.prompt_index, state.buffered, state.redo_prompts = self.rollout.state()
+        state.history = self.log.history
+        write_loop_state(path, state)
+        prune_checkpoints(checkpoint_dir(self.cfg), self.cfg.train.keep_checkpoints)
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.stop()
+        for e in self.engines:  # replacements included: the restarter appends them to this list
+            e.stop()
+        self.log.close(self.cfg)
+
+
+class OtherRank(RankDuties):
+    """Ranks > 0: the controller's duties belong to rank 0; the loop calls the same methods here."""
+
+    def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> None:
+        return None
+
+    def next_batch(self, version: int) -> None:
+        return None
+
+    def joining_engines(self) -> None:
+        return None
+
+    def drain(self) -> int:
+        return 0
+
+    def set_adapter(self, name: str, version: int) -> None:
+        pass
+
+    def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
+        return {}
+
+    def start_producing(self, first_credits: int, step: int) -> None:
+        pass
+
+    def warm_start_progress(self, step: int, nll: float) -> None:
+        pass
+
+    def undrain(self) -> None:
+        pass
+
+    def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
+        pass
+
+    def allow(self, n: int) -> None:
+        pass
+
+    def save_loop_state(self, path: str, state: LoopState) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def restarts_engines(cfg: Config) -> bool:
+    """Dead engines are replaced: the job started them (not attached by URL) and may restart some."""
+    r = cfg.rollout
+    return r.restart_engines > 0 and not (r.engine_urls or r.engine_url_dir)
