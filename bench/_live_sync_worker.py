@@ -41,7 +41,7 @@ from mrl.engine.launcher import free_port
 from _engine_shards import engine_shard, expert_layouts, sampled_names
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
-from mrl.weight_sync.transport import EngineEndpoint
+from mrl.engine.endpoint import EngineEndpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -31,7 +31,7 @@ from mrl.rollout.lora import adapter_name
 from mrl.rollout.protocol import EngineHTTPError
 from mrl.weight_sync.lora import AdapterSync, random_adapter
 from mrl.weight_sync.sync import EngineSync, make_transport
-from mrl.weight_sync.transport import EngineEndpoint
+from mrl.engine.endpoint import EngineEndpoint
 
 PROMPT = [1, 17, 42, 99, 7, 300, 5, 11, 12, 13, 250, 251, 64, 3, 77, 401] * 4
 

@@ -33,6 +33,7 @@ from mrl.process import (become_subreaper, die_with_parent, ignore_usr1, on_last
                          reap_zombies)
 from mrl.engine import cpu_mode, gpu_mode, patches
 from mrl.config.lora_engine import LoraEngineSpec
+from mrl.engine.endpoint import EngineEndpoint
 from mrl.engine.secrets import EngineSecrets, ensure_run_secrets
 
 
@@ -192,6 +193,10 @@ class Engine:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def endpoint(self) -> EngineEndpoint:
+        return EngineEndpoint(self.url, self.tp)
 
     @property
     def log_path(self) -> str:

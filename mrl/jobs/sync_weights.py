@@ -28,7 +28,7 @@ from mrl.config.schema import WeightTransport
 from mrl.rollout.client import EngineClient
 from mrl.weight_sync.distributed import SyncFault
 from mrl.weight_sync.sync import EngineSync, make_transport
-from mrl.weight_sync.transport import EngineEndpoint
+from mrl.engine.endpoint import EngineEndpoint
 
 
 def parse_engines(s: str) -> list[EngineEndpoint]:
@@ -40,7 +40,7 @@ def parse_engines(s: str) -> list[EngineEndpoint]:
 
 
 async def _controller(engines, fn):
-    clients = [EngineClient(e.url) for e in engines]
+    clients = [EngineClient(e) for e in engines]
     try:
         return await asyncio.gather(*(fn(c) for c in clients))
     finally:

@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from mrl.engine.endpoint import EngineEndpoint
 from mrl.engine.patches import BATCHED_BUCKETS_MARK
 from mrl.rollout.protocol import (
     EngineError,
@@ -71,12 +72,12 @@ class ClientTimeouts:
 
 
 class EngineClient:
-    def __init__(self, url: str, *, timeouts: ClientTimeouts | None = None, api_key: str | None = None,
+    def __init__(self, url: str | EngineEndpoint, *, timeouts: ClientTimeouts | None = None, api_key: str | None = None,
                  admin_key: str | None = None, max_connections: int = 256, routes_always: bool = False):
         """``routes_always``: ask for routed experts on every /generate. SGLang 0.5.10's tokenizer manager
         dies (IndexError in ``_handle_batch_output``) when one output batch mixes requests with and without
         ``return_routed_experts``; a client that shares an engine with rollouts must never mix them."""
-        self.url = url.rstrip("/")
+        self.url = (url.url if isinstance(url, EngineEndpoint) else url).rstrip("/")
         self.routes_always = routes_always
         self.timeouts = timeouts or ClientTimeouts()
         if api_key is None and admin_key is None and (run := EngineSecrets.from_env()) is not None:

@@ -16,7 +16,7 @@ from mrl.rollout.buffer import Group
 from mrl.routing.replay import check_routes
 from mrl.trainer.batch import build_batch
 from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, write_loop_state
-from mrl.weight_sync.transport import EngineEndpoint
+from mrl.engine.endpoint import EngineEndpoint
 
 
 class RankDuties(abc.ABC):
@@ -93,19 +93,19 @@ class Controller(RankDuties):
         from mrl.rollout.service import start_rollout
 
         r = self.cfg.rollout
-        urls = list(r.engine_urls) or self._discover(r)
-        if not urls:
+        endpoints = [EngineEndpoint(u, r.engine_tp) for u in list(r.engine_urls) or self._discover(r)]
+        if not endpoints:
             self.engines = self.engines or start_job_engines(self.cfg)
             for e in self.engines:
                 e.wait_healthy()
-            urls = [e.url for e in self.engines]
+            endpoints = [e.endpoint for e in self.engines]
         self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(self.cfg) else None
         self.codec = policy.codec
-        self.rollout = start_rollout(self.cfg, hf_path, urls, policy.codec, {
+        self.rollout = start_rollout(self.cfg, hf_path, [e.url for e in endpoints], policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
             "buffered": state.buffered,
             "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or []})
-        return [EngineEndpoint(u, r.engine_tp) for u in urls]
+        return endpoints
 
     @staticmethod
     def _discover(r) -> list[str]:
@@ -170,7 +170,7 @@ class Controller(RankDuties):
         self.log.progress(f"warm start {step + 1}/{total}  nll {nll:.3f}", step + 1, total)
 
     def joining_engines(self) -> list[EngineEndpoint]:
-        return [EngineEndpoint(e.url, self.cfg.rollout.engine_tp) for e in self.restarter.take_ready()]
+        return [e.endpoint for e in self.restarter.take_ready()]
 
     def drain(self) -> int:
         return self.rollout.drain(self.cfg.weight_sync.timeout_s)

@@ -43,9 +43,10 @@ from mrl.models.peft import save_peft
 from mrl.trainer.controller import Controller, OtherRank, RankDuties, restarts_engines
 from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state
 from mrl.trainer.warm_start import sft_warmup
+from mrl.weight_sync.channel import WeightChannel
 from mrl.weight_sync.lora import AdapterChannel
 from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
-from mrl.weight_sync.transport import EngineEndpoint
+from mrl.engine.endpoint import EngineEndpoint
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -110,7 +111,7 @@ class Loop:
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
         self.duties: RankDuties = Controller(cfg, self.state, engines) if self.layout.world_rank == 0 else OtherRank()
-        self.syncer: EngineSync | AdapterChannel | None = None
+        self.syncer: WeightChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
         # each step's batch goes from rank 0 to each rank as its DP rank's share only
         self.batches = BatchScatter(dp_rank=self.layout.dp.rank, dp_size=self.layout.dp.size, group=dist.group.WORLD)

@@ -13,7 +13,8 @@ from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import export_hf
 from mrl.models.bridge import ModelBridge
 from mrl.models.checkpoint import save_hf
-from mrl.weight_sync.transport import EngineEndpoint, PushStats, Transport, run_on
+from mrl.engine.endpoint import EngineEndpoint
+from mrl.weight_sync.transport import PushStats, Transport, run_on
 
 
 class DiskTransport(Transport):

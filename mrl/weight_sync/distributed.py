@@ -48,8 +48,8 @@ from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
 from mrl.weight_sync.http_pipeline import post_pipelined
 from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
-from mrl.weight_sync.transport import (EngineEndpoint, LoopThread, PushStats, Transport, any_rank,
-                                       union_failures)
+from mrl.engine.endpoint import EngineEndpoint
+from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank, union_failures
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,7 +93,7 @@ class DistributedWeightSync:
         self.batch_requests = True
         """Engines that announce it get every bucket of a sync in one request; False: one request per bucket
         to every engine (comparisons)."""
-        self._clients = [EngineClient(e.url) for e in engines] if self.is_controller else []
+        self._clients = [EngineClient(e) for e in engines] if self.is_controller else []
 
     def _replan(self, plan: SyncPlan) -> None:
         self.plan = plan

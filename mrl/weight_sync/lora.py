@@ -41,10 +41,11 @@ from mrl.rollout.client import ClientTimeouts, EngineClient
 from mrl.config.lora_engine import LoraEngineSpec
 from mrl.rollout.lora import NAME_PREFIX, adapter_name, adapter_version
 from mrl.rollout.protocol import EngineError, EngineHTTPError
+from mrl.weight_sync.channel import SyncReport, WeightChannel
+from mrl.weight_sync.transport import dead_engines
 
 if TYPE_CHECKING:
-    from mrl.weight_sync.sync import SyncReport
-    from mrl.weight_sync.transport import EngineEndpoint
+    from mrl.engine.endpoint import EngineEndpoint
 
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
@@ -303,9 +304,8 @@ def random_adapter(hf_config, *, targets: tuple[str, ...], r: int, alpha: float,
     return out, config
 
 
-class AdapterChannel:
-    """The train loop's weight-update channel in a LoRA run, with the calls it makes of ``EngineSync``
-    (``connect``, ``sync``, ``add``, ``close``, ``engines``, ``dropped``): each policy version reaches the
+class AdapterChannel(WeightChannel):
+    """The train loop's weight-update channel in a LoRA run (``WeightChannel``): each policy version reaches the
     engines as an adapter (``AdapterSync``), never as full weights, so there is no weight-update group and
     nothing is paused, flushed or re-stamped.
 
@@ -343,7 +343,7 @@ class AdapterChannel:
 
     def sync(self, version: str) -> SyncReport:
         from mrl.megatron.collectives import broadcast_object
-        from mrl.weight_sync.sync import SyncReport, check_finite_weights
+        from mrl.weight_sync.sync import check_finite_weights
 
         t0 = time.perf_counter()
         check_finite_weights(self.policy.module, f"adapter sync v{version}")
@@ -385,7 +385,7 @@ class AdapterChannel:
         try:
             return call()
         except AdapterSyncError as e:
-            gone = _dead_engines(list(e.failed), self.probe_timeout_s)
+            gone = dead_engines(list(e.failed), self.probe_timeout_s)
             if set(e.failed) - set(gone) or not set(self._pusher.urls) - set(gone):
                 raise
             for url, why in gone.items():
@@ -393,17 +393,3 @@ class AdapterChannel:
             self._pusher.remove_engines(list(gone))
             dead |= gone
             return call()
-
-
-def _dead_engines(urls: list[str], probe_timeout_s: float) -> dict[str, str]:
-    """{url: why} of those engines that fail a liveness probe (killed, stopped or wedged)."""
-    from mrl.rollout.client import liveness
-
-    async def go():
-        clients = [EngineClient(u) for u in urls]
-        try:
-            return await asyncio.gather(*(liveness(c, probe_timeout_s) for c in clients))
-        finally:
-            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-
-    return {u: why for u, why in zip(urls, asyncio.run(go()) if urls else []) if why is not None}

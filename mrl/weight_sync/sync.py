@@ -10,10 +10,8 @@ faults into a sync.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 import torch
@@ -23,12 +21,14 @@ from mrl.config.schema import WeightTransport
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import ClientTimeouts, EngineClient, close_clients, liveness, watched
+from mrl.rollout.client import ClientTimeouts, EngineClient, close_clients, watched
 from mrl.rollout.protocol import EngineHung
 from mrl.weight_sync.disk import DiskTransport
 from mrl.weight_sync.distributed import DistributedTransport, DistributedWeightSync
 from mrl.weight_sync.tensor import TensorTransport
-from mrl.weight_sync.transport import EngineEndpoint, LoopThread, Transport, run_on
+from mrl.engine.endpoint import EngineEndpoint
+from mrl.weight_sync.channel import SyncReport, WeightChannel
+from mrl.weight_sync.transport import LoopThread, Transport, dead_engines, run_on
 
 PUSH_HOOKS: list[Callable[[str, list[EngineEndpoint], bool], ContextManager]] = []
 """Context managers entered around every push, called as ``hook(version, engines, is_controller)``: the
@@ -126,29 +126,6 @@ def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[Engine
     return diffs, errs
 
 
-@dataclass
-class SyncReport:
-    version: str
-    transport: str
-    seconds: float
-    push_seconds: float
-    bytes_sent: int
-    bytes_in_place: int | None = 0
-    """This rank's bytes broadcast straight from its params (no copy); None where nothing is streamed from
-    them (adapters)."""
-    failed_engines: dict[str, str] = field(default_factory=dict)
-    repaired_from_disk: list[str] = field(default_factory=list)
-    dropped_engines: list[str] = field(default_factory=list)
-    """Engines found dead during this sync and removed from the weight-update groups."""
-    dead_reasons: dict[str, str] = field(default_factory=dict)
-    """Why each dropped engine was judged dead (``EngineSync.verdict``)."""
-    stamped_with_push: list[str] = field(default_factory=list)
-    """Engines that took the version with the weights (every bucket in one request, ``PushStats.stamped``)."""
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Where the sync's seconds went on this rank: ``check`` (finite weights), ``pause`` (pause, flush and
-    the verdict on them), ``push``, ``finish`` (stamp, continue and the verdict) and ``barrier``."""
-
-
 class _Phases:
     """Seconds between consecutive ``mark`` calls, by the name of the phase each call closes."""
 
@@ -162,7 +139,7 @@ class _Phases:
         self._t = now
 
 
-class EngineSync:
+class EngineSync(WeightChannel):
     """The sequence for one weight version, whatever the transport:
     pause(abort) + flush -> push -> engines that failed are reloaded from disk -> stamp -> continue.
 
@@ -175,10 +152,6 @@ class EngineSync:
     engine costs about ``probe_timeout_s``, not the call's limit."""
 
     pauses_engines = True
-    """The engines stop generating during a sync: the loop drains the rollout side around it."""
-    adapter: str | None = None
-    """The adapter the engines serve the trainer's weights under: none, they hold the weights themselves
-    (a LoRA run syncs through ``mrl.weight_sync.lora.AdapterChannel`` instead)."""
 
     def __init__(self, transport: Transport, disk: Transport, layout: Layout,
                  engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None,
@@ -214,7 +187,7 @@ class EngineSync:
         if gone:
             self._io.submit(close_clients(gone)).result(30)
         for e in self.engines:
-            self._clients.setdefault(e.url, EngineClient(e.url))
+            self._clients.setdefault(e.url, EngineClient(e))
         return run_on(self.engines, call, loop=self._io, clients=self._clients)
 
     def close(self) -> None:
@@ -324,16 +297,7 @@ class EngineSync:
         dead: dict[str, str] = {}
         if self.layout.world_rank == 0 and failed:
             dead = {u: self._hung[u] for u in failed if u in self._hung}
-            rest = [u for u in failed if u not in dead]
-
-            async def probe_all() -> list[str | None]:
-                clients = [EngineClient(u) for u in rest]
-                try:
-                    return await asyncio.gather(*(liveness(c, self.probe_timeout_s) for c in clients))
-                finally:
-                    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-
-            dead |= {u: why for u, why in zip(rest, asyncio.run(probe_all()) if rest else []) if why is not None}
+            dead |= dead_engines([u for u in failed if u not in dead], self.probe_timeout_s)
         self._hung.clear()
         if dist.get_world_size() == 1:  # no other rank to tell
             return dead

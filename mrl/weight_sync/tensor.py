@@ -16,7 +16,8 @@ import torch
 from mrl.models.bridge import split_full
 from mrl.rollout.client import EngineClient
 from mrl.weight_sync.distributed import DistributedWeightSync
-from mrl.weight_sync.transport import EngineEndpoint, LoopThread, PushStats, Transport, run_on, union_failures
+from mrl.engine.endpoint import EngineEndpoint
+from mrl.weight_sync.transport import LoopThread, PushStats, Transport, run_on, union_failures
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -49,7 +50,7 @@ class TensorTransport(Transport):
                                "on CPU tensors sent between processes; use transport=distributed or disk")
         self.executor = executor
         self._io = LoopThread() if executor.is_sender else None
-        self._clients = [EngineClient(e.url) for e in executor.engines] if executor.is_sender else []
+        self._clients = [EngineClient(e) for e in executor.engines] if executor.is_sender else []
 
     def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
         ex = self.executor

@@ -27,16 +27,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mrl.engine.endpoint import EngineEndpoint
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
-from mrl.rollout.client import ClientTimeouts, EngineClient
-
-
-@dataclass(frozen=True)
-class EngineEndpoint:
-    url: str
-    tp: int = 1
-    """Engine ranks that join each weight-update group (all GPUs of the server)."""
+from mrl.rollout.client import ClientTimeouts, EngineClient, liveness
 
 
 @dataclass
@@ -101,7 +95,7 @@ def run_on(engines: list[EngineEndpoint], call, loop: LoopThread | None = None,
 
     async def go():
         mine = clients is None
-        cs = [EngineClient(e.url, **({"timeouts": timeouts} if timeouts else {})) if mine else clients[e.url]
+        cs = [EngineClient(e, **({"timeouts": timeouts} if timeouts else {})) if mine else clients[e.url]
               for e in engines]
 
         async def one(c):
@@ -120,6 +114,20 @@ def run_on(engines: list[EngineEndpoint], call, loop: LoopThread | None = None,
     if loop is not None:
         return loop.submit(go()).result()
     return asyncio.run(go())
+
+
+def dead_engines(urls: list[str], probe_timeout_s: float) -> dict[str, str]:
+    """{url: why} of those engines that fail a liveness probe now (``client.liveness``: killed, stopped or
+    wedged); the others are alive."""
+
+    async def go():
+        clients = [EngineClient(u) for u in urls]
+        try:
+            return await asyncio.gather(*(liveness(c, probe_timeout_s) for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    return {u: why for u, why in zip(urls, asyncio.run(go()) if urls else []) if why is not None}
 
 
 def union_failures(layout: Layout, failed: dict[str, str]) -> dict[str, str]:

@@ -207,7 +207,8 @@ def world(tmp_path):
 
 def _sync(urls: list[str]):
     from mrl.weight_sync.sync import EngineSync
-    from mrl.weight_sync.transport import EngineEndpoint, PushStats, Transport
+    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.weight_sync.transport import PushStats, Transport
 
     seen = {"forgot": [], "rebuilt": [], "pushed": 0}
 
@@ -330,7 +331,8 @@ def test_the_verify_probe_of_a_hung_engine_ends_at_its_limit():
     limit (``run_on(..., timeouts=...)``): an engine that accepts the request and never answers is reported
     unreachable after that limit, not after the client's hour-long generation limit."""
     from mrl.rollout.client import ClientTimeouts
-    from mrl.weight_sync.transport import EngineEndpoint, run_on
+    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.weight_sync.transport import run_on
 
     async def probe(c):
         await c.generate([1, 2, 3], {"max_new_tokens": 1, "temperature": 0.0}, rid="verify-probe",

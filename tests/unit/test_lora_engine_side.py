@@ -250,13 +250,13 @@ def test_adapter_channel_drops_dead_engines_and_stops_on_a_live_refusal(monkeypa
     and the others get the version; one that answers the probe stops the sync before the rollout side
     switches (it would serve another policy). A joining engine gets the version once it is current."""
     import mrl.weight_sync.lora as wl
-    from mrl.weight_sync.transport import EngineEndpoint
+    from mrl.engine.endpoint import EngineEndpoint
 
     spec = LoraEngineSpec(max_rank=8, targets=ATTENTION)
     ch = wl.AdapterChannel(None, SimpleNamespace(world_rank=0), [EngineEndpoint("http://a"), EngineEndpoint("http://b")],
                            spec=spec, timeout_s=5.0)
     ch._pusher = pusher = _Pusher(["http://a", "http://b"], refuse={"http://b": "HTTP 500"})
-    monkeypatch.setattr(wl, "_dead_engines", lambda urls, _t: {u: "refused" for u in urls} if dead else {})
+    monkeypatch.setattr(wl, "dead_engines", lambda urls, _t: {u: "refused" for u in urls} if dead else {})
     switched = []
     ch.on_loaded = lambda name, version: switched.append((name, version))
     ch.add([EngineEndpoint("http://c")])

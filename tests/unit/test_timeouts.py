@@ -102,7 +102,7 @@ def test_pipelined_bucket_updates_time_out_naming_engine_and_endpoint(reliabilit
 
 
 def test_dead_engine_is_a_connection_error_naming_it():
-    from mrl.rollout.engine import free_port
+    from mrl.engine.launcher import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens
 
@@ -120,10 +120,11 @@ def test_weight_update_group_rendezvous_nobody_joins(reliability):
     from types import SimpleNamespace
 
     from mrl.megatron.collectives import CollectiveError
-    from mrl.rollout.engine import free_port
+    from mrl.engine.launcher import free_port
     from mrl.weight_sync.sync import EngineSync
     from mrl.weight_sync.group import create_sender_group
-    from mrl.weight_sync.transport import EngineEndpoint, Transport
+    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.weight_sync.transport import Transport
 
     class Rendezvous(Transport):
         name = "rendezvous"
