@@ -115,11 +115,12 @@ def check(cfg: Config) -> int:
     return code
 
 
-def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
-    """The RL loop (mrl/trainer/loop.py, entered through ``module``) on the trainer ranks; rank 0 starts the engines."""
+def train(cfg: Config) -> int:
+    """The RL loop (``mrl.trainer.loop``, entered through ``mrl.jobs.train``) on the trainer ranks; rank 0 starts
+    the engines."""
     from omegaconf import OmegaConf
 
-    from mrl.process import torchrun
+    from mrl.process import TRAIN_MODULE, torchrun
 
     if code := preflight(cfg):
         return code
@@ -133,7 +134,7 @@ def train(cfg: Config, module: str = "mrl.jobs.train") -> int:
     resolved = os.path.join(cfg.run_dir, "config.yaml")
     with open(resolved, "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    return torchrun(module, [resolved], trainer_world_size(cfg), capture=False).returncode
+    return torchrun(TRAIN_MODULE, [resolved], trainer_world_size(cfg), capture=False).returncode
 
 
 def make_tiny(argv: list[str]) -> int:

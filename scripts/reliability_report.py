@@ -37,7 +37,7 @@ How faults are injected:
 - **engines**: SIGKILL to a real SGLang engine's process group from outside the job (mid-rollout), or
   SIGSTOP to it (hung: the port still accepts connections, nothing answers), or SIGKILL from
   inside the weight sync with `--kill-engine-during-sync <version>[:<engine>[:<broadcast>]]` of the test
-  entry point `tests/jobs/train_with_faults.py`, which installs a push hook (`mrl.weight_sync.sync.PUSH_HOOKS`):
+  entry point `tests/jobs/train_with_faults.py`, which wraps the weight transport's push on each rank:
   the engine dies right before the trainer's broadcast number `<broadcast>` of the sync to `<version>`, with
   the engines paused and the update requests posted;
   hangs, crashes, 400/503 and malformed replies from the fault-injecting fake server (`tests/fakes/`),

@@ -26,7 +26,6 @@ from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
 from mrl.config.schema import WeightTransport
 from mrl.rollout.client import EngineClient
-from mrl.weight_sync.distributed import SyncFault
 from mrl.weight_sync.sync import EngineSync, make_transport
 from mrl.engine.endpoint import EngineEndpoint
 
@@ -63,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=0.25)
     ap.add_argument("--transport", default="distributed", choices=[t.value for t in WeightTransport])
     ap.add_argument("--repair-dir", default=None, help="where the disk-path repair writes the checkpoint")
-    ap.add_argument("--fault-bucket", type=int, default=None, help="tests: send this bucket one row short")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -76,10 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     probe[0, 0] = 1
     before = asyncio.run(_controller(engines, lambda c: _probe_engine(c, probe, "before"))) \
         if layout.world_rank == 0 else None
-    fault = SyncFault(a.fault_bucket) if a.fault_bucket is not None else None
     transport, disk = make_transport(WeightTransport(a.transport), model=model, layout=layout, bridge=bridge,
                                      padded_vocab=vp, engines=engines, bucket_bytes=int(a.bucket_mb * (1 << 20)),
-                                     export_dir=a.repair_dir, config_src=a.hf, fault=fault)
+                                     export_dir=a.repair_dir, config_src=a.hf)
     syncer = EngineSync(transport, disk, layout, engines)
     syncer.connect()
     rep = syncer.sync(a.version)

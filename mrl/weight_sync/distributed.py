@@ -28,7 +28,6 @@ import asyncio
 import json
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -54,14 +53,6 @@ from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class SyncFault:
-    """Test-only fault injection: declare (and send) bucket ``bucket`` with its first 2-D tensor one row
-    short, as a trainer bug would; the engine must reject it ("partially updated")."""
-
-    bucket: int = 0
-
-
 def trainer_layout(layout: Layout, num_layers: int) -> TrainerLayout:
     c = layout.config
     return TrainerLayout(tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp, world_size=layout.world_size, cp=c.cp,
@@ -72,10 +63,9 @@ class DistributedWeightSync:
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
                  master_address: str | None = None, group_prefix: str = "mrl", timeout_s: float = 300.0,
-                 fault: SyncFault | None = None, chunk_bytes: int = 0):
+                 chunk_bytes: int = 0):
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
         self.chunk_bytes = chunk_bytes  # shard transfers split into chunks of this size (copy_plan.build_steps)
-        self.fault = fault
         self.master_address = master_address
         self.maps = maps_by_name(bridge, padded_vocab)
         self.local = {lp.global_name: lp for lp in local_params(model, layout)}
@@ -232,12 +222,6 @@ class DistributedWeightSync:
             return None
         return [(p, pm, full) for p, (_, pm), full in zip(planned, items, fulls)]
 
-    def _bucket_meta(self, bucket: Bucket):
-        meta = bucket.tensors
-        if self.fault is not None and bucket.index == self.fault.bucket:
-            meta = _cut_one_row(meta)
-        return meta
-
     def steps(self) -> list[BucketStep]:
         """This rank's copy plan (cached; rebuilt when a param's storage moved, e.g. after offloading)."""
         params, ptrs = self._sources
@@ -283,8 +267,6 @@ class DistributedWeightSync:
                     self._abort(in_flight)
                     continue
             flat = step.flat
-            if self.fault is not None and step.bucket.index == self.fault.bucket:  # test hook: one row short
-                flat = _cut_bytes(flat, step.bucket.tensors, self._bucket_meta(step.bucket), _TORCH_DTYPES[self.dtype])
             in_flight[step.slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), step.bucket)
             sent += 1
             nbytes += flat.numel()
@@ -344,7 +326,7 @@ class DistributedWeightSync:
         if self._bodies is None:
             self._bodies = []
             for b in self._global:
-                m = self._bucket_meta(b)
+                m = b.tensors
                 self._bodies.append(json.dumps(dict(
                     names=[t.name for t in m], dtypes=[t.dtype for t in m], shapes=[list(t.shape) for t in m],
                     group_name=b.group, flush_cache=False, weight_version=None,
@@ -355,7 +337,7 @@ class DistributedWeightSync:
         """Every bucket in one request, in the global order (``mrl.engine.patches.BATCHED_BUCKETS_FORMAT``), with the
         weight version the engine takes on success; the rest is encoded once."""
         if self._batched is None:
-            metas = [self._bucket_meta(b) for b in self._global]
+            metas = [b.tensors for b in self._global]
             self._batched = json.dumps(dict(
                 names=[t.name for m in metas for t in m], dtypes=[t.dtype for m in metas for t in m],
                 shapes=[list(t.shape) for m in metas for t in m], group_name=self._global[0].group,
@@ -413,31 +395,6 @@ def _check_answer(url: str, ep: str, answer) -> str:
     if body is None:
         raise EngineProtocolError(url, ep, f"HTTP {status}: not JSON: {text[:160]!r}")
     return parse_success(body, (url, ep))
-
-
-def _numel(t) -> int:
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n
-
-
-def _cut_bytes(flat: torch.Tensor, declared, sent, dtype: torch.dtype) -> torch.Tensor:
-    """Test fault: drop the bytes of the row that ``sent`` (the cut meta) no longer declares."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    out, off = [], 0
-    for full_t, cut_t in zip(declared, sent):
-        n = _numel(full_t) * elem
-        out.append(flat[off:off + _numel(cut_t) * elem])
-        off += n
-    return torch.cat(out)
-
-
-def _cut_one_row(meta):
-    """Test fault: the first 2-D tensor declared (and, via _numel, sent) one row short."""
-    i = next(i for i, t in enumerate(meta) if len(t.shape) == 2)
-    t = meta[i]
-    return meta[:i] + [type(t)(t.name, (t.shape[0] - 1,) + tuple(t.shape[1:]), t.dtype)] + meta[i + 1:]
 
 
 class DistributedTransport(Transport):

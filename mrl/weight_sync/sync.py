@@ -1,5 +1,4 @@
-"""The sync sequence every transport shares, the factory of transports, and the hooks tests use to inject
-faults into a sync.
+"""The sync sequence every transport shares, and the factory of transports.
 
     transport, disk = make_transport(WeightTransport.distributed, model=..., layout=..., bridge=..., ...)
     syncer = EngineSync(transport, disk, layout, engines, rebuild=...)
@@ -10,9 +9,7 @@ faults into a sync.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -29,11 +26,6 @@ from mrl.weight_sync.tensor import TensorTransport
 from mrl.engine.endpoint import EngineEndpoint
 from mrl.weight_sync.channel import SyncReport, WeightChannel
 from mrl.weight_sync.transport import LoopThread, Transport, dead_engines, run_on
-
-PUSH_HOOKS: list[Callable[[str, list[EngineEndpoint], bool], ContextManager]] = []
-"""Context managers entered around every push, called as ``hook(version, engines, is_controller)``: the
-tests install one to kill an engine inside a sync (``tests/jobs/train_with_faults.py``); empty otherwise."""
-
 
 class NonFiniteWeights(RuntimeError):
     """Weights with a NaN or Inf, refused before they reach an engine or a checkpoint."""
@@ -218,10 +210,7 @@ class EngineSync(WeightChannel):
             self._drop(dead, version, reasons)
         phases.mark("pause")
         try:
-            with contextlib.ExitStack() as hooks:
-                for hook in PUSH_HOOKS:
-                    hooks.enter_context(hook(version, self.engines, controller))
-                stats = self.transport.push(version)
+            stats = self.transport.push(version)
         except TimeoutError as e:  # the controller's wait for the engines' update requests: no message of its own
             raise CollectiveError(f"weight sync v{version}: engines {[x.url for x in self.engines]} did not answer "
                                   "every bucket request within weight_sync.timeout_s per bucket (one stopped "

@@ -107,12 +107,13 @@ def test_disk_transport_tp2(engines, other_weights, restore, tmp_path):
 
 
 def test_rejected_bucket_is_detected_and_repaired_from_disk(engines, other_weights, restore, tmp_path):
-    """Bucket 1 goes out one row short: both engines reject it ("partially updated"); the job reloads
-    them through the disk path, so they end on exactly the trainer's weights -- never a partial update."""
+    """Bucket 1 goes out one row short (``tests/jobs/sync_weights_fault.py``): both engines reject it
+    ("partially updated"); the job reloads them through the disk path, so they end on exactly the trainer's
+    weights -- never a partial update."""
     out = tmp_path / "sync.json"
     eng = ",".join(f"{engines[n].url}@{engines[n].tp}" for n in ("tp1", "tp2"))
-    r = run_torchrun("mrl.jobs.sync_weights", ["--hf", other_weights, "--engines", eng, "--version", "21",
-                                               "--out", str(out), "--fault-bucket", "1", "--tp", "2"], 2)
+    r = run_torchrun("tests.jobs.sync_weights_fault", ["--short-bucket", "1", "--hf", other_weights, "--engines", eng,
+                                                     "--version", "21", "--out", str(out), "--tp", "2"], 2)
     assert r.returncode == 0, r.stderr[-4000:]
     rep = json.loads(out.read_text())
     assert set(rep["failed_engines"]) == {engines["tp1"].url, engines["tp2"].url}

@@ -7,14 +7,14 @@ the last) during the weight sync to ``version``, right before trainer rank 0's b
 ``broadcast`` (default 0) of the push: the engines are paused and flushed, the buckets before it are on
 them, every update request is posted. Only engines on this host (found by the port they listen on).
 
-The launcher role runs ``mrl train`` with this module as the trainer ranks' entry point; each rank then
-installs the hook (``mrl.weight_sync.sync.PUSH_HOOKS``) and runs the loop (``mrl.jobs.train``).
+The launcher role runs ``mrl train`` with this module as the trainer ranks' entry point (its torchrun call
+rewritten); each rank then wraps the distributed transport's push with the kill and runs the loop
+(``mrl.jobs.train``). Nothing in ``mrl`` knows of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import socket
@@ -84,21 +84,38 @@ def kill_engine(url: str) -> None:
 
 def launch(argv: list[str]) -> None:
     """``--kill-engine-during-sync SPEC train [overrides...]``: ``mrl train`` with this module on the ranks."""
-    from mrl import cli
+    from mrl import cli, process
 
     if argv[:1] != ["--kill-engine-during-sync"] or argv[2:3] != ["train"]:
         sys.exit(f"usage: python -m {MODULE} --kill-engine-during-sync SPEC train [overrides...]")
     os.environ[SPEC_ENV] = argv[1]
-    cli.COMMANDS["train"] = functools.partial(cli.train, module=MODULE)
+    real = process.torchrun
+
+    def torchrun(module, *args, **kwargs):  # cli.train looks torchrun up in mrl.process at each call
+        return real(MODULE if module == process.TRAIN_MODULE else module, *args, **kwargs)
+
+    process.torchrun = torchrun
     sys.argv = ["mrl", *argv[2:]]
     cli.main()
 
 
 def rank_main(config_path: str) -> int:
+    """The loop, with the kill around the first push of each weight version (the sync's own push; a second
+    one, after the sync dropped the dead engine, and the disk repair run as they are)."""
     from mrl.jobs.train import main
-    from mrl.weight_sync.sync import PUSH_HOOKS
+    from mrl.weight_sync.distributed import DistributedTransport
 
-    PUSH_HOOKS.append(functools.partial(kill_during_sync, os.environ[SPEC_ENV]))
+    spec, real, pushed = os.environ[SPEC_ENV], DistributedTransport.push, set()
+
+    def push(self, version, engines=None):
+        if version in pushed:
+            return real(self, version, engines)
+        pushed.add(version)
+        controller = self.executor.layout.world_rank == 0
+        with kill_during_sync(spec, version, self.executor.engines, controller):
+            return real(self, version, engines)
+
+    DistributedTransport.push = push
     return main(config_path)
 
 
