@@ -349,14 +349,6 @@ class EngineClient:
             raise EngineProtocolError(self.url, "/server_info", "no 'version' key")
         return _without_keys(data)
 
-    async def check_version(self, supported: tuple[str, ...] = ("0.5.10", "0.5.14")) -> str:
-        """Version gate: the client speaks these releases' API (0.5.14 live in the tests, 0.5.10 through
-        the recorded replies the fake server serves)."""
-        v = str((await self.server_info())["version"])
-        if v not in supported:
-            raise EngineError(self.url, "/server_info", f"SGLang {v} is not one of the verified versions {supported}")
-        return v
-
     async def weight_checksums(self) -> list[dict[str, str]]:
         """Per TP rank, the hash of every parameter the engine holds, under its own names and layout
         (``/weights_checker``, action ``checksum``: ``sglang.srt.managers.mm_utils.tensor_hash``)."""

@@ -88,13 +88,6 @@ class AdapterRouter:
             del self._users[key]
             self._unload_idle()
 
-    def in_use(self) -> dict[str, int]:
-        """adapter name -> requests in flight (all engines)."""
-        out: Counter = Counter()
-        for (_, name), n in self._users.items():
-            out[name] += n
-        return dict(out)
-
     def live(self) -> list[str]:
         """Adapters loaded on some engine as far as the router knows: the current and the retired ones not
         yet unloaded everywhere."""
@@ -139,8 +132,3 @@ class AdapterRouter:
                 self.errors.append(f"unloading adapter {name} from {url}: {e}")
         except EngineError as e:  # a dead engine frees its adapters with it
             self.errors.append(f"unloading adapter {name} from {url}: {e}")
-
-    async def wait_unloads(self) -> None:
-        """Wait for the unloads sent so far (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)

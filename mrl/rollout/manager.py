@@ -398,9 +398,3 @@ class RolloutManager:
         if self._holding:
             self._holding = False
             self.adapters.resume()
-
-    async def pause_all(self, mode: str = "abort") -> None:
-        await asyncio.gather(*(s.client.pause(mode) for s in self.slots if s.healthy))
-
-    async def resume_all(self) -> None:
-        await asyncio.gather(*(s.client.resume() for s in self.slots if s.healthy))

@@ -106,9 +106,6 @@ class RoutesCodec:
                           f"{self.top_k} top-k x 1, 2 or 4 bytes = {ids}, {2 * ids} or {4 * ids}"
                           + (f" (it holds whole rows: {rows_if})" if rows_if else ""))
 
-    def wire_bytes_per_token(self, b64: str, num_tokens: int) -> float:
-        return len(b64) / max(1, num_tokens)
-
     def compact_bytes_per_token(self) -> int:
         return len(self.moe_layers) * self.top_k * self.dtype.itemsize
 

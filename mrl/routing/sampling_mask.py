@@ -283,11 +283,3 @@ def mask_from_support_ids(support_ids: Sequence[Sequence[int]], vocab_size: int,
     for t, ids in enumerate(support_ids):
         mask_NV[t, list(ids)] = True
     return mask_NV
-
-
-def count_support_mismatch(mask_NV: torch.Tensor, support_ids: Sequence[Sequence[int]]) -> int:
-    """Positions where a (trainer-side) mask differs from the engine's support ids."""
-    if mask_NV.shape[0] != len(support_ids):
-        raise ValueError(f"mask has {mask_NV.shape[0]} positions, engine support {len(support_ids)}")
-    engine_NV = mask_from_support_ids(support_ids, mask_NV.shape[-1], device=mask_NV.device)
-    return int((engine_NV != mask_NV).any(-1).sum())

@@ -28,6 +28,7 @@ import torch
 from mrl.rollout.client import EngineClient
 from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
+from tests.peek import adapters_in_use, wait_unloads
 from mrl.rollout.lora import AdapterRouter, adapter_name
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineHTTPError
@@ -165,7 +166,7 @@ def test_version_lifecycle_through_the_manager(lora_engine, ckpt_dir, tmp_path):
                              adapters=router)
         mgr.set_adapter("policy@v1", 1)
         long = asyncio.create_task(mgr.run_sample(Sample(prompt_ids=PROBE, group_id=0, index=0, max_new_tokens=400)))
-        while router.in_use().get("policy@v1", 0) == 0:
+        while adapters_in_use(router).get("policy@v1", 0) == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # inside the engine, decoding
         t = time.perf_counter()
@@ -178,7 +179,7 @@ def test_version_lifecycle_through_the_manager(lora_engine, ckpt_dir, tmp_path):
         seen["unloaded_while_v1_runs"] = list(router.unloaded)
         seen["v1_running_after_v2_sample"] = not long.done()
         first = await long
-        await router.wait_unloads()
+        await wait_unloads(router)
         seen["unloaded"] = list(router.unloaded)
         seen["held_at_end"] = await client.lora_adapters()
         seen["errors"] = list(router.errors)
@@ -189,7 +190,7 @@ def test_version_lifecycle_through_the_manager(lora_engine, ckpt_dir, tmp_path):
         await asyncio.sleep(0.2)
         seen["unloaded_while_drained"] = len(router.unloaded) - len(seen["unloaded"])
         mgr.undrain()
-        await router.wait_unloads()
+        await wait_unloads(router)
         seen["held_after_undrain"] = await client.lora_adapters()
         await client.close()
         return first, short

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mrl.rollout.client import EngineClient
+from tests.peek import count_support_mismatch
 from mrl.routing.sampling_mask import (
-    count_support_mismatch,
     masked_logprobs,
     support_from_top_logprobs,
     support_mask,

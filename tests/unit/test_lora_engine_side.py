@@ -15,6 +15,7 @@ import torch
 from mrl.config.schema import LoraConfig, RolloutConfig, WeightSyncConfig, WeightTransport
 from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, MLP, LoraEngineSpec, hf_targets, lora_engine_spec
+from tests.peek import adapters_in_use, wait_unloads
 from mrl.rollout.lora import AdapterRouter, adapter_name, adapter_version
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.protocol import EngineHTTPError, EngineUnavailable, FinishReason, GenerateOutput
@@ -180,27 +181,27 @@ def test_router_unloads_only_idle_versions_and_never_while_held():
         r.set_current("policy@v1", 1, [a, b])
         assert r.acquire("http://a") == ("policy@v1", 1)
         r.set_current("policy@v2", 2, [a, b])
-        await r.wait_unloads()
+        await wait_unloads(r)
         assert a.unloaded == [] and b.unloaded == ["policy@v1"]  # b had no v1 request; a still has one
-        assert r.live() == ["policy@v2", "policy@v1"] and r.in_use() == {"policy@v1": 1}
+        assert r.live() == ["policy@v2", "policy@v1"] and adapters_in_use(r) == {"policy@v1": 1}
         r.hold()
         r.release("http://a", ("policy@v1", 1))
         await asyncio.sleep(0)
-        await r.wait_unloads()
+        await wait_unloads(r)
         assert a.unloaded == []  # drained for a sync: engines may be paused
         r.resume()
-        await r.wait_unloads()
+        await wait_unloads(r)
         assert a.unloaded == ["policy@v1"] and r.live() == ["policy@v2"]
         c = FakeClient("http://c", unload_error=EngineUnavailable("http://c", "/unload_lora_adapter", "refused"))
         r.add_engine(c)
         r.set_current("policy@v3", 3, [a, b, c])
-        await r.wait_unloads()
+        await wait_unloads(r)
         assert r.errors == ["unloading adapter policy@v2 from http://c: http://c/unload_lora_adapter: refused"]
         gone = FakeClient("http://d", unload_error=EngineHTTPError("http://d", "/x", 400, "LoRA with name policy@v3 "
                                                                    "does not exist"))
         r.add_engine(gone)
         r.set_current("policy@v4", 4, [gone])
-        await r.wait_unloads()
+        await wait_unloads(r)
         assert not any("http://d" in e for e in r.errors)  # a restarted engine never had it: not an error
 
     asyncio.run(go())
@@ -220,7 +221,7 @@ def test_manager_names_the_current_adapter_and_versions_tokens_by_it():
         assert s.error is None and s.versions == [4, 4, 4] and s.num_retries == 1
         # the engine that lost its adapters (restarted behind its address) is out of rotation
         assert not mgr.slots[0].healthy and lost.requests[-1] == "policy@v4" and ok.requests[-1] == "policy@v4"
-        assert router.in_use() == {}
+        assert adapters_in_use(router) == {}
 
     asyncio.run(go())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -90,3 +91,112 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
         assert "mrl.b.x._hidden" in str(e)
     else:
         raise AssertionError("the private import was not found")
+
+
+# -- folders are processes -----------------------------------------------------------------------------
+PROCESS_FOLDERS = {
+    # what runs inside an SGLang server mrl starts, or starts, watches and stops one
+    "engine": ["launcher", "restart", "endpoint", "secrets", "patches", "replayed_load", "cpu_mode", "cpu_attention",
+               "gpu_mode", "cpu/pyshim/sitecustomize", "shim/sitecustomize"],
+    # the rollout process
+    "rollout": ["client", "protocol", "manager", "producer", "buffer", "service", "multiturn", "sample", "lora"],
+    # the trainer ranks
+    "trainer": ["loop", "controller", "state", "batch", "warm_start"],
+}
+ENGINE_SIDE_IMPORTS = ("mrl.engine", "mrl.process", "mrl.config")
+"""All that ``mrl/engine`` may import of mrl: code loaded into SGLang's servers pulls in no trainer or
+rollout code."""
+MAX_LINES = 500
+
+
+def test_each_process_has_its_folder():
+    missing = [f"mrl/{d}/{m}.py" for d, mods in PROCESS_FOLDERS.items() for m in mods
+               if not (ROOT / "mrl" / d / f"{m}.py").is_file()]
+    assert not missing, missing
+    assert not (ROOT / "mrl" / "train.py").exists(), "the loop lives in mrl/trainer; `mrl train` is the one entry"
+    engine_side = {"engine", "restart", "patches", "replayed_load", "cpu_mode", "cpu_attention", "gpu_mode", "secrets"}
+    strays = [f"mrl/{d}/{p.stem}.py" for d in ("rollout", "trainer") for p in (ROOT / "mrl" / d).glob("*.py")
+              if p.stem in engine_side]
+    assert not strays, f"engine-side modules outside mrl/engine: {strays}"
+
+
+def test_engine_code_imports_no_trainer_or_rollout_code():
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+           for module, path in _modules().items() if module.startswith("mrl.engine")
+           for target, _, line in _imports(path) if not target.startswith(ENGINE_SIDE_IMPORTS)]
+    assert not bad, bad
+
+
+def test_no_module_over_the_line_limit():
+    long = {str(p.relative_to(ROOT)): n for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+# -- no test-only code in the package ------------------------------------------------------------------
+FAULT = re.compile(r"fault", re.I)
+PUBLIC_BY_CONFIG = ("mrl/reward/builtin.py",)
+"""Modules whose functions a config names by dotted path (``reward.fn=mrl.reward.builtin.<name>``)."""
+
+
+def _defined_names(tree: ast.AST):
+    """(name, line) of every function, class, argument, keyword and assigned name."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, node.lineno
+        elif isinstance(node, ast.arg):
+            yield node.arg, node.lineno
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.arg, node.value.lineno
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            yield node.id, node.lineno
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            yield node.attr, node.lineno
+
+
+def test_no_fault_switch_or_hook_in_the_package():
+    """Faults are injected from tests/ (wrappers, monkeypatching, test jobs), never through a name, a flag or
+    a module-level hook list in mrl/."""
+    bad = []
+    for path in _modules().values():
+        text = path.read_text()
+        for name, line in _defined_names(ast.parse(text)):
+            if FAULT.search(name.replace("default", "")):
+                bad.append(f"{path.relative_to(ROOT)}:{line} {name}")
+        options = re.findall(r"add_argument\(\s*\"(--[\w-]*fault[\w-]*)\"", text, re.I)
+        bad += [f"{path.relative_to(ROOT)}: option {m}" for m in options]
+        for node in ast.parse(text).body:  # a module-level list/dict of callables others append to
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.List, ast.Dict)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {t.id}" for t in targets
+                        if isinstance(t, ast.Name) and "HOOK" in t.id.upper()]
+    assert not bad, f"fault switches or hooks in mrl/: {bad}"
+
+
+def _words(globs: list[str]) -> collections.Counter:
+    out: collections.Counter = collections.Counter()
+    for g in globs:
+        for p in ROOT.glob(g):
+            if p.is_file():
+                out.update(re.findall(r"\w+", p.read_text(errors="ignore")))
+    return out
+
+
+def test_no_name_in_the_package_is_used_by_tests_alone():
+    """Every function, class and method mrl/ defines is used by mrl/ itself, bench/, scripts/, conf/ or named
+    in the docs (public API); one that only tests call belongs in tests/ (``tests/peek.py``, test jobs)."""
+    defined: dict[str, list[str]] = collections.defaultdict(list)
+    for path in _modules().values():
+        if str(path.relative_to(ROOT)) in PUBLIC_BY_CONFIG:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            members = node.body if isinstance(node, ast.ClassDef) else []
+            for n in [node, *members]:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("__"):
+                    defined[n.name].append(f"{path.relative_to(ROOT)}:{n.lineno}")
+    package = _words(["mrl/**/*.py", "mrl/**/*.sh"])
+    elsewhere = _words(["bench/**/*.py", "scripts/**/*", "conf/**/*.yaml", "pyproject.toml", "docs/*.md", "README.md"])
+    tests = _words(["tests/**/*.py", "tests/**/*.sh"])
+    only_tests = [f"{name} ({', '.join(where)})" for name, where in defined.items()
+                  if package[name] <= len(where) and not elsewhere[name] and tests[name]]
+    assert not only_tests, f"used by tests alone: {only_tests}"

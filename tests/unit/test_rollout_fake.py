@@ -38,7 +38,7 @@ def test_generate_roundtrip_and_version_probe():
         out = await c.generate(PROMPT, {"max_new_tokens": 6}, rid="r1", return_routed_experts=True)
         assert out.output_ids == greedy_reference(PROMPT, 6) and len(out.output_logprobs) == 6
         assert CODEC.decode(out.routed_experts, prompt_len=5, response_len=6).shape == (10, 3, 2)
-        assert await c.check_version() == "0.5.10" and await c.weight_version() == "0"
+        assert (await c.server_info())["version"] == "0.5.10" and await c.weight_version() == "0"
         await c.close()
 
     with FakeSGLang() as srv:
@@ -117,13 +117,13 @@ def test_partial_rollout_survives_a_weight_update_with_versions():
         mgr = RolloutManager([client], sampling=SamplingSpec(max_new_tokens=200), codec=CODEC)
         task = asyncio.create_task(mgr.generate_group(PROMPT, n=3, group_id=0))
         await asyncio.sleep(0.1)
-        await mgr.pause_all("abort")
+        await asyncio.gather(*(s.client.pause("abort") for s in mgr.slots))
         await client.flush_cache()
         await client.init_weights_update_group(master_address="127.0.0.1", master_port=1, rank_offset=1,
                                                world_size=2, group_name="g", backend="gloo")
         await client.update_weights_from_distributed(names=["x"], dtypes=["float32"], shapes=[[1]],
                                                      group_name="g", weight_version="1")
-        await mgr.resume_all()
+        await asyncio.gather(*(s.client.resume() for s in mgr.slots))
         return mgr, await task
 
     with FakeSGLang() as srv:

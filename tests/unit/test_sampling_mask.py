@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mrl.rollout.protocol import parse_generate
+from tests.peek import count_support_mismatch
 from mrl.routing.sampling_mask import (
     IncompleteSupportError,
     OutsideSupportError,
-    count_support_mismatch,
     mask_from_support_ids,
     SupportSpec,
     engine_support,
