@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -200,3 +202,20 @@ def test_no_name_in_the_package_is_used_by_tests_alone():
     only_tests = [f"{name} ({', '.join(where)})" for name, where in defined.items()
                   if package[name] <= len(where) and not elsewhere[name] and tests[name]]
     assert not only_tests, f"used by tests alone: {only_tests}"
+
+
+def test_the_checks_see_a_fault_switch_a_hook_and_a_test_only_name(tmp_path, monkeypatch):
+    """The test-only checks above find what they look for (a fixture tree with each)."""
+    (tmp_path / "mrl").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "mrl" / "x.py").write_text(
+        "PUSH_HOOKS = []\n\n\ndef push(buckets, fault_bucket=None):\n    return buckets\n\n\n"
+        "def peek(state):\n    return state\n\n\ndef used():\n    return push([])\n")
+    (tmp_path / "tests" / "test_x.py").write_text("from mrl.x import peek, push\n\npeek(push([]))\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError) as e:
+        test_no_fault_switch_or_hook_in_the_package()
+    assert "fault_bucket" in str(e.value) and "PUSH_HOOKS" in str(e.value)
+    with pytest.raises(AssertionError) as e:
+        test_no_name_in_the_package_is_used_by_tests_alone()
+    assert "peek" in str(e.value) and "push" not in str(e.value).replace("PUSH", "")
