@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mrl.config.base import DType, fail
+from mrl.config.base import DType
+from mrl.config.base import fail as _fail
 from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, ParallelConfig, LORA_TARGETS,
                               LORA_HF_MODULES)
 from mrl.config.algo import AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig
@@ -87,15 +88,15 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
-            fail("rollout.env.max_turns", f"must be >= 1, got {self.max_turns}")
+            _fail("rollout.env.max_turns", f"must be >= 1, got {self.max_turns}")
         if self.max_total_tokens < 2:
-            fail("rollout.env.max_total_tokens", f"must be >= 2, got {self.max_total_tokens}")
+            _fail("rollout.env.max_total_tokens", f"must be >= 2, got {self.max_total_tokens}")
         if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
-            fail("rollout.env.max_turn_tokens", f"must be >= 1 or null, got {self.max_turn_tokens}")
+            _fail("rollout.env.max_turn_tokens", f"must be >= 1 or null, got {self.max_turn_tokens}")
         if not self.tool_timeout_s > 0:
-            fail("rollout.env.tool_timeout_s", f"must be > 0, got {self.tool_timeout_s}")
+            _fail("rollout.env.tool_timeout_s", f"must be > 0, got {self.tool_timeout_s}")
         if self.fn is not None and (self.fn.count(".") < 1 or not all(self.fn.split("."))):
-            fail("rollout.env.fn", f"expected a dotted path 'package.module.Class', got {self.fn!r}")
+            _fail("rollout.env.fn", f"expected a dotted path 'package.module.Class', got {self.fn!r}")
 
 
 @dataclass(kw_only=True)
@@ -180,37 +181,37 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if self.lora_max_rank is not None and self.lora_max_rank < 1:
-            fail("rollout.lora_max_rank", f"must be >= 1 or null, got {self.lora_max_rank}")
+            _fail("rollout.lora_max_rank", f"must be >= 1 or null, got {self.lora_max_rank}")
         if self.lora_slots < 2:
-            fail("rollout.lora_slots", f"must be >= 2 (the base model takes one), got {self.lora_slots}")
+            _fail("rollout.lora_slots", f"must be >= 2 (the base model takes one), got {self.lora_slots}")
         if self.lora_backend not in (None, "torch_native", "triton", "csgmv"):
-            fail("rollout.lora_backend", f"must be torch_native, triton, csgmv or null, got {self.lora_backend!r}")
+            _fail("rollout.lora_backend", f"must be torch_native, triton, csgmv or null, got {self.lora_backend!r}")
         if self.cpu_mode and self.lora_backend not in (None, "torch_native"):
-            fail("rollout.lora_backend", f"={self.lora_backend}: CPU engines have no GPU kernels; use torch_native")
+            _fail("rollout.lora_backend", f"={self.lora_backend}: CPU engines have no GPU kernels; use torch_native")
         if not 0.0 < self.top_p <= 1.0:
-            fail("rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+            _fail("rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            fail("rollout.min_p", f"must be in [0, 1], got {self.min_p}")
+            _fail("rollout.min_p", f"must be in [0, 1], got {self.min_p}")
         if self.top_logprobs_num is not None and self.top_logprobs_num < 1:
-            fail("rollout.top_logprobs_num", f"must be >= 1 or null, got {self.top_logprobs_num}")
+            _fail("rollout.top_logprobs_num", f"must be >= 1 or null, got {self.top_logprobs_num}")
         if self.num_engines < 1:
-            fail("rollout.num_engines", f"must be >= 1, got {self.num_engines}")
+            _fail("rollout.num_engines", f"must be >= 1, got {self.num_engines}")
         if self.restart_engines < 0:
-            fail("rollout.restart_engines", f"must be >= 0, got {self.restart_engines}")
+            _fail("rollout.restart_engines", f"must be >= 0, got {self.restart_engines}")
         if self.max_running_requests < 1:
-            fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+            _fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
-            fail("rollout.cpus", f"={list(self.cpus)}: give a non-empty list of core ids, or null")
+            _fail("rollout.cpus", f"={list(self.cpus)}: give a non-empty list of core ids, or null")
         if self.base_gpu_id is not None and self.base_gpu_id < 0:
-            fail("rollout.base_gpu_id", f"must be >= 0 or null, got {self.base_gpu_id}")
+            _fail("rollout.base_gpu_id", f"must be >= 0 or null, got {self.base_gpu_id}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            fail("rollout.mem_fraction_static", f"must be in (0, 1) or null, got {self.mem_fraction_static}")
+            _fail("rollout.mem_fraction_static", f"must be in (0, 1) or null, got {self.mem_fraction_static}")
         if self.sampling_backend not in (None, "pytorch", "flashinfer"):
-            fail("rollout.sampling_backend", f"must be pytorch, flashinfer or null, got {self.sampling_backend!r}")
+            _fail("rollout.sampling_backend", f"must be pytorch, flashinfer or null, got {self.sampling_backend!r}")
         if self.engine_dtype not in (None, "bfloat16", "float16", "float32"):
-            fail("rollout.engine_dtype", f"must be bfloat16, float16, float32 or null, got {self.engine_dtype!r}")
+            _fail("rollout.engine_dtype", f"must be bfloat16, float16, float32 or null, got {self.engine_dtype!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            fail("rollout.max_total_tokens", f"must be >= 1 or null, got {self.max_total_tokens}")
+            _fail("rollout.max_total_tokens", f"must be >= 1 or null, got {self.max_total_tokens}")
 
 
 _ENGINE_DTYPES = {DType.fp32: "float32", DType.bf16: "bfloat16"}
@@ -242,33 +243,33 @@ class Config:
     def __post_init__(self) -> None:
         for name in self.logger:
             if name not in LOGGERS:
-                fail("logger", f"unknown logger {name!r}; choose from {list(LOGGERS)}")
+                _fail("logger", f"unknown logger {name!r}; choose from {list(LOGGERS)}")
         if len(set(self.logger)) != len(self.logger):
-            fail("logger", f"lists a logger twice: {list(self.logger)}")
+            _fail("logger", f"lists a logger twice: {list(self.logger)}")
         r = self.rollout
         if r.cpu_mode and r.engine_dtype not in (None, "float32"):
-            fail("rollout.engine_dtype", f"{r.engine_dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
+            _fail("rollout.engine_dtype", f"{r.engine_dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
         if r.engine_dtype is None:
             r.engine_dtype = "float32" if r.cpu_mode else _ENGINE_DTYPES[self.model.dtype]
         if not r.cpu_mode and r.engine_dtype == "float32":
-            fail("rollout.engine_dtype", "float32 on GPU engines: SGLang's GPU kernels (rmsnorm) take bfloat16 or "
+            _fail("rollout.engine_dtype", "float32 on GPU engines: SGLang's GPU kernels (rmsnorm) take bfloat16 or "
                   "float16 only; set model.dtype=bf16 (the engine follows it) or rollout.engine_dtype=bfloat16")
         if self.train.sampling_mask and not self.rollout.cpu_mode:
             if self.rollout.sampling_backend == "flashinfer":
-                fail("rollout.sampling_backend", "=flashinfer with train.sampling_mask=true: the mask rebuilds the "
+                _fail("rollout.sampling_backend", "=flashinfer with train.sampling_mask=true: the mask rebuilds the "
                       "support of SGLang's pytorch sampler; use pytorch (or null)")
             self.rollout.sampling_backend = "pytorch"
         shared = (not r.cpu_mode and self.cluster.kind == ClusterKind.local and not r.engine_urls
                   and r.engine_url_dir is None and r.base_gpu_id is not None
                   and r.base_gpu_id < self.parallel.world_size)
         if shared and self.weight_sync.transport == WeightTransport.distributed:
-            fail("rollout.base_gpu_id", f"={r.base_gpu_id} puts an engine on a trainer rank's GPU (ranks use GPUs "
+            _fail("rollout.base_gpu_id", f"={r.base_gpu_id} puts an engine on a trainer rank's GPU (ranks use GPUs "
                   f"0..{self.parallel.world_size - 1}), and NCCL cannot join two ranks of one GPU in the "
                   "weight_sync.transport=distributed group; give the engines GPUs of their own (null: the ones "
                   "after the trainer's) or set weight_sync.transport=tensor (CUDA IPC) or disk")
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
-            fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
+            _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "
                   "batch broadcast while rank 0 waits for rollouts")
