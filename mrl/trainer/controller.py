@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 from mrl.config.schema import BadRoutes, Config, LoopMode
+from mrl.engine.endpoint import EngineEndpoint
 from mrl.engine.launcher import start_job_engines
 from mrl.engine.restart import EngineRestarter, kill_engines
 from mrl.megatron.policy import Policy, RLBatch
@@ -16,7 +17,6 @@ from mrl.rollout.buffer import Group
 from mrl.routing.replay import check_routes
 from mrl.trainer.batch import build_batch
 from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, write_loop_state
-from mrl.engine.endpoint import EngineEndpoint
 
 
 class RankDuties(abc.ABC):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.schema import Config, LoopMode, WeightTransport
+from mrl.engine.endpoint import EngineEndpoint
 from mrl.engine.launcher import launch_job_engines
 from mrl.megatron.batch_scatter import BatchScatter
 from mrl.megatron.collectives import broadcast_object
@@ -46,7 +47,6 @@ from mrl.trainer.warm_start import sft_warmup
 from mrl.weight_sync.channel import WeightChannel
 from mrl.weight_sync.lora import AdapterChannel
 from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
-from mrl.engine.endpoint import EngineEndpoint
 
 
 class NonFiniteUpdates(RuntimeError):

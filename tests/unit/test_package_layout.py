@@ -219,3 +219,37 @@ def test_the_checks_see_a_fault_switch_a_hook_and_a_test_only_name(tmp_path, mon
     with pytest.raises(AssertionError) as e:
         test_no_name_in_the_package_is_used_by_tests_alone()
     assert "peek" in str(e.value) and "push" not in str(e.value).replace("PUSH", "")
+
+
+# -- one interface per seam ----------------------------------------------------------------------------
+def _class_methods(path: Path, cls: str) -> dict[str, bool]:
+    """name -> abstract, of the methods class ``cls`` defines in ``path``."""
+    node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name: any(getattr(d, "attr", None) == "abstractmethod" for d in f.decorator_list)
+            for f in node.body if isinstance(f, ast.FunctionDef)}
+
+
+def test_both_sides_of_the_rank_interface_implement_every_call_the_loop_makes():
+    """The loop talks to rank 0's ``Controller`` and the other ranks' ``OtherRank`` through ``RankDuties``
+    only: every call it makes is an abstract method there, and both sides define each one."""
+    path = ROOT / "mrl" / "trainer" / "controller.py"
+    interface = {m for m, abstract in _class_methods(path, "RankDuties").items() if abstract}
+    calls = {node.func.attr for f in ("loop.py", "warm_start.py")
+             for node in ast.walk(ast.parse((ROOT / "mrl" / "trainer" / f).read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and isinstance(node.func.value, (ast.Attribute, ast.Name))
+             and getattr(node.func.value, "attr", getattr(node.func.value, "id", None)) == "duties"}
+    assert calls and calls <= interface, f"calls outside RankDuties: {calls - interface}"
+    for side in ("Controller", "OtherRank"):
+        missing = interface - set(_class_methods(path, side))
+        assert not missing, f"{side} misses {missing}"
+
+
+def test_the_loop_holds_one_weight_channel():
+    """Full-weight and adapter sync are both a ``WeightChannel``; the loop's annotation names only that."""
+    loop = (ROOT / "mrl" / "trainer" / "loop.py").read_text()
+    assert "self.syncer: WeightChannel | None" in loop and "EngineSync | AdapterChannel" not in loop
+    for path, cls in (("sync.py", "EngineSync"), ("lora.py", "AdapterChannel")):
+        node = next(n for n in ast.parse((ROOT / "mrl" / "weight_sync" / path).read_text()).body
+                    if isinstance(n, ast.ClassDef) and n.name == cls)
+        assert [b.id for b in node.bases if isinstance(b, ast.Name)] == ["WeightChannel"], cls
