@@ -1,0 +1,29 @@
+"""Every relative link in README.md, CHANGELOG.md and docs/*.md points at a file that exists."""
+
+import glob
+import os
+import re
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _pages():
+    pages = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    changelog = os.path.join(ROOT, "CHANGELOG.md")
+    return pages + ([changelog] if os.path.exists(changelog) else [])
+
+
+def test_every_relative_link_resolves():
+    broken, seen = [], 0
+    for page in _pages():
+        text = re.sub(r"```.*?```", "", open(page).read(), flags=re.S)  # code blocks hold no links
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL or an anchor on the same page
+            seen += 1
+            path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+            if not os.path.exists(path):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target}")
+    assert seen > 50
+    assert not broken, "broken links:\n" + "\n".join(broken)
