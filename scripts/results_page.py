@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,11 +203,19 @@ def rollout_throughput(d):
     return [f"{key}: {v}" for key, v in d.items() if key.endswith("tokens_per_s") and isinstance(v, (int, float))]
 
 
+def ws_ratio(r) -> float:
+    """sync / raw of a weight_sync_bench row: the median of the per-repetition ratios (each sync is followed by
+    its raw broadcast), or the ratio of the medians where the repetitions are not kept."""
+    if r.get("all_sync_s") and r.get("all_raw_s"):
+        return statistics.median(s / w for s, w in zip(r["all_sync_s"], r["all_raw_s"]))
+    return r["sync_median_s"] / r["raw_median_s"]
+
+
 def weight_sync(d):
     out = [f"{d.get('model')}, receivers: {d.get('receivers')}"]
     for r in d["rows"]:
-        out.append(f"{r['layout']} ({r['bucket_mb']:.0f} MiB buckets): **{r['sync_median_s'] / r['raw_median_s']:.2f}x "
-                   f"raw** ({r['sync_median_s']:.3f} s)")
+        out.append(f"{r['layout']} ({r['bucket_mb']:.0f} MiB buckets): **{ws_ratio(r):.2f}x raw** "
+                   f"({r['sync_median_s']:.3f} s)")
     return out
 
 
@@ -313,11 +322,11 @@ def _tflops(path):
 
 
 def _ws_max(d):
-    return max(r["sync_median_s"] / r["raw_median_s"] for r in d["rows"] if "+" not in r["layout"])
+    return max(ws_ratio(r) for r in d["rows"] if "+" not in r["layout"])
 
 
 def _ws_cpu_tp1(d):
-    return min(r["sync_median_s"] / r["raw_median_s"] for r in d["rows"] if r["layout"] == "tp1")
+    return min(ws_ratio(r) for r in d["rows"] if r["layout"] == "tp1")
 
 
 _R = "rl_step/2026-11-28_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_"
