@@ -131,9 +131,13 @@ def loop_e2e(d):
     ttfs = d.get("time_to_first_step_s")
     ttfs = f"{ttfs:.0f} s" if ttfs is not None else (
         f"about {d['time_to_first_step_estimate_s']} s (estimated)" if d.get("time_to_first_step_estimate_s") else "-")
-    out = [f"**loop_vs_ceiling {d['loop_vs_ceiling']:.2f}** ({d.get('bound_by')}-bound); loop "
-           f"{k(d['loop_tokens_per_s'])} tokens/s ({k(d['loop_tokens_per_s_per_gpu'])} per GPU), trainer ceiling "
-           f"{k(d['trainer_ceiling_tokens_per_s'])}, engine ceiling {k(d['engine_ceiling_tokens_per_s'])}"]
+    if d.get("loop_vs_ceiling") is None:  # a run whose ceilings were not measured: the loop alone
+        out = [f"loop {k(d['loop_tokens_per_s'])} tokens/s ({k(d['loop_tokens_per_s_per_gpu'])} per GPU), "
+               f"ceilings not measured"]
+    else:
+        out = [f"**loop_vs_ceiling {d['loop_vs_ceiling']:.2f}** ({d.get('bound_by')}-bound); loop "
+               f"{k(d['loop_tokens_per_s'])} tokens/s ({k(d['loop_tokens_per_s_per_gpu'])} per GPU), trainer "
+               f"ceiling {k(d['trainer_ceiling_tokens_per_s'])}, engine ceiling {k(d['engine_ceiling_tokens_per_s'])}"]
     if loop.get("sync_share_of_step") is not None:
         out.append(f"sync {100 * loop['sync_share_of_step']:.1f}% of a step; time to first step {ttfs}")
     if d.get("routes_on_vs_plain") is not None:
@@ -300,6 +304,15 @@ def parity(d):
             f"{sum(bool(v.get('roundtrip_bit_exact')) for v in cases)}"]
 
 
+def mismatch_split(d):
+    out = []
+    for run, r in d["runs"].items():
+        num, st = r["numerics"], r["staleness"]
+        out.append(f"{run}: numerics KL {num['kl_median']:.1e} ({num['tokens']} tokens), staleness KL "
+                   f"{st['kl_median']:.1e} ({st['tokens']} tokens, lags {'/'.join(st['tokens_by_lag'])})")
+    return out
+
+
 EXTRACTORS = {
     "rl_step_vs_megatron": rl_step_vs_megatron, "rl_step_vs_bare": rl_step_vs_bare, "loop_e2e": loop_e2e,
     "gpu_loop": gpu_loop, "routes_wire": routes_wire, "routes_decode": routes_decode,
@@ -307,7 +320,7 @@ EXTRACTORS = {
     "replay_overhead": replay_overhead, "routing_mismatch": routing_mismatch, "async_vs_sync": async_vs_sync,
     "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
-    "lookup_learning": lookup_learning, "parity": parity,
+    "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
 }
 
 
