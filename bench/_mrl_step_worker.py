@@ -26,6 +26,8 @@ from mrl.megatron.train_step import MicroBatch
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--packing", choices=["on", "off"], default="on")
+ap.add_argument("--fused-router-replay", choices=["on", "off"], default="off",
+                help="train.fused_router_replay: replay through TE's fused router kernels")
 ap.add_argument("--profile", default=None)
 ap.add_argument("--phases", action="store_true",
                 help="after the timing, two more steps with each phase of rl_step timed between device syncs")
@@ -40,7 +42,8 @@ cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType.bf16 if compat.HAS_CUDA
                                make_tiny_if_missing=False), parallel=pcfg,
              train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True, packing=a.packing == "on",
                                optimizer_states_dtype=DType(a.optimizer_states),
-                               grouped_gemm=GROUPED_GEMM))
+                               grouped_gemm=GROUPED_GEMM,
+                               fused_router_replay=a.fused_router_replay == "on"))
 layout = init_parallel(pcfg, seed=cfg.seed)
 policy = Policy(cfg, layout, a.hf)
 codec, V = policy.codec, policy.bridge.vocab_size
@@ -142,6 +145,7 @@ if layout.world_rank == 0:
                "allocator": {"before": alloc_before, "after": alloc_after}, "tokens_per_step": n * a.seq,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None,
                "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
+               "fused_router_replay": cfg.train.fused_router_replay,
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},

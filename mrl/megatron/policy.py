@@ -80,7 +80,8 @@ class Policy:
         self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype)
         use_grouped_gemm(cfg.train.grouped_gemm)
         self.padded_vocab = self.bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
-        model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab)
+        model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab,
+                                fused_router_replay=cfg.train.fused_router_replay)
         load_hf_into(model, layout, self.bridge, HFCheckpoint(hf_path), self.padded_vocab)
         self.lora = cfg.model.lora if cfg.model.lora.enabled else None
         """LoRA: the base weights are frozen and only the adapters train (DDP buckets and optimizer hold them)."""
