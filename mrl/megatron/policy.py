@@ -257,8 +257,9 @@ class Policy:
                 mb.data["ref"] = o["logprobs"]
 
         # on the device once: a python number would be copied to it (a blocking copy, a host sync) in
-        # every micro-batch's loss, between its forward and its backward
-        norm = torch.tensor(float(normalizer), dtype=torch.float32, device=compat.DEVICE)
+        # every micro-batch's loss, between its forward and its backward; made by a fill on the device
+        # (torch.tensor(x, device=...) builds it on the host and copies it over)
+        norm = torch.full((), float(normalizer), dtype=torch.float32, device=compat.DEVICE)
 
         def loss_fn(lp, mb):
             d = mb.data
