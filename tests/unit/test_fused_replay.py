@@ -1,8 +1,10 @@
 """Keep Routing through TE's fused router kernels (``mrl.routing.fused_replay``) against megatron's own
-replay path. TE's kernels need CUDA; here they are replaced by megatron's unfused functions of the same
-contract (``topk_routing_with_score_function`` and ``compute_routing_scores_for_aux_loss`` with
-``fused=False``), so what is checked is the path's own math: the masking, the gather for pre-softmax
-scores, the ids taken from megatron's ``RouterReplay`` queues, and the spec that plugs the router in."""
+replay path. TE's kernels need CUDA; without them (``kernels="unfused"``) they are replaced by megatron's
+unfused functions of the same contract (``topk_routing_with_score_function`` and
+``compute_routing_scores_for_aux_loss`` with ``fused=False``), so what is checked is the path's own math:
+the masking, the gather for pre-softmax scores, the ids taken from megatron's ``RouterReplay`` queues, and
+the spec that plugs the router in. On a GPU host with Transformer Engine the router tests also run with
+TE's own kernels (``kernels="te"``)."""
 
 from types import SimpleNamespace
 
@@ -35,6 +37,30 @@ def _unfused_scores(*, logits, topk, score_function):
 @pytest.fixture
 def unfused_kernels(monkeypatch):
     monkeypatch.setattr(fused_replay, "router_kernels", lambda: (_unfused_topk, _unfused_scores))
+
+
+def _have_te_kernels() -> bool:
+    try:
+        fused_replay.router_kernels()
+        return True
+    except ReplayError:
+        return False
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (probs, grads) tolerances: the unfused stand-ins do the same float operations as megatron's replay
+# path; TE's kernels round in their own order
+TOL = {"unfused": ((1e-6, 1e-7), (1e-5, 1e-7)), "te": ((1e-5, 1e-6), (1e-4, 1e-6))}
+
+
+@pytest.fixture(params=["unfused", "te"])
+def kernels(request, monkeypatch):
+    if request.param == "te":
+        if not _have_te_kernels():
+            pytest.skip("TE's fused router kernels need CUDA and Transformer Engine")
+    else:
+        monkeypatch.setattr(fused_replay, "router_kernels", lambda: (_unfused_topk, _unfused_scores))
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +102,7 @@ def _pair(kw):
 
 def _replayed_ids(tokens, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.rand(tokens, E, generator=g).argsort(1)[:, :K]  # distinct, unlike natural routing
+    return torch.rand(tokens, E, generator=g).argsort(1)[:, :K].to(DEVICE)  # distinct, unlike natural routing
 
 
 def _run(router, x, ids_list, action, grad_w):
@@ -97,29 +123,30 @@ def _run(router, x, ids_list, action, grad_w):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("action", [RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD])
-def test_fused_replay_equals_megatrons_replay(unfused_kernels, case, action):
+def test_fused_replay_equals_megatrons_replay(kernels, case, action):
+    (p_rtol, p_atol), (g_rtol, g_atol) = TOL[kernels]
     ref, ours = _pair(CASES[case])
     s, b = 6, 3
-    x = torch.randn(s, b, H)
-    grad_w = torch.randn(s * b, E)
+    x = torch.randn(s, b, H, device=DEVICE)
+    grad_w = torch.randn(s * b, E, device=DEVICE)
     # REPLAY_FORWARD uses the last ids set; REPLAY_BACKWARD pops the queue in order (recompute)
     ids = [_replayed_ids(s * b, 1), _replayed_ids(s * b, 2)]
     ids_list = ids if action == RouterReplayAction.REPLAY_BACKWARD else ids[:1]
     p_ref, m_ref, gx_ref, gw_ref = _run(ref, x, ids_list, action, grad_w)
     p_our, m_our, gx_our, gw_our = _run(ours, x, ids_list, action, grad_w)
     for j, i in enumerate(ids_list):
-        want = torch.zeros(s * b, E, dtype=torch.bool).scatter_(1, i, True)
+        want = torch.zeros(s * b, E, dtype=torch.bool, device=DEVICE).scatter_(1, i, True)
         assert torch.equal(m_ref[j], want) and torch.equal(m_our[j], want)  # exactly the replayed experts
-        torch.testing.assert_close(p_our[j], p_ref[j], rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(gx_our[j], gx_ref[j], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(gw_our, gw_ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p_our[j], p_ref[j], rtol=p_rtol, atol=p_atol)
+        torch.testing.assert_close(gx_our[j], gx_ref[j], rtol=g_rtol, atol=g_atol)
+    torch.testing.assert_close(gw_our, gw_ref, rtol=g_rtol, atol=g_atol)
     assert not ours.router_replay.replay_backward_list or action == RouterReplayAction.REPLAY_FORWARD
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_natural_routing_and_record_stay_megatrons(unfused_kernels, case):
+def test_natural_routing_and_record_stay_megatrons(kernels, case):
     ref, ours = _pair(CASES[case])
-    x = torch.randn(5, 2, H)
+    x = torch.randn(5, 2, H, device=DEVICE)
     for action in (None, RouterReplayAction.RECORD):
         for r in (ref, ours):
             r.router_replay.clear_indices()
@@ -135,9 +162,9 @@ def test_natural_routing_and_record_stay_megatrons(unfused_kernels, case):
 
 def test_refused_without_cuda_and_te():
     pg = SimpleNamespace(tp=None, cp=None, tp_cp=None, tp_dp_cp=None)
-    if torch.cuda.is_available():
-        pytest.skip("the refusal is for hosts without CUDA")
-    with pytest.raises(ReplayError, match="needs CUDA.*train.fused_router_replay=false"):
+    if _have_te_kernels():
+        pytest.skip("the refusal is for hosts without CUDA or Transformer Engine")
+    with pytest.raises(ReplayError, match="needs (CUDA|Transformer Engine).*train.fused_router_replay=false"):
         FusedReplayRouter(_config(), pg_collection=pg)
 
 
