@@ -74,3 +74,16 @@ def test_repetition_plan_checked_before_anything_runs():
 def test_host_state_without_cuda_has_the_load_average():
     h = host_state(cuda=False)
     assert len(h["loadavg"]) == 3 and h["gpu_processes"] is None
+
+
+def test_shape_checkpoint_is_reused_only_when_complete(tmp_path):
+    from rl_step_vs_megatron import shape_checkpoint
+
+    path = shape_checkpoint(str(tmp_path), "tiny")
+    cfg = os.path.join(path, "config.json")
+    first = os.stat(cfg).st_mtime_ns
+    assert shape_checkpoint(str(tmp_path), "tiny") == path and os.stat(cfg).st_mtime_ns == first
+    os.remove(tmp_path / "tiny.complete")  # as if the run had died while writing it
+    open(os.path.join(path, "stray"), "w").close()
+    shape_checkpoint(str(tmp_path), "tiny")
+    assert not os.path.exists(os.path.join(path, "stray")) and os.path.exists(tmp_path / "tiny.complete")
