@@ -171,6 +171,9 @@ def main() -> None:
                     help="torch profiler over two more steps of each side (the first pair): every operator's time")
     ap.add_argument("--phases", action="store_true",
                     help="each side: two more steps with their phases timed between device syncs")
+    ap.add_argument("--host-lead", action="store_true",
+                    help="each side: two more steps with HostLead marks (how far the host ran ahead of the GPU at "
+                         "each micro-batch's forward, after backward, at the optimizer step; CUDA only)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     check_pair_count(a.reps, a.rounds)
@@ -188,7 +191,8 @@ def main() -> None:
     flops_tok = model_flops_per_token(hf, a.seq)
     common = ["--hf", hf_path, "--seq", str(a.seq), "--micro-batches", str(a.micro_batches),
               "--micro-batch-size", str(a.micro_batch_size), "--reps", str(a.reps),
-              "--warmup", str(a.warmup), "--optimizer-states", a.optimizer_states, "--gc", a.gc]
+              "--warmup", str(a.warmup), "--optimizer-states", a.optimizer_states, "--gc", a.gc,
+              *(["--host-lead"] if a.host_lead else [])]
     cuda = dev != "CPU (gloo)"
     layouts = {}
     for name in a.layouts:
@@ -263,7 +267,8 @@ def main() -> None:
           "seq": a.seq, "micro_batches": a.micro_batches,
           "micro_batch_size": a.micro_batch_size, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
           "optimizer_states": a.optimizer_states, "packing": a.packing, "router_fusion": a.router_fusion,
-          "fused_router_replay": a.fused_router_replay, "statistic": "median of per-pair ratios (ABBA)",
+          "fused_router_replay": a.fused_router_replay, "host_lead": a.host_lead,
+          "statistic": "median of per-pair ratios (ABBA)",
           "grouped_gemm": a.grouped_gemm, "gc": a.gc, "checkpoint_s": checkpoint_s,
           "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak,
           "layouts": layouts}, a.json,

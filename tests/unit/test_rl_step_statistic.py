@@ -87,3 +87,24 @@ def test_shape_checkpoint_is_reused_only_when_complete(tmp_path):
     open(os.path.join(path, "stray"), "w").close()
     shape_checkpoint(str(tmp_path), "tiny")
     assert not os.path.exists(os.path.join(path, "stray")) and os.path.exists(tmp_path / "tiny.complete")
+
+
+def test_host_lead_marks_without_cuda_are_ignored_and_with_cuda_ordered():
+    import torch
+    from _bench_common import HostLead
+
+    lead = HostLead()
+    lead.mark("before start")  # ignored
+    lead.start()
+    if not torch.cuda.is_available():
+        lead.mark("forward 0")
+        assert lead.stop() == []
+        return
+    x = torch.randn(2048, 2048, device="cuda")
+    lead.mark("forward 0")
+    for _ in range(20):  # queued work: the next mark is reached well after the host queued it
+        x = x @ x / 2048
+    lead.mark("optimizer.step")
+    marks = lead.stop()
+    assert [m["at"] for m in marks] == ["forward 0", "optimizer.step", "end"]
+    assert marks[1]["gpu_ms"] >= marks[0]["gpu_ms"] and marks[1]["lead_ms"] > marks[0]["lead_ms"] - 1.0
