@@ -17,6 +17,7 @@
 #           (SPEED_RUNS must be one line: it is read with `read`). Per run, from the 2026-11-28 reports: about 45 s to start and set up
 #           each of its 4 processes, the first warm-up step (megatron 11-36 s, mrl 6-9 s), then 5 steps of
 #           0.9-1.5 s: ep2 and tp1 about 4.5 min, tp2 about 4 min, the first run 15.8 GB of checkpoint more.
+#           Where the hosts run ahead: "--layouts ep2 $C --host-lead" (4 more steps a process, under a minute more).
 #   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
 #   loops*  bench/gpu_loop.py once per ';'-separated argument list in LOOP_RUNS_<name> (else LOOP_RUNS), one after
