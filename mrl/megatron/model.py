@@ -170,4 +170,13 @@ def build_gpt_model(bridge: ModelBridge, cfg: TransformerConfig, layout: Layout,
         parallel_output=True,
         **bridge.gpt_model_kwargs(padded_vocab),
     )
+    if fused_router_replay:
+        from mrl.routing.fused_replay import FusedReplayRouter
+        from mrl.routing.replay import ReplayError
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        plain = [n for n, m in model.named_modules()
+                 if isinstance(m, TopKRouter) and not isinstance(m, FusedReplayRouter)]
+        if plain:  # a spec of another form would leave the option silently without effect
+            raise ReplayError(f"train.fused_router_replay: megatron's spec built plain routers ({plain[0]}, ...)")
     return model.to(compat.DEVICE)

@@ -225,3 +225,15 @@ def test_policy_rl_step_is_the_same_with_fused_replay(ckpt_dir, gloo_world, unfu
         if "seconds" not in k and not k.endswith("_s"):
             assert m_on[k] == pytest.approx(m_off[k], rel=1e-5, abs=1e-7), (k, m_on[k], m_off[k])
     assert float((p_on - p_off).abs().max()) < 1e-6
+
+
+def test_a_spec_that_keeps_plain_routers_is_refused(ckpt_dir, gloo_world, unfused_kernels, monkeypatch):
+    """Should megatron's spec take another form, the option must fail, not run without effect."""
+    from mrl.config.load import compose
+    from mrl.megatron.parallel import init_parallel
+    from mrl.megatron.policy import Policy
+
+    monkeypatch.setattr(fused_replay, "with_fused_replay_router", lambda spec: spec)
+    cfg = compose([f"model.hf_path={ckpt_dir['tiny']}", "train.fused_router_replay=true"])
+    with pytest.raises(ReplayError, match="built plain routers"):
+        Policy(cfg, init_parallel(cfg.parallel, seed=cfg.seed), ckpt_dir["tiny"])
