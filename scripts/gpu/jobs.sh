@@ -18,6 +18,8 @@
 #           each of its 4 processes, the first warm-up step (megatron 11-36 s, mrl 6-9 s), then 5 steps of
 #           0.9-1.5 s: ep2 and tp1 about 4.5 min, tp2 about 4 min, the first run 15.8 GB of checkpoint more.
 #           Where the hosts run ahead: "--layouts ep2 $C --host-lead" (4 more steps a process, under a minute more).
+#   fusedreplay tests/jobs/fused_replay_check.py: train.fused_router_replay's router with TE's kernels against
+#           megatron's replay path (three router kinds, forward and recompute; seconds; one GPU, "te")
 #   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
 #   loops*  bench/gpu_loop.py once per ';'-separated argument list in LOOP_RUNS_<name> (else LOOP_RUNS), one after
@@ -68,6 +70,7 @@ job() {  # name gpus te
       delivery) mkdir -p "$WORK/delivery"
                  timeout "$TIMEOUT" python3 bench/batch_delivery.py --nproc "$n" --dp "$n" --reps 12 \
                    --json "$WORK/delivery/batch_delivery.json" ;;
+      fusedreplay) timeout "$TIMEOUT" python3 -m tests.jobs.fused_replay_check --out "$WORK/fusedreplay.json" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;

@@ -6,8 +6,6 @@ the masking, the gather for pre-softmax scores, the ids taken from megatron's ``
 the spec that plugs the router in. On a GPU host with Transformer Engine the router tests also run with
 TE's own kernels (``kernels="te"``)."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -19,8 +17,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from mrl.routing import fused_replay
 from mrl.routing.fused_replay import FusedReplayRouter
 from mrl.routing.replay import ReplayError
-
-E, K, H = 16, 4, 32
+from tests.jobs.fused_replay_check import ACTIONS, CASES, DEVICE, E, H, K, PG, compare, pair
 
 
 def _unfused_topk(*, logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
@@ -47,12 +44,6 @@ def _have_te_kernels() -> bool:
         return False
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# (probs, grads) tolerances: the unfused stand-ins do the same float operations as megatron's replay
-# path; TE's kernels round in their own order
-TOL = {"unfused": ((1e-6, 1e-7), (1e-5, 1e-7)), "te": ((1e-5, 1e-6), (1e-4, 1e-6))}
-
-
 @pytest.fixture(params=["unfused", "te"])
 def kernels(request, monkeypatch):
     if request.param == "te":
@@ -70,82 +61,15 @@ def no_leftover_instances():
     RouterReplay.clear_global_router_replay_instances()
 
 
-CASES = {
-    "softmax_after_topk": dict(),  # Qwen3-MoE (norm_topk_prob)
-    "softmax_before_topk": dict(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.5),
-    "sigmoid_bias_groups": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                                moe_router_num_groups=4, moe_router_group_topk=2,
-                                moe_router_topk_scaling_factor=2.5),  # DeepSeek-V3's kind
-}
-
-
-def _config(**kw):
-    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, num_moe_experts=E,
-                             moe_router_topk=K, moe_ffn_hidden_size=16, moe_enable_routing_replay=True,
-                             moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                             use_cpu_initialization=True, **kw)
-
-
-def _pair(kw):
-    """megatron's router and the fused-replay one with the same weights (and expert bias)."""
-    pg = SimpleNamespace(tp=None, cp=None, tp_cp=None, tp_dp_cp=None)
-    torch.manual_seed(0)
-    ref = TopKRouter(_config(**kw), pg_collection=pg)
-    ours = FusedReplayRouter(_config(**kw), pg_collection=pg)
-    ours.load_state_dict(ref.state_dict())
-    if ref.expert_bias is not None:
-        bias = torch.randn(E) * 0.5  # large enough to move natural top-k: replay must ignore it
-        ref.expert_bias.copy_(bias)
-        ours.expert_bias.copy_(bias)
-    return ref, ours
-
-
-def _replayed_ids(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(tokens, E, generator=g).argsort(1)[:, :K].to(DEVICE)  # distinct, unlike natural routing
-
-
-def _run(router, x, ids_list, action, grad_w):
-    """``router``'s forward per micro-batch under ``action`` (ids queued as megatron's driver queues
-    them), then a backward: probs, routing maps, grads of input and gate weight."""
-    router.zero_grad(set_to_none=True)
-    rr = router.router_replay
-    rr.clear_indices()
-    for ids in ids_list:
-        rr.set_target_indices(ids)
-    rr.set_router_replay_action(action)
-    xs = [x.clone().requires_grad_(True) for _ in ids_list]
-    outs = [router(xi) for xi in xs]
-    sum((p * grad_w).sum() for p, _ in outs).backward()
-    rr.clear_router_replay_action()
-    return ([p.detach() for p, _ in outs], [m for _, m in outs], [xi.grad for xi in xs], router.weight.grad.clone())
-
-
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("action", [RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD])
+@pytest.mark.parametrize("action", ACTIONS)
 def test_fused_replay_equals_megatrons_replay(kernels, case, action):
-    (p_rtol, p_atol), (g_rtol, g_atol) = TOL[kernels]
-    ref, ours = _pair(CASES[case])
-    s, b = 6, 3
-    x = torch.randn(s, b, H, device=DEVICE)
-    grad_w = torch.randn(s * b, E, device=DEVICE)
-    # REPLAY_FORWARD uses the last ids set; REPLAY_BACKWARD pops the queue in order (recompute)
-    ids = [_replayed_ids(s * b, 1), _replayed_ids(s * b, 2)]
-    ids_list = ids if action == RouterReplayAction.REPLAY_BACKWARD else ids[:1]
-    p_ref, m_ref, gx_ref, gw_ref = _run(ref, x, ids_list, action, grad_w)
-    p_our, m_our, gx_our, gw_our = _run(ours, x, ids_list, action, grad_w)
-    for j, i in enumerate(ids_list):
-        want = torch.zeros(s * b, E, dtype=torch.bool, device=DEVICE).scatter_(1, i, True)
-        assert torch.equal(m_ref[j], want) and torch.equal(m_our[j], want)  # exactly the replayed experts
-        torch.testing.assert_close(p_our[j], p_ref[j], rtol=p_rtol, atol=p_atol)
-        torch.testing.assert_close(gx_our[j], gx_ref[j], rtol=g_rtol, atol=g_atol)
-    torch.testing.assert_close(gw_our, gw_ref, rtol=g_rtol, atol=g_atol)
-    assert not ours.router_replay.replay_backward_list or action == RouterReplayAction.REPLAY_FORWARD
+    compare(case, action, kernels)  # tests/jobs/fused_replay_check.py: maps exact, probs and grads close
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_natural_routing_and_record_stay_megatrons(kernels, case):
-    ref, ours = _pair(CASES[case])
+    ref, ours = pair(CASES[case])
     x = torch.randn(5, 2, H, device=DEVICE)
     for action in (None, RouterReplayAction.RECORD):
         for r in (ref, ours):
@@ -161,23 +85,23 @@ def test_natural_routing_and_record_stay_megatrons(kernels, case):
 
 
 def test_refused_without_cuda_and_te():
-    pg = SimpleNamespace(tp=None, cp=None, tp_cp=None, tp_dp_cp=None)
+    from tests.jobs.fused_replay_check import config
+
     if _have_te_kernels():
         pytest.skip("the refusal is for hosts without CUDA or Transformer Engine")
     with pytest.raises(ReplayError, match="needs (CUDA|Transformer Engine).*train.fused_router_replay=false"):
-        FusedReplayRouter(_config(), pg_collection=pg)
+        FusedReplayRouter(config(), pg_collection=PG)
 
 
 @pytest.mark.parametrize("bad,msg", [(dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01),
                                       "auxiliary load-balancing"),
                                      (dict(moe_expert_capacity_factor=1.0), "token dropping")])
 def test_settings_it_would_not_reproduce_are_refused(unfused_kernels, bad, msg):
-    pg = SimpleNamespace(tp=None, cp=None, tp_cp=None, tp_dp_cp=None)
     kw = dict(num_layers=1, hidden_size=H, num_attention_heads=4, num_moe_experts=E, moe_router_topk=K,
               moe_ffn_hidden_size=16, moe_enable_routing_replay=True, moe_router_dtype="fp32",
               use_cpu_initialization=True, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     with pytest.raises(ReplayError, match=msg):
-        FusedReplayRouter(TransformerConfig(**(kw | bad)), pg_collection=pg)
+        FusedReplayRouter(TransformerConfig(**(kw | bad)), pg_collection=PG)
 
 
 @pytest.fixture
