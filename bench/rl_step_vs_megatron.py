@@ -24,6 +24,7 @@ and backward (x3); MFU against the GPU's dense bf16 peak.
 """
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -178,6 +179,7 @@ def main() -> None:
     a = ap.parse_args()
     check_pair_count(a.reps, a.rounds)
     tmp = tempfile.mkdtemp(prefix="mrl_vs_megatron_")
+    atexit.register(shutil.rmtree, tmp, True)  # a failed run too: it may hold the shape's checkpoint
     # read by TE's C library in each worker (inherited environment); both sides run with the same value
     os.environ.pop("NVTE_USE_CUTLASS_GROUPED_GEMM", None)
     if a.grouped_gemm == "cutlass":
@@ -273,7 +275,6 @@ def main() -> None:
           "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak,
           "layouts": layouts}, a.json,
          name=f"rl_step_vs_megatron_{a.shape}_{slug(dev)}")
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
