@@ -397,8 +397,12 @@ class Policy:
         return {k: _mean([m[k] for m in box if k in m]) for k in keys}
 
     # -- checkpoints -----------------------------------------------------------------------------
-    # only this sharding type saves and reloads torch-Adam state, in any layout
-    _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+    # only this sharding type saves and reloads torch-Adam state, in any layout. Its default exchange
+    # all-gathers each fp32 state bucket through NCCL on every rank, which needs a bucket's worth of free
+    # GPU memory that a trainer sized to its GPU does not have; the memory-efficient exchange gathers on
+    # the host over gloo to DP rank 0 (megatron reads both alike when loading)
+    _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                  "distrib_optim_fully_reshardable_mem_efficient": True}
 
     def _model_sharded(self) -> dict:
         """The model's sharded state dict; LoRA: the adapters only (the frozen base comes from model.hf_path)."""

@@ -30,6 +30,8 @@
 #           rollout.engine_tp=2"); output in WORK/<name>/
 #   delivery bench/batch_delivery.py: a step's batch to the trainer ranks, whole and pickled vs each DP rank's share
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
+#   mismatch tests/gpu/mismatch_split.sh: the mismatch split by cause for an engine mrl launches and a plain SGLang
+#           server attached by URL (MISMATCH_STEPS steps each, default 60; MISMATCH_EXTRA: more overrides)
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded
@@ -71,6 +73,8 @@ job() {  # name gpus te
                  timeout "$TIMEOUT" python3 bench/batch_delivery.py --nproc "$n" --dp "$n" --reps 12 \
                    --json "$WORK/delivery/batch_delivery.json" ;;
       fusedreplay) timeout "$TIMEOUT" python3 -m tests.jobs.fused_replay_check --out "$WORK/fusedreplay.json" ;;
+      mismatch) STEPS=${MISMATCH_STEPS:-60} EXTRA=${MISMATCH_EXTRA:-} TIMEOUT=$TIMEOUT \
+                  bash tests/gpu/mismatch_split.sh "$WORK/mismatch" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
