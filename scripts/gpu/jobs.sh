@@ -72,7 +72,8 @@ job() {  # name gpus te
       delivery) mkdir -p "$WORK/delivery"
                  timeout "$TIMEOUT" python3 bench/batch_delivery.py --nproc "$n" --dp "$n" --reps 12 \
                    --json "$WORK/delivery/batch_delivery.json" ;;
-      fusedreplay) timeout "$TIMEOUT" python3 -m tests.jobs.fused_replay_check --out "$WORK/fusedreplay.json" ;;
+      fusedreplay) mkdir -p "$WORK/fusedreplay"
+                   timeout "$TIMEOUT" python3 -m tests.jobs.fused_replay_check --out "$WORK/fusedreplay/fused_replay.json" ;;
       mismatch) STEPS=${MISMATCH_STEPS:-60} EXTRA=${MISMATCH_EXTRA:-} TIMEOUT=$TIMEOUT \
                   bash tests/gpu/mismatch_split.sh "$WORK/mismatch" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
