@@ -191,6 +191,52 @@ def gc_mode(mode: str) -> None:
         gc.disable()
 
 
+class HostLead:
+    """How far the host runs ahead of its GPU within a step, without a profiler: ``mark(name)`` records
+    the host's time and a CUDA event at that point of the step; after the step, each mark's ``lead_ms``
+    is how long the GPU took to reach it after the host queued it (GPU time of the event since the
+    step's start event minus host time since then; the step starts on an idle GPU, after a sync). Near 0:
+    the GPU was waiting for the host there; large: the host was that far ahead. Inactive (marks ignored)
+    outside ``start()`` / ``stop()`` and without CUDA."""
+
+    def __init__(self):
+        self._marks: list[tuple[str, float, object]] = []
+        self._on = False
+
+    def start(self) -> None:
+        import time
+
+        if not torch.cuda.is_available():
+            return
+        torch.cuda.synchronize()
+        self._e0 = torch.cuda.Event(enable_timing=True)
+        self._e0.record()
+        self._t0 = time.perf_counter()
+        self._marks, self._on = [], True
+
+    def mark(self, name: str) -> None:
+        import time
+
+        if not self._on:
+            return
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self._marks.append((name, time.perf_counter() - self._t0, e))
+
+    def stop(self) -> list[dict]:
+        if not self._on:
+            return []
+        self.mark("end")
+        torch.cuda.synchronize()
+        self._on = False
+        out = []
+        for name, host_s, e in self._marks:
+            gpu_ms = self._e0.elapsed_time(e)
+            out.append({"at": name, "host_ms": round(host_s * 1e3, 3), "gpu_ms": round(gpu_ms, 3),
+                        "lead_ms": round(gpu_ms - host_s * 1e3, 3)})
+        return out
+
+
 class GcTimes:
     """Seconds Python's collector ran, per generation, from ``start()`` on (``gc.callbacks``): how much of
     a step's time, and of its spread, is garbage collection."""

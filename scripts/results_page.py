@@ -111,8 +111,13 @@ def rl_step_vs_megatron(d):
     out = [head]
     for name, row in layouts.items():
         m, g = row["mrl"], row["megatron"]
-        pairs = ", ".join(f"{p:.2f}" for p in row.get("mrl_vs_megatron_per_pair") or [])
-        line = (f"**{name}: mrl/megatron {row['mrl_vs_megatron']:.2f}** (pairs {pairs}); "
+        stat = row.get("mrl_vs_megatron_pairs")
+        if stat:  # the fixed statistic: median of per-step ABBA pair ratios
+            spread = (f"median of {stat['n_pairs']} ABBA pairs, p25-p75 {stat['p25']:.2f}-{stat['p75']:.2f}; "
+                      f"pooled medians {row['mrl_vs_megatron_pooled_medians']:.2f}")
+        else:  # older reports: pooled medians, and each process pair's medians
+            spread = "pairs " + ", ".join(f"{p:.2f}" for p in row.get("mrl_vs_megatron_per_pair") or [])
+        line = (f"**{name}: mrl/megatron {row['mrl_vs_megatron']:.2f}** ({spread}); "
                 f"mrl {k(m['tokens_per_s_per_gpu'])} tokens/s/GPU, megatron {k(g['tokens_per_s_per_gpu'])}")
         if m.get("model_tflops_per_gpu", 0) >= 1:  # not on CPU
             line += (f"; model TFLOP/s per GPU mrl {m['model_tflops_per_gpu']:.1f}, "
