@@ -52,22 +52,36 @@ def _check(w: torch.Tensor, block_size: tuple[int, int]) -> None:
         raise ValueError(f"block_size must be two positive ints, got {block_size}")
 
 
-def quantize_block_fp8(w: torch.Tensor, block_size: tuple[int, int] = BLOCK_SIZE,
-                       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block_fp8(w: torch.Tensor, block_size: tuple[int, int] = BLOCK_SIZE, backend: str = "auto",
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of ``w`` ([N, K] or [E, N, K]); see the module docstring for the convention.
 
     backend: ``torch`` (any device), ``triton`` (CUDA tensors with triton installed; an error names what is
-    missing), ``auto`` (triton for a CUDA tensor when triton imports, else torch). Non-finite inputs give
-    non-finite scales: the weight sync refuses such weights before it quantizes them."""
+    missing), ``auto`` (triton for a CUDA tensor when triton imports, else torch). out: ``(q, scale_inv)``
+    tensors of the right shapes and dtypes to write into, any strides (views of a send buffer: the triton
+    kernel writes them directly). Non-finite inputs give non-finite scales: the weight sync refuses such
+    weights before it quantizes them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     block_size = tuple(int(b) for b in block_size)
     _check(w, block_size)
+    if out is not None:
+        q_out, s_out = out
+        if (tuple(q_out.shape) != tuple(w.shape) or q_out.dtype != torch.float8_e4m3fn
+                or tuple(s_out.shape) != scale_shape(tuple(w.shape), block_size) or s_out.dtype != torch.float32):
+            raise ValueError(f"out: expected float8_e4m3fn {tuple(w.shape)} and float32 "
+                             f"{scale_shape(tuple(w.shape), block_size)}, got {q_out.dtype} {tuple(q_out.shape)} "
+                             f"and {s_out.dtype} {tuple(s_out.shape)}")
     if backend == "auto":
         backend = "triton" if w.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        return _triton_module(w).quantize_block_fp8_triton(w, block_size)
-    return quantize_block_fp8_torch(w, block_size)
+        return _triton_module(w).quantize_block_fp8_triton(w, block_size, out=out)
+    q, s = quantize_block_fp8_torch(w, block_size)
+    if out is None:
+        return q, s
+    out[0].copy_(q)
+    out[1].copy_(s)
+    return out
 
 
 def triton_available() -> bool:

@@ -38,14 +38,20 @@ def _block_fp8_kernel(x_ptr, q_ptr, s_ptr, N, K, nb_n, nb_k,
     tl.store(s_ptr + e * ss_e + bn * ss_n + bk * ss_k, scale)
 
 
-def quantize_block_fp8_triton(w: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale_inv)`` of a CUDA tensor ``w`` ([N, K] or [E, N, K], any strides)."""
+def quantize_block_fp8_triton(w: torch.Tensor, block_size: tuple[int, int],
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv)`` of a CUDA tensor ``w`` ([N, K] or [E, N, K], any strides), into ``out`` (any
+    strides) when given."""
     squeeze = w.dim() == 2
     x = w.unsqueeze(0) if squeeze else w
     e, n, k = x.shape
     bn, bk = block_size
-    q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(scale_shape((e, n, k), block_size), dtype=torch.float32, device=x.device)
+    if out is not None:
+        q, s = (t.unsqueeze(0) for t in out) if squeeze else out
+    else:
+        q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(scale_shape((e, n, k), block_size), dtype=torch.float32, device=x.device)
     nb_n, nb_k = s.shape[1], s.shape[2]
     if q.numel():
         # x's device current while launching; a CPU tensor only reaches here under TRITON_INTERPRET=1
@@ -53,4 +59,6 @@ def quantize_block_fp8_triton(w: torch.Tensor, block_size: tuple[int, int]) -> t
             _block_fp8_kernel[(e * nb_n * nb_k,)](
                 x, q, s, n, k, nb_n, nb_k, *x.stride(), *q.stride(), *s.stride(),
                 BN=bn, BK=bk, FP8_MAX=E4M3_MAX, AMAX_MIN=AMAX_FLOOR, num_warps=8)
+    if out is not None:
+        return out
     return (q[0], s[0]) if squeeze else (q, s)

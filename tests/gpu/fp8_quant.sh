@@ -8,7 +8,7 @@ OUT=${1:-${OUT:-runs/gpu_fp8_quant}}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
-python3 -m pytest tests/unit/test_fp8_quant.py -q -k "triton" 2>&1 | tee "$OUT/pytest.log" | tail -3
+python3 -m pytest tests/unit/test_fp8_quant.py tests/unit/test_fp8_sync.py -q -k "triton" 2>&1 | tee "$OUT/pytest.log" | tail -3
 rc_tests=${PIPESTATUS[0]}
 python3 - "$OUT" <<'PY'
 import json, os, sys

@@ -186,3 +186,14 @@ def test_triton_equals_torch_bit_for_bit(shape, dtype):
     assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8))
     qc, sc = quantize_block_fp8_torch(w.cpu())  # and the same bits as the CPU reference path
     assert torch.equal(sc, s1.cpu()) and torch.equal(qc.view(torch.uint8), q1.cpu().view(torch.uint8))
+
+
+def test_into_given_tensors():
+    w = _weight((2, 130, 260))
+    q, s = quantize_block_fp8(w)
+    qo = torch.empty(2, 130, 300, dtype=torch.float8_e4m3fn)[..., :260]  # strided views, as in a send buffer
+    so = torch.empty(2, 2, 5)[..., :3]
+    out = quantize_block_fp8(w, out=(qo, so))
+    assert out[0] is qo and torch.equal(qo.view(torch.uint8), q.view(torch.uint8)) and torch.equal(so, s)
+    with pytest.raises(ValueError, match="out: expected float8_e4m3fn"):
+        quantize_block_fp8(w, out=(qo, torch.empty(2, 2, 2)))
