@@ -123,14 +123,39 @@ RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NVTE_USE_CUTLASS_GROUPED_GEMM", "NCC
 """Environment variables that change what a benchmark measures, recorded with its hardware and versions."""
 
 
+TOPICS = (
+    ("rl_step_vs_", "rl_step"), ("fwd_bwd_layouts", "rl_step"), ("micro_batches", "rl_step"),
+    ("gc_pause", "rl_step"), ("batch_delivery", "rl_step"),
+    ("async_vs_sync", "loop"), ("loop_e2e", "loop"), ("gpu_loop", "loop"),
+    ("rollout_throughput", "rollouts"), ("routes_decode", "rollouts"),
+    ("weight_sync", "weight_sync"), ("lora_sync", "weight_sync"),
+    ("replay_overhead", "keep_routing"), ("packing", "keep_routing"), ("routing_mismatch", "keep_routing"),
+    ("sampling_mask_payload", "keep_routing"),
+    ("mrl_train", "learning"), ("parity", "parity"),
+)
+"""Report name prefix -> its folder under ``bench/reports/`` (the first prefix that matches; a bench whose
+name matches none is refused: add it here, tests/unit/test_bench_reports.py checks every bench's name)."""
+
+
+def topic(name: str) -> str:
+    """The folder of ``bench/reports/`` a report named ``name`` goes to: ``rl_step_vs_megatron_...`` ->
+    ``rl_step``."""
+    for prefix, t in TOPICS:
+        if name.startswith(prefix):
+            return t
+    raise ValueError(f"report name {name!r} has no topic: add its prefix to TOPICS in bench/_bench_common.py")
+
+
 def dump(result: dict, path: str | None, *, name: str) -> str:
     """Print ``result`` and write it, with ``environment()``, as a report: ``path``, or by default
-    ``bench/reports/<date>_<name>.json``. Results carry every repetition, not only their summary."""
+    ``bench/reports/<topic>/<date>_<name>.json`` (``topic(name)``). Results carry every repetition, not
+    only their summary."""
+    folder = os.path.join(REPORTS, topic(name))  # before the run's figures are printed: a bad name fails first
     result = {"environment": environment(), **result}
     print(json.dumps(result))
     if path is None:
-        os.makedirs(REPORTS, exist_ok=True)
-        path = os.path.join(REPORTS, f"{result['environment']['date'][:10]}_{name}.json")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{result['environment']['date'][:10]}_{name}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"[bench] report: {path}", file=sys.stderr)
@@ -164,6 +189,52 @@ def gc_mode(mode: str) -> None:
         gc.collect()
         gc.freeze()
         gc.disable()
+
+
+class HostLead:
+    """How far the host runs ahead of its GPU within a step, without a profiler: ``mark(name)`` records
+    the host's time and a CUDA event at that point of the step; after the step, each mark's ``lead_ms``
+    is how long the GPU took to reach it after the host queued it (GPU time of the event since the
+    step's start event minus host time since then; the step starts on an idle GPU, after a sync). Near 0:
+    the GPU was waiting for the host there; large: the host was that far ahead. Inactive (marks ignored)
+    outside ``start()`` / ``stop()`` and without CUDA."""
+
+    def __init__(self):
+        self._marks: list[tuple[str, float, object]] = []
+        self._on = False
+
+    def start(self) -> None:
+        import time
+
+        if not torch.cuda.is_available():
+            return
+        torch.cuda.synchronize()
+        self._e0 = torch.cuda.Event(enable_timing=True)
+        self._e0.record()
+        self._t0 = time.perf_counter()
+        self._marks, self._on = [], True
+
+    def mark(self, name: str) -> None:
+        import time
+
+        if not self._on:
+            return
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self._marks.append((name, time.perf_counter() - self._t0, e))
+
+    def stop(self) -> list[dict]:
+        if not self._on:
+            return []
+        self.mark("end")
+        torch.cuda.synchronize()
+        self._on = False
+        out = []
+        for name, host_s, e in self._marks:
+            gpu_ms = self._e0.elapsed_time(e)
+            out.append({"at": name, "host_ms": round(host_s * 1e3, 3), "gpu_ms": round(gpu_ms, 3),
+                        "lead_ms": round(gpu_ms - host_s * 1e3, 3)})
+        return out
 
 
 class GcTimes:

@@ -20,13 +20,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from _bench_common import GcTimes, allocator_counts, gc_mode, profile_steps, step_worker_args
+from _bench_common import GcTimes, HostLead, allocator_counts, gc_mode, profile_steps, step_worker_args
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
 ap.add_argument("--phases", action="store_true", help="after the timing, two more steps with the schedule "
                 "(forward + backward) and the optimizer step each timed between device syncs")
 ap.add_argument("--profile", default=None, help="DIR: two more steps under the torch profiler (as the mrl side)")
+ap.add_argument("--host-lead", action="store_true", help="after the timing, two more steps with HostLead marks "
+                "(as the mrl side: each micro-batch's forward, after backward, the optimizer step)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -104,6 +106,7 @@ pos = torch.arange(a.seq, device=dev).expand(a.micro_batch_size, a.seq)
 
 
 spent: dict = {}
+lead = HostLead()  # marks are ignored until lead.start()
 
 
 def sync_timed(name, fn):
@@ -121,12 +124,14 @@ def sync_timed(name, fn):
 
 
 def train_step(rows: torch.Tensor) -> None:
-    it = iter(rows)
+    it = iter(enumerate(rows))
 
     def forward_step(_data, m):
-        ids = next(it)
+        k, ids = next(it)
+        lead.mark(f"forward {k}")
         labels = torch.roll(ids, -1, dims=1)
         out = m(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels)
+        lead.mark(f"forward {k} out")
 
         def loss_func(loss_bs):
             return loss_bs.float().mean(), {}
@@ -138,6 +143,8 @@ def train_step(rows: torch.Tensor) -> None:
     sync_timed("forward_backward", lambda: get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([None] * len(rows)), model=[ddp],
         num_microbatches=len(rows), seq_length=a.seq, micro_batch_size=a.micro_batch_size, forward_only=False))
+    lead.mark("backward queued")
+    lead.mark("optimizer.step")
     sync_timed("optimizer.step", opt.step)
 
 
@@ -161,6 +168,16 @@ alloc_before = allocator_counts()
 times = [timed(lambda b=b: train_step(b)) for b in batches]
 gc_timed = gc_times.snapshot()
 alloc_after = allocator_counts()
+lead_marks = None
+if a.host_lead:
+    lead_marks = []
+    for b in batches[-2:]:
+        lead.start()
+        train_step(b)
+        lead_marks.append(lead.stop())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, lead_marks)
+    lead_marks = every
 prof = profile_steps(lambda: [train_step(b) for b in batches[-2:]], 2, a.profile, "megatron_step_profile",
                      dist.get_rank()) if a.profile else None
 phase_times = None
@@ -177,6 +194,7 @@ if dist.get_rank() == 0:
                "tokens_per_step": a.micro_batches * a.micro_batch_size * a.seq * ps.get_data_parallel_world_size(),
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "phases_s": phase_times[0] if phase_times else None, "phases_s_per_rank": phase_times,
+               "host_lead_per_rank": lead_marks,
                "profile": prof},
               open(a.out, "w"))
 dist.barrier()

@@ -17,7 +17,8 @@ import statistics
 import numpy as np
 import torch
 
-from _bench_common import GcTimes, allocator_counts, gc_mode, profile_steps, record_routes, step_worker_args, timed
+from _bench_common import (GcTimes, HostLead, allocator_counts, gc_mode, profile_steps, record_routes,
+                           step_worker_args, timed)
 from mrl.config.schema import Config, DType, GroupedGemm, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
@@ -26,9 +27,14 @@ from mrl.megatron.train_step import MicroBatch
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--packing", choices=["on", "off"], default="on")
+ap.add_argument("--fused-router-replay", choices=["on", "off"], default="off",
+                help="train.fused_router_replay: replay through TE's fused router kernels")
 ap.add_argument("--profile", default=None)
 ap.add_argument("--phases", action="store_true",
                 help="after the timing, two more steps with each phase of rl_step timed between device syncs")
+ap.add_argument("--host-lead", action="store_true",
+                help="after the timing, two more steps with HostLead marks: how far the host ran ahead of the GPU at "
+                     "each micro-batch's forward, after backward and at the optimizer step")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -40,7 +46,8 @@ cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType.bf16 if compat.HAS_CUDA
                                make_tiny_if_missing=False), parallel=pcfg,
              train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True, packing=a.packing == "on",
                                optimizer_states_dtype=DType(a.optimizer_states),
-                               grouped_gemm=GROUPED_GEMM))
+                               grouped_gemm=GROUPED_GEMM,
+                               fused_router_replay=a.fused_router_replay == "on"))
 layout = init_parallel(pcfg, seed=cfg.seed)
 policy = Policy(cfg, layout, a.hf)
 codec, V = policy.codec, policy.bridge.vocab_size
@@ -133,6 +140,43 @@ def every_rank(x):
     return out
 
 
+def host_lead() -> list[list[dict]]:
+    """Two more steps, marked at the same points as the megatron worker marks its own (``HostLead``)."""
+    lead, seen = HostLead(), {"mb": 0}
+    before, after, step_if = policy.replay.before_forward, policy.replay.after_forward, policy._step_if_finite
+    opt_step = policy.optimizer.step
+
+    def before_forward(*args, **kw):
+        lead.mark(f"forward {seen['mb']}")
+        return before(*args, **kw)
+
+    def after_forward(out):
+        lead.mark(f"forward {seen['mb']} out")
+        seen["mb"] += 1
+        return after(out)
+
+    def step_if_finite(outs):
+        lead.mark("backward queued")
+        return step_if(outs)
+
+    def optimizer_step(*args, **kw):
+        lead.mark("optimizer.step")
+        return opt_step(*args, **kw)
+
+    policy.replay.before_forward, policy.replay.after_forward = before_forward, after_forward
+    policy._step_if_finite, policy.optimizer.step = step_if_finite, optimizer_step
+    out = []
+    for b in batches[-2:]:
+        seen["mb"] = 0
+        lead.start()
+        step(b)
+        out.append(lead.stop())
+    policy.replay.before_forward, policy.replay.after_forward = before, after
+    policy._step_if_finite, policy.optimizer.step = step_if, opt_step
+    return out
+
+
+lead_marks = every_rank(host_lead()) if a.host_lead else None
 prof = profile_steps(lambda: [step(b) for b in batches[-2:]], 2, a.profile, "rl_step_profile",
                      layout.world_rank) if a.profile else None
 phase_times = every_rank(phases()) if a.phases else None
@@ -142,10 +186,12 @@ if layout.world_rank == 0:
                "allocator": {"before": alloc_before, "after": alloc_after}, "tokens_per_step": n * a.seq,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None,
                "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
+               "fused_router_replay": cfg.train.fused_router_replay,
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},
                "profile": prof, "phases_s": phase_times[0] if phase_times else None,
                "phases_s_per_rank": phase_times, "expert_load_per_ep_rank": load,
+               "host_lead_per_rank": lead_marks,
                "last_metrics": {k: float(v) for k, v in metrics.items()}}, open(a.out, "w"))
 destroy()

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/async_vs_sync.py [--steps 40] [--rounds 3] [--out REPORT.json]
 
-(the report goes to bench/reports/<date>_async_vs_sync_cpu.json without --out)
+(the report goes to bench/reports/loop/<date>_async_vs_sync_cpu.json without --out)
 
 A JSONL prompt set whose per-sample budgets are long-tailed (``LENGTH_MIX``: most 8 tokens, 5% run to
 256; ``ignore_eos``, so lengths are exactly the budgets) is trained with the real loop in both modes:

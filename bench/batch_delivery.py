@@ -134,7 +134,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_batch_delivery_<hw>.json)")
+    ap.add_argument("--json", default=None,
+                    help="report path (default: bench/reports/rl_step/<date>_batch_delivery_<hw>.json)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     a = ap.parse_args()
     from mrl.config.schema import TinyPreset
     from mrl.models.tiny import make_tiny_model

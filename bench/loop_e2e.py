@@ -177,31 +177,47 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
         rc = proc.wait()
     log.close()
     rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
-    if rc:  # the steps that ran are kept in the report; the run counts as failed
-        return {"exit_code": rc, "steps": [r for r in rows if "step_seconds" in r],
-                "logged_at_s": {str(k): t - t_start for k, t in seen.items()}}
     steps_rows = [r for r in rows if "step_seconds" in r]
-    timed = steps_rows[a.warmup:]
+    out = {"exit_code": rc, "logged_at_s": {str(k): t - t_start for k, t in seen.items()}}
+    if rc:  # the steps that ran are kept and summarised; the run counts as failed
+        out["error_tail"] = open(os.path.join(a.out, "loop.log"), errors="replace").read().splitlines()[-30:]
+    log_dir = os.path.join(run_dir, "engines")
+    if os.path.isdir(log_dir):  # the engines' own logs outlive the run directory (the start phases' stamps)
+        shutil.copytree(log_dir, os.path.join(a.out, "engine_logs"), dirs_exist_ok=True)
+    out["engine_log_timeline"] = engine_timeline(log_dir)
+    if len(steps_rows) <= a.warmup:
+        return out | {"steps": steps_rows}
+    out |= summarize(steps_rows, out["logged_at_s"], a.warmup)
+    t0, t1 = out["busy_window_s"]
+    out["gpu_busy_fraction"] = sampler.busy(t_start + t0, t_start + t1)
+    out["busy_series"] = [(round(t - t_start, 2), u) for t, u in sampler.samples]
+    return out
+
+
+PHASES = ("wait_seconds", "train_seconds", "drain_seconds", "sync_seconds", "step_seconds")
+KEEP = ("step", "batch_tokens", "response_len", "version", "sync_bytes", "dropped_stale", "buffered",
+        "staleness_hist", "mismatch/numerics_kl", "mismatch/stale_kl", *PHASES)
+
+
+def summarize(steps_rows: list[dict], logged_at_s: dict[str, float], warmup: int) -> dict:
+    """The loop's figures from its metrics rows and the seconds (from the command's start) at which each
+    step's row appeared: trained tokens/s over the timed steps, phases, the first step's arrival."""
+    timed = steps_rows[warmup:]
     seconds = sum(r["step_seconds"] for r in timed)
     tokens = sum(r["batch_tokens"] for r in timed)
-    phases = ("wait_seconds", "train_seconds", "drain_seconds", "sync_seconds", "step_seconds")
-    t0 = seen[timed[0]["step"]] - timed[0]["step_seconds"]
-    t1 = seen[timed[-1]["step"]]
-    busy = sampler.busy(t0, t1)
-    keep = ("step", "batch_tokens", "response_len", "version", "sync_bytes", "dropped_stale", "buffered",
-            "staleness_hist", "mismatch/numerics_kl", "mismatch/stale_kl", *phases)
-    return {"exit_code": 0, "steps": [{k: r.get(k) for k in keep}
-                                      | {"logged_at_s": seen.get(r["step"], float("nan")) - t_start}
-                                      for r in steps_rows],
-            "warmup_steps": a.warmup, "timed_steps": len(timed), "seconds": seconds, "tokens": tokens,
+    t0 = logged_at_s[str(timed[0]["step"])] - timed[0]["step_seconds"]
+    first = steps_rows[0]
+    return {"steps": [{k: r.get(k) for k in KEEP} | {"logged_at_s": logged_at_s.get(str(r["step"]), float("nan"))}
+                      for r in steps_rows],
+            "warmup_steps": warmup, "timed_steps": len(timed), "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds,
-            "phase_median_s": {k: statistics.median(r.get(k, 0.0) for r in timed) for k in phases},
-            "phase_p25_p75_s": {k: _quartiles([r.get(k, 0.0) for r in timed]) for k in phases},
+            "tokens_per_s_per_step_median": statistics.median(r["batch_tokens"] / r["step_seconds"] for r in timed),
+            "phase_median_s": {k: statistics.median(r.get(k, 0.0) for r in timed) for k in PHASES},
+            "phase_p25_p75_s": {k: _quartiles([r.get(k, 0.0) for r in timed]) for k in PHASES},
             "sync_share_of_step": statistics.median(r.get("sync_seconds", 0.0) / r["step_seconds"] for r in timed),
-            "time_to_first_step_s": seen[steps_rows[0]["step"]] - t_start,
-            "gpu_busy_fraction": busy, "busy_window_s": [t0 - t_start, t1 - t_start],
-            "busy_series": [(round(t - t_start, 2), u) for t, u in sampler.samples],
-            "engine_log_timeline": engine_timeline(os.path.join(run_dir, "engines"))}
+            "time_to_first_step_s": logged_at_s[str(first["step"])],
+            "first_step": {k: first.get(k) for k in PHASES},
+            "busy_window_s": [t0, logged_at_s[str(timed[-1]["step"])]]}
 
 
 def _quartiles(xs: list[float]) -> list[float]:
@@ -311,7 +327,8 @@ def main() -> int:
     if loop["exit_code"]:
         print(f"[loop_e2e] mrl train exited {loop['exit_code']} after {len(loop['steps'])} steps; see "
               f"{os.path.join(a.out, 'loop.log')} (the steps are in {out_json})", flush=True)
-        return 1
+        if loop.get("timed_steps", 0) < a.steps:  # a run that ended at its last step still has its ceilings
+            return 1
     print(f"[loop_e2e] loop: {loop['tokens_per_s']:.0f} tokens/s over {loop['timed_steps']} steps, first step at "
           f"{loop['time_to_first_step_s']:.1f} s, phases {json.dumps(loop['phase_median_s'])}, "
           f"busy {loop['gpu_busy_fraction']}", flush=True)
@@ -335,7 +352,7 @@ def main() -> int:
     plot_timeline(report, os.path.join(a.out, "loop_e2e_timeline.png"))
     if not a.keep:
         shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    return 1 if loop["exit_code"] else 0
 
 
 def plot_timeline(report: dict, path: str) -> None:

@@ -11,7 +11,7 @@ wall seconds of the sync as the trainer sees it, bytes (tensor bytes; for adapte
 wire), the engine's own load time for adapters, and the latency of the first request on the new weights.
 The adapters are random (``random_adapter``), so the trainer-side export (``export_peft``) is not in the
 adapter times, while the full sync includes its HF conversion. Medians with p25-p75, every repetition
-kept, in ``bench/reports/<date>_lora_sync_cpu.json``.
+kept, in ``bench/reports/weight_sync/<date>_lora_sync_cpu.json``.
 """
 
 from __future__ import annotations

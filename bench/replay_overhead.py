@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="profile one step per mode; print the top ops")
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     ap.add_argument("--compare", choices=["replay", "packing"], default="replay")
     a = ap.parse_args()
     gpu = a.scale == "gpu"

@@ -49,7 +49,7 @@ def main() -> None:
                     help="steps of one kind in a row per repetition; the median of all but the first is timed")
     ap.add_argument("--fns", default=None, help="step kinds to time (worker's --fns; default all five)")
     ap.add_argument("--packing", choices=["on", "off"], default="on", help="train.packing of the RL step")
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     a = ap.parse_args()
     gpu = a.scale == "gpu"
     preset = a.preset or ("gpu" if gpu else "tiny")

@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="mrl_rollout_bench_")
     model = make_tiny_model(os.path.join(tmp, "tiny"))

@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--attn", default="sdpa")
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     a = ap.parse_args()
     gpu = a.scale == "gpu"
     preset = a.preset or ("gpu" if gpu else "tiny")

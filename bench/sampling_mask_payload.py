@@ -98,7 +98,7 @@ def measure_on_engine():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", action="store_true", help="also measure on a real tiny SGLang CPU engine")
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     a = ap.parse_args()
     rows = computed_rows() + (measure_on_engine() if a.engine else [])
     t = Table(title="bytes per response token: top logprobs (top_logprobs_num = top_k, top_p 0.95) vs routes")

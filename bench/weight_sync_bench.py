@@ -186,7 +186,7 @@ def main():
                     help="bucket sizes (MiB), each timed on the same loaded model (default: per scale, SCALES)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per layout (0: none)")
-    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<date>_<name>.json)")
+    ap.add_argument("--json", default=None, help="report path (default: bench/reports/<topic>/<date>_<name>.json)")
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="mrl_sync_bench_")
     hf = make_model(a.scale, root)

@@ -43,7 +43,7 @@ def check_versions(pins: dict[str, str]) -> list[str]:
         except md.PackageNotFoundError:
             errors.append(f"{name}: not installed (pinned {want})")
             continue
-        if got.split("+")[0] != want:  # local labels such as 2.9.1+cu129 match 2.9.1
+        if got.split("+")[0] != want:  # local labels such as 2.11.0+cu130 match 2.11.0
             errors.append(f"{name}: {got} installed, pinned {want}")
     return errors
 

@@ -6,6 +6,7 @@
     mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
+    mrl export-fp8 SRC DST [--ignore M]   write the block-FP8 (e4m3, 128x128) checkpoint of a bf16/fp32 one
 
 Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
 ``mrl train`` and ``mrl launch`` run the preflight (mrl/preflight.py) first: a bad input ends them with exit
@@ -222,11 +223,15 @@ def main() -> None:
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "make-tiny-model":
         sys.exit(make_tiny(rest))
+    if cmd == "export-fp8":
+        from mrl.quant.export import main as export_fp8
+
+        sys.exit(export_fp8(rest))
     if cmd == "launch":
         sys.exit(launch(rest))
     if cmd not in COMMANDS:
-        print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + ['launch', 'make-tiny-model']}",
-              file=sys.stderr)
+        others = ['export-fp8', 'launch', 'make-tiny-model']
+        print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + others}", file=sys.stderr)
         sys.exit(2)
     sys.argv = [f"mrl {cmd}", *rest]
     _hydra_app(COMMANDS[cmd])

@@ -161,7 +161,7 @@ def render(recs: list[dict], outcomes: dict[str, dict], suite: dict | None) -> s
     parts += ["## Bad input\n", _table(
         ["input", "tried", "clear error / counted", "error or count (what the user sees)"],
         [[r["name"], r["injected"], _survived(r), r["message"]] for r in bad]), ""]
-    parts += ["## Engine access (per-run keys, real SGLang 0.5.10 engines)\n", _table(
+    parts += ["## Engine access (per-run keys, real SGLang 0.5.14 engines)\n", _table(
         ["engine", "sent without the right key", "refused (401)", "accepted wrongly", "test"],
         [[r["name"], r["injected"], r["details"].get("requests", ""), r["details"].get("accepted_wrongly", ""),
           _test_ref(r)] for r in access]), ""]

@@ -99,6 +99,12 @@ class EnvConfig:
             _fail("rollout.env.fn", f"expected a dotted path 'package.module.Class', got {self.fn!r}")
 
 
+ROLLOUT_QUANTIZATIONS = (None, "fp8")
+"""``rollout.quantization``: null (the engine dtype) or block-wise FP8 (mrl.quant.fp8)."""
+KV_CACHE_DTYPES = (None, "fp8_e4m3", "fp8_e5m2", "bfloat16")
+"""``rollout.kv_cache_dtype``: SGLang's ``--kv-cache-dtype`` choices mrl passes (null = SGLang's auto)."""
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     """SGLang engine pool and sampling."""
@@ -133,6 +139,17 @@ class RolloutConfig:
     the trainer's ``model.dtype``. CPU mode runs float32 only."""
     max_total_tokens: Optional[int] = None
     """KV-cache tokens per engine; null = 4096 in CPU mode, sized from ``mem_fraction_static`` on GPU."""
+    quantization: Optional[str] = None
+    """GPU engines' weights: null = ``engine_dtype``; ``fp8`` = block-wise FP8 (e4m3, one scale per 128x128
+    block, SGLang's ``fp8`` method): attention, MLP and expert projections in FP8, norms, router,
+    embeddings and head in ``engine_dtype``; the trainer (bf16) quantizes at every weight sync
+    (``mrl.quant``, docs/fp8.md). Not in CPU mode (SGLang's CPU FP8 kernels need AMX
+    and a bf16 engine)."""
+    kv_cache_dtype: Optional[str] = None
+    """Engines' KV cache (SGLang ``--kv-cache-dtype``): null = the engine's dtype; ``fp8_e4m3``, ``fp8_e5m2``
+    (both without calibrated scales: SGLang uses 1.0), ``bfloat16``. Independent of ``quantization``; CPU
+    engines take the FP8 ones too (torch_native attention stores the cache in FP8 and reads it back), so the
+    mismatch it adds can be measured on CPU."""
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -212,6 +229,14 @@ class RolloutConfig:
             _fail("rollout.engine_dtype", f"must be bfloat16, float16, float32 or null, got {self.engine_dtype!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             _fail("rollout.max_total_tokens", f"must be >= 1 or null, got {self.max_total_tokens}")
+        if self.quantization not in ROLLOUT_QUANTIZATIONS:
+            _fail("rollout.quantization", f"must be one of {list(ROLLOUT_QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.cpu_mode:
+            _fail("rollout.quantization", f"={self.quantization}: CPU engines cannot serve block-FP8 weights (SGLang "
+                  "0.5.14's CPU FP8 layers need AMX and the sgl-kernel CPU build, and mrl's CPU engines run float32, "
+                  "which SGLang's fp8 method refuses); use GPU engines (rollout=gpu) or null")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _fail("rollout.kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 _ENGINE_DTYPES = {DType.fp32: "float32", DType.bf16: "bfloat16"}

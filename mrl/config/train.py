@@ -78,6 +78,10 @@ class TrainConfig:
     """Stop (after checkpointing) once this step is done: for tests of resume."""
     replay: bool = True
     """Keep Routing: replay the engine's experts in training."""
+    fused_router_replay: bool = False
+    """Replay through Transformer Engine's fused router kernels (the engine's experts masked in, TE's
+    fused top-k and score kernels) instead of megatron's unfused replay path; same values. GPU with
+    TE only (refused elsewhere); no auxiliary losses or token dropping. Off until measured on GPUs."""
     bad_routes: BadRoutes = BadRoutes.error
     """A sample whose routes are missing or mis-sized: never trained with wrong routing."""
     packing: bool = True

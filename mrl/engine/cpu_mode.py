@@ -1,4 +1,4 @@
-"""SGLang CPU mode: what an unmodified sglang 0.5.10 server needs to run on a GPU-less x86 host.
+"""SGLang CPU mode: what an unmodified sglang 0.5.14 server needs to run on a GPU-less x86 host.
 
 fp32 only (bf16 gives NaN logits on CPU), torch_native attention, no CUDA graphs or overlap
 scheduling, a compiled stub of the CUDA driver library on LD_LIBRARY_PATH, and a pin_memory shim.

@@ -62,8 +62,9 @@ class MLALocalAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-# All fusions off on CPU: they are CUDA kernels, or TE-only. The router fusion stays off everywhere:
-# it would silently skip routing replay (megatron-core: moe_router_fusion returns before the replay hook).
+# All fusions off on CPU: they are CUDA kernels, or TE-only. megatron's router fusion stays off everywhere:
+# it would silently skip routing replay (megatron-core: moe_router_fusion returns before the replay hook);
+# train.fused_router_replay puts TE's fused router kernels in the replay path itself (layer_spec).
 _CPU_SAFE = dict(
     bias_dropout_fusion=False,
     bias_activation_fusion=False,
@@ -129,8 +130,14 @@ def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: 
     return (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(**kw)
 
 
-def layer_spec(cfg: TransformerConfig):
+def layer_spec(cfg: TransformerConfig, *, fused_router_replay: bool = False):
+    """megatron's decoder block spec for this machine; ``fused_router_replay``: the MoE layers' routers
+    replay through TE's fused kernels (``mrl.routing.fused_replay``)."""
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=HAVE_TE, normalization="RMSNorm")
+    if fused_router_replay:
+        from mrl.routing.fused_replay import with_fused_replay_router
+
+        spec = with_fused_replay_router(spec)
     if HAVE_TE:
         return spec
     # local spec: swap every torch norm for the SP-capable one (layer norms and the final norm)
@@ -151,15 +158,25 @@ def layer_spec(cfg: TransformerConfig):
     return dataclasses.replace(spec, layer_specs=layers, layer_norm=SPTorchNorm)
 
 
-def build_gpt_model(bridge: ModelBridge, cfg: TransformerConfig, layout: Layout, padded_vocab: int) -> GPTModel:
+def build_gpt_model(bridge: ModelBridge, cfg: TransformerConfig, layout: Layout, padded_vocab: int, *,
+                    fused_router_replay: bool = False) -> GPTModel:
     # RouterReplay instances are process-global in megatron: drop those of any earlier model
     RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(cfg, fused_router_replay=fused_router_replay),
         pre_process=layout.is_first_stage,
         post_process=layout.is_last_stage,
         parallel_output=True,
         **bridge.gpt_model_kwargs(padded_vocab),
     )
+    if fused_router_replay:
+        from mrl.routing.fused_replay import FusedReplayRouter
+        from mrl.routing.replay import ReplayError
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        plain = [n for n, m in model.named_modules()
+                 if isinstance(m, TopKRouter) and not isinstance(m, FusedReplayRouter)]
+        if plain:  # a spec of another form would leave the option silently without effect
+            raise ReplayError(f"train.fused_router_replay: megatron's spec built plain routers ({plain[0]}, ...)")
     return model.to(compat.DEVICE)

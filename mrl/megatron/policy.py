@@ -80,7 +80,8 @@ class Policy:
         self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype)
         use_grouped_gemm(cfg.train.grouped_gemm)
         self.padded_vocab = self.bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
-        model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab)
+        model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab,
+                                fused_router_replay=cfg.train.fused_router_replay)
         load_hf_into(model, layout, self.bridge, HFCheckpoint(hf_path), self.padded_vocab)
         self.lora = cfg.model.lora if cfg.model.lora.enabled else None
         """LoRA: the base weights are frozen and only the adapters train (DDP buckets and optimizer hold them)."""
@@ -256,8 +257,9 @@ class Policy:
                 mb.data["ref"] = o["logprobs"]
 
         # on the device once: a python number would be copied to it (a blocking copy, a host sync) in
-        # every micro-batch's loss, between its forward and its backward
-        norm = torch.tensor(float(normalizer), dtype=torch.float32, device=compat.DEVICE)
+        # every micro-batch's loss, between its forward and its backward; made by a fill on the device
+        # (torch.tensor(x, device=...) builds it on the host and copies it over)
+        norm = torch.full((), float(normalizer), dtype=torch.float32, device=compat.DEVICE)
 
         def loss_fn(lp, mb):
             d = mb.data
@@ -395,8 +397,12 @@ class Policy:
         return {k: _mean([m[k] for m in box if k in m]) for k in keys}
 
     # -- checkpoints -----------------------------------------------------------------------------
-    # only this sharding type saves and reloads torch-Adam state, in any layout
-    _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+    # only this sharding type saves and reloads torch-Adam state, in any layout. Its default exchange
+    # all-gathers each fp32 state bucket through NCCL on every rank, which needs a bucket's worth of free
+    # GPU memory that a trainer sized to its GPU does not have; the memory-efficient exchange gathers on
+    # the host over gloo to DP rank 0 (megatron reads both alike when loading)
+    _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                  "distrib_optim_fully_reshardable_mem_efficient": True}
 
     def _model_sharded(self) -> dict:
         """The model's sharded state dict; LoRA: the adapters only (the frozen base comes from model.hf_path)."""

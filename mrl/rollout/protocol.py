@@ -1,4 +1,4 @@
-"""Typed, defensive parsing of SGLang 0.5.10 HTTP responses (shapes recorded in tests/fixtures/sglang-0.5.10).
+"""Typed, defensive parsing of SGLang 0.5.14 HTTP responses (0.5.10's, recorded in tests/fixtures/, parse too).
 
 Anything that does not match raises ``EngineProtocolError`` naming the endpoint and the field, so a
 malformed reply can never turn into silently wrong training data.
@@ -28,7 +28,7 @@ class EngineHTTPError(EngineError):
 
 
 class EngineProtocolError(EngineError):
-    """The reply does not have the shape SGLang 0.5.10 gives."""
+    """The reply does not have the shape SGLang gives."""
 
 
 class EngineUnavailable(EngineError):

@@ -117,8 +117,17 @@ class RankSlice:
     def tokens(self, routes_bslk: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, S, L, K]`` -> ``[S_local * B, L_local, K]`` in the router's s-first token order."""
         k = routes_bslk.shape[-1]
-        x = self.rows(routes_bslk[:, :, list(self.moe_columns)], cu_seqlens)
+        x = self.rows(self._columns(routes_bslk), cu_seqlens)
         return x.reshape(-1, len(self.moe_columns), k)
+
+    def _columns(self, routes_bslk: torch.Tensor) -> torch.Tensor:
+        """This stage's MoE columns. A PP stage's sparse layers are consecutive (``stage_moe_columns``), so
+        this is a view; indexing a device tensor with a Python list would first copy the list to the device
+        from pageable memory, which waits for the stream to drain, once per micro-batch inside the schedule."""
+        cols = self.moe_columns
+        if cols and cols == tuple(range(cols[0], cols[0] + len(cols))):
+            return routes_bslk[:, :, cols[0]:cols[0] + len(cols)]
+        return routes_bslk[:, :, list(cols)]
 
     def rows(self, x_bs: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, S, ...]`` per-token values -> ``[S_local * B, ...]`` in the router's token order: the
@@ -170,8 +179,11 @@ class ReplayDriver:
             return
         if routes_bslk is None:
             raise ReplayError("replay mode but this micro-batch has no routes")
-        local = self.slice.tokens(routes_bslk, cu_seqlens).long()  # megatron gathers scores with int64 ids
-        RouterReplay.set_replay_data([local[:, j].contiguous() for j in range(local.shape[1])])
+        local = self.slice.tokens(routes_bslk, cu_seqlens)  # [T, L, K]
+        # megatron gathers scores with int64 ids, one contiguous [T, K] per layer: widened and laid out
+        # layer-major in one copy, not one per layer
+        per_layer = local.transpose(0, 1).to(torch.long, memory_format=torch.contiguous_format)
+        RouterReplay.set_replay_data(list(per_layer.unbind(0)))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def after_forward(self, output: torch.Tensor) -> torch.Tensor:

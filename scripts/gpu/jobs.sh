@@ -6,6 +6,20 @@
 #           GPU shared by both needs a transport that can share it: weight_sync.transport=tensor (CUDA IPC)
 #           rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3)
 #   speed   bench/rl_step_vs_megatron.py once per ';'-separated argument list in SPEED_RUNS
+#           Issue 34's runs (2x H200, job speed=0,1,te; tp1 takes the first GPU): the Qwen3-30B-A3B 12-layer slice,
+#           CUTLASS grouped GEMM, mrl's fused-router replay off then on, 8 ABBA pairs a layout (--reps 4 --rounds 1;
+#           --rounds 2 gives 16 from twice the processes, about twice the time: run_phases.sh's TIMEOUT), e.g.
+#             C="--shape qwen3_30b_a3b_l12 --seq 4096 --micro-batches 2 --micro-batch-size 4 --optimizer-states bf16 \
+#                --grouped-gemm cutlass --reps 4 --warmup 2 --rounds 1 --model-dir /tmp/mrl-speed-models"
+#             SPEED_RUNS="--layouts ep2 $C --fused-router-replay off;--layouts ep2 $C --fused-router-replay on;\
+#             --layouts tp2 $C --fused-router-replay off;--layouts tp2 $C --fused-router-replay on;\
+#             --layouts tp1 $C --fused-router-replay off;--layouts tp1 $C --fused-router-replay on"
+#           (SPEED_RUNS must be one line: it is read with `read`). Per run, from the 2026-11-28 reports: about 45 s to start and set up
+#           each of its 4 processes, the first warm-up step (megatron 11-36 s, mrl 6-9 s), then 5 steps of
+#           0.9-1.5 s: ep2 and tp1 about 4.5 min, tp2 about 4 min, the first run 15.8 GB of checkpoint more.
+#           Where the hosts run ahead: "--layouts ep2 $C --host-lead" (4 more steps a process, under a minute more).
+#   fusedreplay tests/jobs/fused_replay_check.py: train.fused_router_replay's router with TE's kernels against
+#           megatron's replay path (three router kinds, forward and recompute; seconds; one GPU, "te")
 #   loop    bench/gpu_loop.py: rollout throughput routes on/off, Keep Routing replay off/on, sync vs raw NCCL
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
 #   loops*  bench/gpu_loop.py once per ';'-separated argument list in LOOP_RUNS_<name> (else LOOP_RUNS), one after
@@ -16,6 +30,8 @@
 #           rollout.engine_tp=2"); output in WORK/<name>/
 #   delivery bench/batch_delivery.py: a step's batch to the trainer ranks, whole and pickled vs each DP rank's share
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
+#   mismatch tests/gpu/mismatch_split.sh: the mismatch split by cause for an engine mrl launches and a plain SGLang
+#           server attached by URL (MISMATCH_STEPS steps each, default 60; MISMATCH_EXTRA: more overrides)
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded
@@ -56,6 +72,10 @@ job() {  # name gpus te
       delivery) mkdir -p "$WORK/delivery"
                  timeout "$TIMEOUT" python3 bench/batch_delivery.py --nproc "$n" --dp "$n" --reps 12 \
                    --json "$WORK/delivery/batch_delivery.json" ;;
+      fusedreplay) mkdir -p "$WORK/fusedreplay"
+                   timeout "$TIMEOUT" python3 -m tests.jobs.fused_replay_check --out "$WORK/fusedreplay/fused_replay.json" ;;
+      mismatch) STEPS=${MISMATCH_STEPS:-60} EXTRA=${MISMATCH_EXTRA:-} TIMEOUT=$TIMEOUT \
+                  bash tests/gpu/mismatch_split.sh "$WORK/mismatch" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;

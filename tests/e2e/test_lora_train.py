@@ -3,8 +3,8 @@ the LoRA flags, Megatron trainer with adapters on attention, one adapter version
 
 Sync mode, so every sampled token was produced by the trainer's current version: the engine's logprobs then
 equal the trainer's only if it applied exactly the trainer's adapter (the warm start has moved it far from
-the base). Whether the job learns is shown by the report (bench/reports/2026-11-27_mrl_train_lora_tiny_cpu.json),
-not here.
+the base). Whether the job learns is shown by the report
+(bench/reports/learning/2026-11-27_mrl_train_lora_tiny_cpu.json), not here.
 """
 
 from __future__ import annotations

@@ -46,6 +46,40 @@ def test_rank_slice_is_s_first_with_sp_chunks():
         RankSlice(tp_rank=0, tp_size=3, sequence_parallel=True, moe_columns=(0,)).tokens(routes)
 
 
+def test_stage_columns_are_a_view_and_other_columns_an_index():
+    routes = torch.arange(2 * 4 * 5 * 2).reshape(2, 4, 5, 2)
+    for cols in ((1, 2, 3), (0, 2, 4), (4,)):
+        rs = RankSlice(tp_rank=0, tp_size=1, sequence_parallel=False, moe_columns=cols)
+        assert torch.equal(rs._columns(routes), routes[:, :, list(cols)])
+        got = rs.tokens(routes)
+        for j, c in enumerate(cols):
+            assert torch.equal(got[:, j], routes[:, :, c].transpose(0, 1).reshape(-1, 2))
+    view = RankSlice(tp_rank=0, tp_size=1, sequence_parallel=False, moe_columns=(1, 2, 3))._columns(routes)
+    assert view.untyped_storage().data_ptr() == routes.untyped_storage().data_ptr()  # no copy, no index
+
+
+def test_driver_hands_megatron_int64_ids_per_layer():
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from mrl.routing.replay import ReplayDriver
+
+    RouterReplay.clear_global_router_replay_instances()
+    try:
+        layers = [RouterReplay() for _ in range(3)]
+        cfg = SimpleNamespace(moe_enable_routing_replay=True, moe_router_fusion=False,
+                              moe_router_load_balancing_type="none", moe_router_score_function="softmax")
+        rs = RankSlice(tp_rank=1, tp_size=2, sequence_parallel=True, moe_columns=(0, 1, 2))
+        routes = torch.randint(0, 8, (2, 4, 3, 2), dtype=torch.uint8)  # the wire's uint8
+        ReplayDriver(cfg, rs).before_forward(routes)
+        want = rs.tokens(routes)
+        for j, layer in enumerate(layers):
+            ids = layer.target_topk_idx
+            assert ids.dtype == torch.long and ids.is_contiguous() and torch.equal(ids, want[:, j].long())
+            assert layer.replay_backward_list == [ids]  # queued for recompute
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+
+
 def test_stage_columns_follow_uneven_pp_and_dense_layers():
     moe_layers = (0, 1, 3)  # layer 2 dense
     assert stage_moe_columns(moe_layers, [2, 2], 0) == (0, 1)

@@ -1,0 +1,134 @@
+"""FP8 weight sync, the pieces that need no change elsewhere: the FP8 entries of a planned bucket and
+the sender's quantization of a bucket into SGLang's flat byte layout.
+
+An engine started from a block-FP8 checkpoint (``mrl export-fp8``) takes updates in that checkpoint's
+format: each FP8 target (``mrl.quant.fp8_targets``) as its e4m3 weight and its fp32 ``weight_scale_inv``,
+both HF-named, which SGLang's loader routes like checkpoint tensors. So an FP8 plan is the bf16 plan with
+each target ``HFTensor`` replaced by that pair, inside the same ``PlannedParam`` (same sender, same
+bucket); everything else travels in the sync dtype as before.
+
+The flat buffer of a bucket is what SGLang's ``flattened_bucket`` format decodes (multi-dtype): each
+entry's bytes back to back, in entry order, no padding. ``quantize_bucket`` writes it: weights of the same
+kind and shape that repeat at a fixed byte stride (every expert's gate_proj in a bucket of whole experts)
+are quantized by one call over their stack, written straight into their strided places in the buffer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from mrl.quant.fp8 import BLOCK_SIZE, quantize_block_fp8, scale_shape
+from mrl.quant.fp8_targets import is_fp8_target, scale_inv_name
+from mrl.weight_sync.planner import HFTensor, PlannedParam
+
+FP8_DTYPE = "float8_e4m3fn"
+SCALE_DTYPE = "float32"
+ENTRY_BYTES = {FP8_DTYPE: 1, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of every dtype an FP8 bucket holds (the planner's ``DTYPE_BYTES`` plus e4m3)."""
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def fp8_entries(t: HFTensor, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE
+                ) -> tuple[HFTensor, ...]:
+    """``t`` as it travels to a block-FP8 engine: its e4m3 weight and fp32 scales, or itself."""
+    if len(t.shape) != 2 or not is_fp8_target(t.name, ignored):
+        return (t,)
+    return (HFTensor(t.name, t.shape, FP8_DTYPE),
+            HFTensor(scale_inv_name(t.name), scale_shape(t.shape, block_size), SCALE_DTYPE))
+
+
+def fp8_param(p: PlannedParam, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE
+              ) -> PlannedParam:
+    """A planned param with its FP8 targets replaced by their (weight, scale) pairs."""
+    return replace(p, tensors=tuple(e for t in p.tensors for e in fp8_entries(t, ignored, block_size)))
+
+
+def entry_nbytes(t: HFTensor) -> int:
+    n = ENTRY_BYTES[t.dtype]
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def byte_offsets(entries: Sequence[HFTensor]) -> list[int]:
+    """Start of each entry in the flat buffer (back to back, no padding), and the total as the last item."""
+    out, at = [], 0
+    for e in entries:
+        out.append(at)
+        at += entry_nbytes(e)
+    return out + [at]
+
+
+def quantize_bucket(tensors: Sequence[HFTensor], values: Sequence[torch.Tensor], *, ignored: Sequence[str] = (),
+                    block_size: tuple[int, int] = BLOCK_SIZE, flat: torch.Tensor | None = None,
+                    backend: str = "auto") -> tuple[list[HFTensor], torch.Tensor]:
+    """The FP8 entries of a bucket of high-precision HF tensors (``values[i]`` holds ``tensors[i]``) and the
+    uint8 flat buffer they fill (``flat``, else a new one on ``values``' device)."""
+    if len(tensors) != len(values):
+        raise ValueError(f"{len(tensors)} tensors but {len(values)} values")
+    entries: list[HFTensor] = []
+    first: list[int] = []  # index in entries of each input's first entry
+    for t in tensors:
+        first.append(len(entries))
+        entries.extend(fp8_entries(t, ignored, block_size))
+    offsets = byte_offsets(entries)
+    device = values[0].device if values else torch.device("cpu")
+    if flat is None:
+        flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+    if flat.dtype != torch.uint8 or flat.numel() < offsets[-1] or flat.dim() != 1:
+        raise ValueError(f"flat: a 1-D uint8 buffer of at least {offsets[-1]} bytes is needed, got {flat.dtype} "
+                         f"{tuple(flat.shape)}")
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if entries[first[i]].dtype == FP8_DTYPE:
+            groups.setdefault((_EXPERT.sub(".experts.*.", t.name), t.shape), []).append(i)
+        else:
+            v = values[i]
+            if tuple(v.shape) != tuple(t.shape) or str(v.dtype).removeprefix("torch.") != t.dtype:
+                raise ValueError(f"{t.name}: value is {v.dtype} {tuple(v.shape)}, the plan says {t.dtype} {t.shape}")
+            flat[offsets[first[i]]:offsets[first[i] + 1]].copy_(v.contiguous().reshape(-1).view(torch.uint8))
+    for members in groups.values():
+        for run in _strided_runs(members, [offsets[first[i]] for i in members]):
+            _quantize_run(run, tensors, values, [offsets[first[i]] for i in run], flat, block_size, backend)
+    return entries, flat[:offsets[-1]]
+
+
+def _strided_runs(members: list[int], starts: list[int]) -> list[list[int]]:
+    """Consecutive members whose weights start at a fixed byte stride (a multiple of 4, for the fp32
+    scale views), as long runs as possible."""
+    runs: list[tuple[list[int], list[int]]] = []
+    for m, at in zip(members, starts):
+        if runs:
+            run, at_run = runs[-1]
+            step = at - at_run[-1]
+            if step % 4 == 0 and (len(run) == 1 or step == at_run[1] - at_run[0]):
+                run.append(m)
+                at_run.append(at)
+                continue
+        runs.append(([m], [at]))
+    return [run for run, _ in runs]
+
+
+def _quantize_run(run: list[int], tensors, values, starts: list[int], flat: torch.Tensor,
+                  block_size: tuple[int, int], backend: str) -> None:
+    n, k = tensors[run[0]].shape
+    sshape = scale_shape((n, k), block_size)
+    stride = starts[1] - starts[0] if len(run) > 1 else 0
+    q0, s0 = starts[0], starts[0] + n * k
+    if s0 % 4 or (flat.data_ptr() % 4):
+        raise ValueError(f"{tensors[run[0]].name}: its scales would start at byte {s0} of the buffer, not on a "
+                         "4-byte boundary (weights with n * k not a multiple of 4)")
+    for i in run:
+        v = values[i]
+        if tuple(v.shape) != (n, k) or not v.is_floating_point():
+            raise ValueError(f"{tensors[i].name}: value is {v.dtype} {tuple(v.shape)}, the plan says {(n, k)}")
+    f32 = flat[:flat.numel() // 4 * 4].view(torch.float32)
+    e = len(run)
+    q = flat.as_strided((e, n, k), (stride, k, 1), flat.storage_offset() + q0).view(torch.float8_e4m3fn)
+    s = f32.as_strided((e, *sshape), (stride // 4, sshape[1], 1), f32.storage_offset() + s0 // 4)
+    w = values[run[0]].unsqueeze(0) if e == 1 else torch.stack([values[i] for i in run])
+    quantize_block_fp8(w, block_size, backend=backend, out=(q, s))

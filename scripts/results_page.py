@@ -1,0 +1,457 @@
+"""Write docs/results.md from the benchmark reports' JSON (bench/reports/<topic>/*.json): the goals with the
+figure that decides each one, then per topic every report with its date, hardware, commit and headline figures.
+
+    python scripts/results_page.py            # rewrite docs/results.md
+    python scripts/results_page.py --check    # exit 1 if docs/results.md is not what the reports give
+
+Standard library only. Reports have several schemas (each bench wrote its own, some were written by hand):
+one extractor per bench kind (the JSON's ``bench`` field, or the shape of a report that has none) pulls the
+figures that matter; a report no extractor knows is listed with its date and no figures.
+tests/unit/test_results_page.py regenerates the page and compares it with the committed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORTS = os.path.join(ROOT, "bench", "reports")
+PAGE = os.path.join(ROOT, "docs", "results.md")
+
+TOPICS = {  # folder -> (title, what its reports measure)
+    "loop": ("The whole loop", "`mrl train` against its own ceilings (`bench/loop_e2e.py`), the GPU loop's pieces "
+             "(`bench/gpu_loop.py`), overlap against sync mode (`bench/async_vs_sync.py`)."),
+    "rl_step": ("The RL step", "`Policy.rl_step` against plain megatron-core's own training step "
+                "(`bench/rl_step_vs_megatron.py`) and against bare forward/backward (`bench/rl_step_vs_bare.py`); "
+                "the trainer's host costs (`bench/micro_batches.py`, `bench/gc_pause.py`, "
+                "`bench/batch_delivery.py`)."),
+    "rollouts": ("Rollouts", "Generation through mrl's client and manager with routes returned and without "
+                 "(`bench/gpu_loop.py --sections rollout`, `bench/rollout_throughput.py`), the client's route "
+                 "decoding (`bench/routes_decode.py`)."),
+    "weight_sync": ("Weight sync", "mrl's sync against a raw broadcast of the same bytes "
+                    "(`bench/weight_sync_bench.py`), into a live engine (`bench/gpu_loop.py --sections sync`), "
+                    "LoRA adapters against full weights (`bench/lora_sync.py`)."),
+    "keep_routing": ("Keep Routing", "Engine vs trainer routing with replay off and on, its train-step overhead "
+                     "(`bench/replay_overhead.py`, `bench/routing_mismatch.py`, `bench/gpu_loop.py --sections "
+                     "replay`), the mismatch split."),
+    "learning": ("Learning runs", "`mrl train` runs to the end: reward and held-out accuracy, step and sync time."),
+    "parity": ("Parity", "HF <-> Megatron logits on GPUs (`tests/gpu/parity.sh`)."),
+}
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def get(d, path, default=None):
+    """``d["a"]["b"]`` for ``path="a.b"``; ``default`` where any part is missing."""
+    for k in path.split("."):
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def meta(d: dict, fname: str) -> tuple[str, str, str]:
+    """(date, hardware, commit) of a report, each as recorded; the date falls back to the file name's."""
+    env = d.get("environment") if isinstance(d.get("environment"), dict) else {}
+    date = str(env.get("date") or d.get("date") or fname[:10])[:10]
+    hw = env.get("device") or d.get("device") or d.get("hardware") or d.get("machine")
+    if not hw and env.get("gpus"):
+        hw = f"{len(env['gpus'])}x {env['gpus'][0]}"
+    hw = str(hw) if hw else ""
+    hw = re.split(r" \(|, |; ", hw)[0].strip() if hw else ""
+    if hw == "CPU":  # the benches' own "CPU (gloo)"
+        hw = f"CPU, {env.get('cpu_cores') or '?'} cores"
+    if not hw:
+        m = re.search(r"_(\d+)x(H\d+)", fname)
+        hw = f"{m.group(1)}x {m.group(2)}" if m else ("CPU" if "cpu" in fname else "not recorded")
+    m = re.search(r"\b[0-9a-f]{7,40}\b", str(env.get("mrl_commit") or d.get("mrl_commit_note") or ""))
+    if not m:  # a report written by hand may name the commit it ran in its note
+        m = re.search(r"(?:at commit|, commit|tree of commit) ([0-9a-f]{7,40})\b", str(d.get("note") or ""))
+    return date, hw, m.group(m.lastindex or 0)[:7] if m else "not recorded"
+
+
+def kind(d: dict, fname: str) -> str:
+    """Which extractor reads this report."""
+    b = d.get("bench")
+    if isinstance(b, str) and b:
+        if b.startswith("mrl_train"):
+            return "mrl_train"
+        if b.startswith("gpu_loop rollout"):
+            return "routes_wire"
+        return b
+    if "overlap_over_sync" in d:
+        return "async_vs_sync"
+    if "rows" in d and "scale" in d:
+        return "weight_sync"
+    if "parity" in fname:
+        return "parity"
+    if "reward" in d and "step_seconds" in d:
+        return "mrl_train_summary"
+    return "unknown"
+
+
+# -- figures per bench kind ------------------------------------------------------------------------
+
+def k(x: float) -> str:
+    return f"{x / 1000:.1f}k"
+
+
+def rl_step_vs_megatron(d):
+    ctx = ", ".join(f"{n} {d[n]}" for n in ("grouped_gemm", "gc") if d.get(n) not in (None, "auto"))
+    if "micro_batches" in d:
+        head = f"{d['shape']}, {d['micro_batches']}x{d.get('micro_batch_size', 1)} rows of {d['seq']} tokens"
+    else:
+        head = f"{d['shape']}, {d['tokens_per_step']} tokens a step"
+    head += f", {ctx}" if ctx else ""
+    layouts = d.get("layouts") or ({d["layout"]: d} if "layout" in d else {})
+    out = [head]
+    for name, row in layouts.items():
+        m, g = row["mrl"], row["megatron"]
+        stat = row.get("mrl_vs_megatron_pairs")
+        if stat:  # the fixed statistic: median of per-step ABBA pair ratios
+            spread = (f"median of {stat['n_pairs']} ABBA pairs, p25-p75 {stat['p25']:.2f}-{stat['p75']:.2f}; "
+                      f"pooled medians {row['mrl_vs_megatron_pooled_medians']:.2f}")
+        else:  # older reports: pooled medians, and each process pair's medians
+            spread = "pairs " + ", ".join(f"{p:.2f}" for p in row.get("mrl_vs_megatron_per_pair") or [])
+        line = (f"**{name}: mrl/megatron {row['mrl_vs_megatron']:.2f}** ({spread}); "
+                f"mrl {k(m['tokens_per_s_per_gpu'])} tokens/s/GPU, megatron {k(g['tokens_per_s_per_gpu'])}")
+        if m.get("model_tflops_per_gpu", 0) >= 1:  # not on CPU
+            line += (f"; model TFLOP/s per GPU mrl {m['model_tflops_per_gpu']:.1f}, "
+                     f"megatron {g['model_tflops_per_gpu']:.1f}")
+        out.append(line)
+    return out
+
+
+def rl_step_vs_bare(d):
+    return [f"{n}: rl_step / bare forward+backward {row['rl_step_vs_bare_fb']:.2f} "
+            f"(rl_step {k(row['tokens_per_s']['rl_step'])} tokens/s)" for n, row in d["layouts"].items()]
+
+
+def loop_e2e(d):
+    loop = d.get("loop", {})
+    ttfs = d.get("time_to_first_step_s")
+    ttfs = f"{ttfs:.0f} s" if ttfs is not None else (
+        f"about {d['time_to_first_step_estimate_s']} s (estimated)" if d.get("time_to_first_step_estimate_s") else "-")
+    if d.get("loop_vs_ceiling") is None:  # a run whose ceilings were not measured: the loop alone
+        out = [f"loop {k(d['loop_tokens_per_s'])} tokens/s ({k(d['loop_tokens_per_s_per_gpu'])} per GPU), "
+               f"ceilings not measured"]
+    else:
+        out = [f"**loop_vs_ceiling {d['loop_vs_ceiling']:.2f}** ({d.get('bound_by')}-bound); loop "
+               f"{k(d['loop_tokens_per_s'])} tokens/s ({k(d['loop_tokens_per_s_per_gpu'])} per GPU), trainer "
+               f"ceiling {k(d['trainer_ceiling_tokens_per_s'])}, engine ceiling {k(d['engine_ceiling_tokens_per_s'])}"]
+    if loop.get("sync_share_of_step") is not None:
+        out.append(f"sync {100 * loop['sync_share_of_step']:.1f}% of a step; time to first step {ttfs}")
+    if d.get("routes_on_vs_plain") is not None:
+        out.append(f"routes on vs a plain engine {d['routes_on_vs_plain']:.3f} (full 48-layer model, batch 256)")
+    return out
+
+
+def _rollout(r):
+    out = []
+    for b, s in sorted((r.get("summary") or {}).items(), key=lambda kv: int(kv[0][5:])):
+        line = (f"{b}: routes on/off {s['on_vs_off_median']:.2f} ({s['on_vs_off_min']:.2f}-{s['on_vs_off_max']:.2f}), "
+                f"{k(s['routes_on_median'])} / {k(s['routes_off_median'])} tokens/s")
+        if s.get("routes_on_vs_plain_median") is not None:
+            line += f"; on vs plain engine {s['routes_on_vs_plain_median']:.2f}"
+        out.append(line)
+    if get(r, "payload.bytes_per_token"):
+        out.append(f"routes {get(r, 'payload.bytes_per_token'):.0f} base64 bytes/token")
+    return out
+
+
+def _sync(s):
+    if not isinstance(s, dict) or "sync_median_s" not in s:
+        return []
+    where = f" (trainer ranks {s['trainer_ranks']}, engine TP {s['engine_tp']})" if "engine_tp" in s else ""
+    return [f"sync {s['sync_median_s']:.3f} s for {s['bytes'] / 1e9:.2f} GB, **{s['sync_vs_raw']:.1f}x a raw "
+            f"broadcast**{where}"]
+
+
+def _replay(r):
+    if not isinstance(r, dict) or "route_agreement_replay_on" not in r:
+        return []
+    return [f"route agreement off {r['route_agreement_replay_off']:.3f}, **on {r['route_agreement_replay_on']:.3f}** "
+            f"({r['decisions']} decisions); mean |dlogp| {get(r, 'logprob_diff_replay_off.mean_abs'):.4f} -> "
+            f"{get(r, 'logprob_diff_replay_on.mean_abs'):.4f}"]
+
+
+def gpu_loop(d):
+    if d.get("section") == "sync" and "sync" in d:  # batched vs per-bucket requests, written by hand
+        return [f"{d['bytes'] / 1e9:.2f} GB: sync {d['sync']['median']:.3f} s, **{d['sync_vs_raw']:.1f}x raw** "
+                f"(all buckets in one request); {d['per_bucket_sync']['median']:.3f} s, "
+                f"{d['per_bucket_sync_vs_raw']:.1f}x with one request per bucket"]
+    out = []
+    if "model" in d and "layers" in d:
+        out.append(f"{d['model']}, {d['layers']} layers")
+    out += _rollout(d.get("rollout") or {}) + _replay(d.get("replay")) + _sync(d.get("sync"))
+    if "sync_vs_raw_load_weights" in d:  # the session's summary
+        out.append(f"sync/raw: replayed load {d['sync_vs_raw']:.1f}x, SGLang's per-tensor load "
+                   f"{d['sync_vs_raw_load_weights']:.1f}x, TP2 -> TP2 {d['sync_vs_raw_reshard_tp2_to_tp2']:.1f}x")
+    for name in ("rollout", "replay", "sync"):
+        if isinstance(d.get(name), dict) and "error" in d[name]:
+            out.append(f"{name}: failed ({d[name]['error'][:80]})")
+    return out
+
+
+def routes_wire(d):
+    s = d.get("summary", {})
+    return [f"int32 ids: batch 256 routes on/off {s['int32_batch256_on_vs_off_median']:.2f}, batch 64 "
+            f"{s['int32_batch64_on_vs_off_median']:.2f}"]
+
+
+def routes_decode(d):
+    return [f"{shape}: {s['before_mrl_uint8_ms']:.2f} -> **{s['after_mrl_uint8_ms']:.2f} ms** per reply "
+            f"(SGLang's own int32 reader {s['sglang_int32_ms']:.2f} ms)" for shape, s in d["summary"].items()]
+
+
+def rollout_throughput(d):
+    return [f"{key}: {v}" for key, v in d.items() if key.endswith("tokens_per_s") and isinstance(v, (int, float))]
+
+
+def ws_ratio(r) -> float:
+    """sync / raw of a weight_sync_bench row: the median of the per-repetition ratios (each sync is followed by
+    its raw broadcast), or the ratio of the medians where the repetitions are not kept."""
+    if r.get("all_sync_s") and r.get("all_raw_s"):
+        return statistics.median(s / w for s, w in zip(r["all_sync_s"], r["all_raw_s"]))
+    return r["sync_median_s"] / r["raw_median_s"]
+
+
+def weight_sync(d):
+    out = [f"{d.get('model')}, receivers: {d.get('receivers')}"]
+    for r in d["rows"]:
+        out.append(f"{r['layout']} ({r['bucket_mb']:.0f} MiB buckets): **{ws_ratio(r):.2f}x raw** "
+                   f"({r['sync_median_s']:.3f} s)")
+    return out
+
+
+def lora_sync(d):
+    s, r = d["summary"], d["ratios"]
+    return [f"full weights {s['full_distributed']['seconds']['median']:.3f} s, rank-8 adapter "
+            f"{s['adapter_r8_tensors']['seconds']['median']:.3f} s "
+            f"({r['adapter_r8_tensors']['seconds_full_distributed_over_adapter']:.1f}x faster, "
+            f"{r['adapter_r8_tensors']['bytes_full_over_adapter']:.0f}x fewer bytes)"]
+
+
+def replay_overhead(d):
+    return [f"{n}: replay on/off {row['ratio_median']:.2f}" for n, row in d["layouts"].items()]
+
+
+def routing_mismatch(d):
+    out = []
+    for dt, r in d["results"].items():
+        out.append(f"{dt}: decisions differing from transformers' {100 * r['no_replay']['decisions_differ']:.1f}% "
+                   f"natural, {100 * r['replay']['decisions_differ']:.1f}% replayed")
+    return out
+
+
+def async_vs_sync(d):
+    pr = d.get("overlap_over_sync_per_round") or {}
+    spread = f" (per round {pr['min']:.2f}-{pr['max']:.2f})" if "min" in pr else ""
+    return [f"**overlap/sync {d['overlap_over_sync']:.2f}x**{spread}; overlap {k(d['overlap_tokens_per_s'])} "
+            f"trained tokens/s, sync {k(d['sync_tokens_per_s'])}"]
+
+
+def micro_batches(d):
+    return [f"micro-batch building {d['before_median_ms']:.1f} -> **{d['after_median_ms']:.1f} ms** per rank and step"]
+
+
+def gc_pause(d):
+    return [f"full collection of a trainer rank's heap {d['unfrozen']['median_ms']:.0f} ms unfrozen, "
+            f"{1000 * d['frozen']['median_ms']:.1f} us frozen"]
+
+
+def batch_delivery(d):
+    s = d["step_seconds"]
+    return [f"{d['shape']['samples']} samples to {d['world']} ranks: scatter {s['scatter']['median']:.2f} s against "
+            f"broadcast_object {s['broadcast_object']['median']:.2f} s "
+            f"(**{d['ratio_scatter_vs_broadcast']['median']:.2f}x**)"]
+
+
+def _first_last(d, a, b, label):
+    if d.get(a) is None or d.get(b) is None:
+        return []
+    return [f"{label} {d[a]:.2f} -> **{d[b]:.2f}**"]
+
+
+def mrl_train(d):
+    out = _first_last(d, "reward_first10_mean", "reward_last10_mean", "reward (first / last 10 steps)")
+    acc = get(d, "eval/accuracy") or get(d, "summary.eval/accuracy") or {}
+    if d.get("eval_accuracy_first") is not None:
+        out += _first_last(d, "eval_accuracy_first", "eval_accuracy_final", "held-out accuracy")
+    elif isinstance(acc, dict) and "first" in acc and acc["first"] == acc["first"]:  # NaN: no eval
+        out.append(f"held-out accuracy {acc['first']:.2f} -> {acc['last']:.2f}")
+    step = d.get("step_seconds_median") or (d.get("step_seconds_median_p25_p75") or [None])[0]
+    if step:
+        out.append(f"step {step:.2f} s (median)")
+    if d.get("sync_seconds_median"):
+        out.append(f"sync {d['sync_seconds_median']:.3f} s (median)")
+    return out
+
+
+def mrl_train_summary(d):
+    return [f"reward {d['reward']['first']:.2f} -> {d['reward']['last']:.2f} (first / last step), step "
+            f"{d['step_seconds']['last']:.2f} s"]
+
+
+def lookup_learning(d):
+    runs = {n: r for n, r in d["runs"].items() if r.get("success_last10_mean") is not None}
+    return [f"{n}: episode success {r['success_first10_mean']:.2f} -> **{r['success_last10_mean']:.2f}** "
+            f"(first / last 10 steps), {r['wall_s'] / 60:.0f} min" for n, r in runs.items()]
+
+
+def parity(d):
+    cases = [v for v in d.values() if isinstance(v, dict) and "pass" in v]
+    return [f"{sum(bool(v['pass']) for v in cases)} of {len(cases)} cases pass; HF round trip bit-exact in "
+            f"{sum(bool(v.get('roundtrip_bit_exact')) for v in cases)}"]
+
+
+def mismatch_split(d):
+    out = []
+    for run, r in d["runs"].items():
+        num, st = r["numerics"], r["staleness"]
+        out.append(f"{run}: numerics KL {num['kl_median']:.1e} ({num['tokens']} tokens), staleness KL "
+                   f"{st['kl_median']:.1e} ({st['tokens']} tokens, lags {'/'.join(st['tokens_by_lag'])})")
+    return out
+
+
+EXTRACTORS = {
+    "rl_step_vs_megatron": rl_step_vs_megatron, "rl_step_vs_bare": rl_step_vs_bare, "loop_e2e": loop_e2e,
+    "gpu_loop": gpu_loop, "routes_wire": routes_wire, "routes_decode": routes_decode,
+    "rollout_throughput": rollout_throughput, "weight_sync": weight_sync, "lora_sync_cpu": lora_sync,
+    "replay_overhead": replay_overhead, "routing_mismatch": routing_mismatch, "async_vs_sync": async_vs_sync,
+    "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
+    "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
+    "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
+}
+
+
+# -- goals: the figure that decides each, read from its report -------------------------------------
+
+def _rl(path, layout):
+    return lambda d: get(d, f"layouts.{layout}.mrl_vs_megatron")
+
+
+def _tflops(path):
+    return lambda d: get(d, "layouts.tp1.mrl.model_tflops_per_gpu")
+
+
+def _ws_max(d):
+    return max(ws_ratio(r) for r in d["rows"] if "+" not in r["layout"])
+
+
+def _ws_cpu_tp1(d):
+    return min(ws_ratio(r) for r in d["rows"] if r["layout"] == "tp1")
+
+
+_R = "rl_step/2026-11-28_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_"
+GOALS = [  # (goal, comparison, threshold, report, value(report), what the figure is)
+    ("whole loop / its own ceiling", ">=", 0.9, "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json",
+     lambda d: d["loop_vs_ceiling"], "2x H200, Qwen3-30B-A3B 12-layer slice"),
+    ("RL step / megatron-core's own step, 1 GPU", ">=", 0.9, _R + "1xH200_mbs4_cutlass.json", _rl(None, "tp1"),
+     "1x H200, 30B slice, CUTLASS grouped GEMM"),
+    ("RL step / megatron-core's own step, EP2", ">=", 0.9, _R + "2xH200_ep2_mbs4_cutlass_4reps.json",
+     _rl(None, "ep2"), "2x H200, 30B slice"),
+    ("RL step / megatron-core's own step, TP2", ">=", 0.9, _R + "2xH200_tp2_mbs4_cutlass.json", _rl(None, "tp2"),
+     "2x H200, 30B slice"),
+    ("model TFLOP/s per GPU, RL step", ">=", 140, _R + "1xH200_mbs4_cutlass.json", _tflops(None),
+     "1x H200, 30B slice at 4k tokens"),
+    ("weight sync / raw broadcast, every layout", "<=", 1.2,
+     "weight_sync/2026-11-26_gpu_weight_sync_4xH200_inplace_fullbucket.json", _ws_max,
+     "4x H200, 1.67 GiB bf16, worst layout"),
+    ("weight sync / raw broadcast, CPU TP1", "<=", 1.2, "weight_sync/2026-11-28_cpu_weight_sync_2core_cpu_large.json",
+     _ws_cpu_tp1, "2-core CPU, 186 MiB fp32, best bucket size"),
+    ("sync into a live engine / raw broadcast", "<=", 1.5,
+     "weight_sync/2026-11-28_gpu_loop_sync_batched_vs_per_bucket_2xH200.json", lambda d: d["sync_vs_raw"],
+     "2x H200, 2.43 GB bf16"),
+    ("rollouts with routes / without, batch 256", ">=", 0.95,
+     "rollouts/2026-11-28_gpu_loop_rollout_sync_qwen3_30b_a3b_l12_2xH200.json",
+     lambda d: get(d, "rollout.summary.batch256.on_vs_off_median"), "1x H200 engine, 30B slice, same engine"),
+    ("rollouts with routes / a plain engine, batch 256", ">=", 0.95,
+     "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json", lambda d: d["routes_on_vs_plain"],
+     "2x H200, full 48-layer Qwen3-30B-A3B"),
+    ("Keep Routing step overhead, TP2+SP", "<=", 1.02, "keep_routing/2026-11-26_gpu_replay_overhead_2xH200_16reps.json",
+     lambda d: d["layouts"]["tp2"]["ratio_median"], "2x H200, 490M MoE"),
+    ("Keep Routing step overhead, EP2", "<=", 1.02, "keep_routing/2026-11-26_gpu_replay_overhead_2xH200_16reps.json",
+     lambda d: d["layouts"]["ep2"]["ratio_median"], "2x H200, 490M MoE"),
+    ("overlap / sync mode, long-tailed task", ">=", 3.0, "loop/2026-11-28_async_vs_sync_cpu.json",
+     lambda d: d["overlap_over_sync"], "2-core CPU, real SGLang CPU engine"),
+]
+
+
+def goals_table(load) -> list[str]:
+    lines = ["| goal | measured | result | on | date | report |", "|---|---|---|---|---|---|"]
+    for goal, op, thr, rel, value, where in GOALS:
+        d = load(rel)
+        v = value(d)
+        met = v >= thr if op == ">=" else v <= thr
+        date, _, _ = meta(d, os.path.basename(rel))
+        fmt = f"{v:.1f}" if thr >= 10 else f"{v:.2f}"
+        lines.append(f"| {goal} {op} {thr:g} | {fmt} | {'met' if met else '**not met**'} | {where} | {date} | "
+                     f"[{os.path.basename(rel)[:-5]}](../bench/reports/{rel}) |")
+    return lines
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+def render() -> str:
+    cache = {}
+
+    def load(rel):
+        if rel not in cache:
+            with open(os.path.join(REPORTS, rel)) as f:
+                cache[rel] = json.load(f)
+        return cache[rel]
+
+    out = ["# Results", "",
+           "Generated by `scripts/results_page.py` from the reports in `bench/reports/<topic>/` (do not edit: "
+           "run the script; `tests/unit/test_results_page.py` fails when this page and the reports disagree). "
+           "Every figure links its report, which holds every repetition, the hardware and the versions. "
+           "\"not recorded\": the report does not name its commit.", "",
+           "## Goals", "",
+           "Each goal with the figure that decides it (medians over repetitions; spread in the report).", "",
+           *goals_table(load), ""]
+    folders = sorted(f for f in os.listdir(REPORTS) if os.path.isdir(os.path.join(REPORTS, f)))
+    unknown = [f for f in folders if f not in TOPICS]
+    if unknown:
+        raise SystemExit(f"results_page.py: report folders without a title in TOPICS: {unknown}")
+    for topic in TOPICS:
+        if topic not in folders:
+            continue
+        title, what = TOPICS[topic]
+        out += [f"## {title}", "", f"{what} Reports in `bench/reports/{topic}/`, newest first.", "",
+                "| date | hardware | commit | figures | report |", "|---|---|---|---|---|"]
+        files = sorted((f for f in os.listdir(os.path.join(REPORTS, topic)) if f.endswith(".json")),
+                       key=lambda f: (f[:10], f), reverse=True)
+        for f in files:
+            d = load(f"{topic}/{f}")
+            date, hw, commit = meta(d, f) if isinstance(d, dict) else (f[:10], "not recorded", "not recorded")
+            fn = EXTRACTORS.get(kind(d, f)) if isinstance(d, dict) else None
+            figures = "<br>".join(x.replace("|", "\\|") for x in fn(d)) if fn else "(no extractor: see the report)"
+            out.append(f"| {date} | {hw} | {commit} | {figures} | [{f[:-5]}](../bench/reports/{topic}/{f}) |")
+        others = sorted(f for f in os.listdir(os.path.join(REPORTS, topic)) if not f.endswith(".json"))
+        if others:
+            out += ["", "Other files: " + ", ".join(f"[{f}](../bench/reports/{topic}/{f})" for f in others) + "."]
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    page = render()
+    if "--check" in sys.argv[1:]:
+        with open(PAGE) as f:
+            if f.read() != page:
+                print("docs/results.md is stale: run python scripts/results_page.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(PAGE, "w") as f:
+        f.write(page)
+    print(f"wrote {os.path.relpath(PAGE, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

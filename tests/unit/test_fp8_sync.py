@@ -1,0 +1,154 @@
+"""FP8 weight sync pieces (mrl.weight_sync.fp8): the FP8 entries of the planner's params for every trainer
+layout equal the tensors of the block-FP8 checkpoint the engine starts from, and a bucket quantized into its
+flat buffer is byte for byte what SGLang's flattened_bucket format decodes, batched over experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from mrl.config.schema import TinyPreset
+from mrl.models import BRIDGES
+from mrl.models.tiny import FAMILIES, PRESETS
+from mrl.quant.fp8 import quantize_block_fp8
+from mrl.quant.fp8_targets import is_fp8_target
+from mrl.weight_sync import fp8 as sync_fp8
+from mrl.weight_sync import planner
+from mrl.weight_sync.planner import HFTensor, TrainerLayout, plan_params
+
+LAYOUTS = {"tp1": TrainerLayout(1, 1, 1, 1, 1), "tp2": TrainerLayout(2, 1, 1, 2, 2),
+           "ep2": TrainerLayout(1, 1, 2, 1, 2), "tp2xep2": TrainerLayout(2, 1, 2, 1, 4),
+           "pp2": TrainerLayout(1, 2, 1, 1, 2, stage_layers=(2, 1)), "tp2xpp2": TrainerLayout(2, 2, 1, 2, 4,
+                                                                                           stage_layers=(2, 1)),
+           "tp2xep2xetp2_dp2": TrainerLayout(2, 1, 2, 2, 8)}
+
+
+def _bridge(preset):
+    config_cls, arch = FAMILIES[preset]
+    cfg = getattr(transformers, config_cls)(architectures=[arch], **PRESETS[preset])
+    return BRIDGES[arch](cfg)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("preset", [TinyPreset.tiny, TinyPreset.deepseek_v3])
+def test_fp8_entries_are_the_fp8_checkpoints_tensors_for_every_layout(layout, preset):
+    b = _bridge(preset)
+    pv = b.padded_vocab(128, LAYOUTS[layout].tp)
+    params = plan_params(b.param_maps(pv), LAYOUTS[layout], num_layers=b.num_layers, num_experts=b.num_experts,
+                         dtype="bfloat16", tied=b.tied_embeddings)
+    fp8 = [sync_fp8.fp8_param(p) for p in params]
+    names = [t.name for p in fp8 for t in p.tensors]
+    assert len(names) == len(set(names))
+    shapes = b.hf_tensor_shapes(b.vocab_size)
+    quantized = {n for n in shapes if is_fp8_target(n)}
+    assert set(names) == set(shapes) | {n + "_scale_inv" for n in quantized}  # what mrl export-fp8 writes
+    for p, q in zip(params, fp8):
+        assert (q.sender, q.stage, q.expert) == (p.sender, p.stage, p.expert)
+        for t in q.tensors:
+            if t.name in quantized:
+                assert t.dtype == "float8_e4m3fn"
+                s = next(x for x in q.tensors if x.name == t.name + "_scale_inv")  # same param, same bucket
+                assert s.dtype == "float32" and s.shape == (-(-t.shape[0] // 128), -(-t.shape[1] // 128))
+            elif not t.name.endswith("_scale_inv"):
+                assert t.dtype == "bfloat16"
+
+
+def test_planner_buckets_with_fp8_entries(monkeypatch):
+    """The planner's one missing piece is e4m3's size in DTYPE_BYTES; with it, plan_sync over FP8 params
+    keeps each weight with its scales and fills buckets by FP8 bytes."""
+    monkeypatch.setitem(planner.DTYPE_BYTES, "float8_e4m3fn", 1)
+    plain = planner.plan_params
+    monkeypatch.setattr(planner, "plan_params", lambda *a, **k: [sync_fp8.fp8_param(p) for p in plain(*a, **k)])
+    b = _bridge(TinyPreset.tiny)
+    plan = planner.plan_sync(b.param_maps(b.padded_vocab(128, 2)), LAYOUTS["tp2xep2"], num_layers=b.num_layers,
+                             num_experts=b.num_experts, bucket_bytes=64 * 1024, dtype="bfloat16")
+    for bucket in plan.buckets:
+        names = [t.name for t in bucket.tensors]
+        assert all(n + "_scale_inv" in names for n in names if is_fp8_target(n))
+        assert bucket.nbytes == sync_fp8.byte_offsets(bucket.tensors)[-1]
+    bf16 = [t for p in plain(b.param_maps(b.padded_vocab(128, 2)), LAYOUTS["tp2xep2"], num_layers=b.num_layers,
+                             num_experts=b.num_experts, dtype="bfloat16") for t in p.tensors]
+    q = [t for t in bf16 if is_fp8_target(t.name)]
+    # one byte instead of two per quantized element, plus 4 bytes per block (one block each in the tiny model)
+    assert plan.nbytes == sum(t.nbytes for t in bf16) - sum(t.nbytes // 2 for t in q) + 4 * len(q)
+
+
+def _bucket(num_experts=4, inter=96, hidden=160, seed=0):
+    """A bucket as the planner orders one: norms, attention, then whole experts (gate, up, down each)."""
+    g = torch.Generator().manual_seed(seed)
+    h = "model.layers.0."
+    spec = [(h + "input_layernorm.weight", (hidden,)), (h + "self_attn.q_proj.weight", (256, hidden)),
+            (h + "self_attn.k_proj.weight", (128, hidden)), (h + "mlp.gate.weight", (num_experts, hidden))]
+    for e in range(num_experts):
+        spec += [(f"{h}mlp.experts.{e}.gate_proj.weight", (inter, hidden)),
+                 (f"{h}mlp.experts.{e}.up_proj.weight", (inter, hidden)),
+                 (f"{h}mlp.experts.{e}.down_proj.weight", (hidden, inter))]
+    tensors = [HFTensor(n, s, "bfloat16") for n, s in spec]
+    values = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for _, s in spec]
+    return tensors, values
+
+
+def _reference_flat(tensors, values):
+    """SGLang's own flattening of the per-tensor quantized bucket."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    named = []
+    for t, v in zip(tensors, values):
+        if is_fp8_target(t.name):
+            q, s = quantize_block_fp8(v)
+            named += [(t.name, q), (t.name + "_scale_inv", s)]
+        else:
+            named.append((t.name, v))
+    return FlattenedTensorBucket(named_tensors=named)
+
+
+def test_bucket_bytes_equal_sglangs_flattened_bucket():
+    tensors, values = _bucket()
+    entries, flat = sync_fp8.quantize_bucket(tensors, values)
+    ref = _reference_flat(tensors, values)
+    assert torch.equal(flat, ref.get_flattened_tensor())
+    meta = ref.get_metadata()
+    assert [e.name for e in entries] == [m.name for m in meta]
+    assert [tuple(e.shape) for e in entries] == [tuple(m.shape) for m in meta]
+    assert [e.dtype for e in entries] == [str(m.dtype).removeprefix("torch.") for m in meta]
+    decoded = dict(ref.__class__(flattened_tensor=flat, metadata=meta).reconstruct_tensors())
+    assert decoded["model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"].shape == (1, 2)
+
+
+def test_experts_are_quantized_in_one_call_per_kind(monkeypatch):
+    import mrl.weight_sync.fp8 as mod
+
+    calls = []
+    real = mod.quantize_block_fp8
+    monkeypatch.setattr(mod, "quantize_block_fp8", lambda w, *a, **k: calls.append(tuple(w.shape)) or real(w, *a,
+                                                                                                          **k))
+    tensors, values = _bucket(num_experts=5)
+    sync_fp8.quantize_bucket(tensors, values)
+    assert sorted(calls) == sorted([(1, 256, 160), (1, 128, 160), (5, 96, 160), (5, 96, 160), (5, 160, 96)])
+
+
+def test_into_a_given_buffer_and_misaligned_runs_split():
+    tensors, values = _bucket(num_experts=3, inter=33, hidden=100)  # 33 x 100 bytes: strides still x4
+    _, flat = sync_fp8.quantize_bucket(tensors, values)
+    buf = torch.full((flat.numel() + 64,), 7, dtype=torch.uint8)
+    _, out = sync_fp8.quantize_bucket(tensors, values, flat=buf)
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, flat)
+    assert torch.equal(flat, _reference_flat(tensors, values).get_flattened_tensor())
+    with pytest.raises(ValueError, match="1-D uint8 buffer of at least"):
+        sync_fp8.quantize_bucket(tensors, values, flat=torch.empty(10, dtype=torch.uint8))
+
+
+def test_runs_follow_the_byte_stride():
+    assert sync_fp8._strided_runs([0, 1, 2, 3], [0, 100, 200, 300]) == [[0, 1, 2, 3]]
+    assert sync_fp8._strided_runs([0, 1, 2, 3], [0, 100, 200, 404]) == [[0, 1, 2], [3]]
+    assert sync_fp8._strided_runs([0, 1, 2], [0, 102, 204]) == [[0], [1], [2]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the triton kernel writing strided views of "
+                    "the send buffer runs on GPUs only (tests/gpu/fp8_quant.sh runs this on a GPU machine)")
+def test_triton_fills_the_bucket_like_the_cpu_path():
+    tensors, values = _bucket(num_experts=8, inter=256, hidden=384)
+    _, cpu = sync_fp8.quantize_bucket(tensors, values)
+    _, gpu = sync_fp8.quantize_bucket(tensors, [v.cuda() for v in values], backend="triton")
+    assert torch.equal(cpu, gpu.cpu())
