@@ -290,6 +290,11 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str):
     from mrl.rollout.engine import Engine
 
     env = {"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1", "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"}
+    if a.sync_profile:
+        from mrl.rollout.engine_patches import SYNC_STATS_ENV
+
+        os.makedirs(_profile_dir(a), exist_ok=True)
+        env[SYNC_STATS_ENV] = _profile_dir(a)
     if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU
         env["PYTHONPATH"] = ":".join([os.path.join(HERE, "_cpu_engine_shim"), PYSHIM_DIR, _pythonpath()])
     return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
@@ -330,13 +335,21 @@ def headline(report: dict, name: str) -> str:
     if name == "sync":
         bw = r.get("bitwise_sampled_tensors", {})
         bits = (f"{bw['equal']}/{bw['compared']} equal" if "compared" in bw else f"error {bw.get('error', '')[:120]}")
-        return (f"[sync] {r['bytes'] / 1e9:.3f} GB in {r['sync_median_s']:.4f} s (raw {r['raw_median_s']:.4f} s, "
+        line = (f"[sync] {r['bytes'] / 1e9:.3f} GB in {r['sync_median_s']:.4f} s (raw {r['raw_median_s']:.4f} s, "
                 f"sync/raw {r['sync_vs_raw']:.2f}), engine tp{r['engine_tp']} <- {r['trainer_ranks']} trainer ranks; "
                 f"bitwise {bits}; probe max |dlogp| {r['probe_max_abs_logprob_diff']:.2e}")
+        for rank, e in r.get("profile", {}).get("engine", {}).items():
+            tot = e.get("measured", {}).get("per_sync_total_s", {})
+            line += f"\n[sync] engine {rank} per sync: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tot.items()))
+        return line
     return f"[{name}] {json.dumps(r)[:300]}"
 
 
 # -- weight sync -----------------------------------------------------------------------------------
+def _profile_dir(a) -> str:
+    return os.path.join(os.path.abspath(a.out), "sync_profile")
+
+
 def _engine_gpus(a) -> list[str]:
     return [str(int(a.engine_gpu) + i) for i in range(a.engine_tp)]
 
@@ -353,6 +366,7 @@ def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
            "--engine", f"{url}@{a.engine_tp}",
            "--engine-device", engine_device, "--reps", str(a.reps), "--out", path,
            *(["--compare-per-bucket"] if a.compare_per_bucket else []),
+           *(["--profile-dir", _profile_dir(a)] if a.sync_profile else []),
            *a.sync_layout.replace(",", " ").split()]
     subprocess.run(cmd, env=env, check=True, timeout=900)
     with open(path) as f:
@@ -389,6 +403,12 @@ def main() -> int:
                     help="extra layout flags for the sync trainer, e.g. '--tp 2' (or --sync-layout=--tp,2)")
     ap.add_argument("--compare-per-bucket", action="store_true",
                     help="sync: each repetition also with one update request per bucket (A/B)")
+    ap.add_argument("--sync-profile", action="store_true",
+                    help="sync: per-bucket seconds on every trainer rank and engine TP rank for every repetition "
+                         "(the engine's from MRL_SYNC_STATS_DIR: waiting for a buffer, receiving, loading, on GPU "
+                         "device seconds too; its load path and copy counts), then one more sync under "
+                         "torch.profiler (CPU + CUDA) on each; traces in OUT/sync_profile, summary under "
+                         "sync.profile")
     ap.add_argument("--routes-int32", action="store_true",
                     help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
                          "mrl's compact routes")
