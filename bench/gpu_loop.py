@@ -364,13 +364,35 @@ def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(tg)}",
            os.path.join(HERE, "_live_sync_worker.py"), "--hf", hf, "--dtype", a.dtype,
            "--engine", f"{url}@{a.engine_tp}",
-           "--engine-device", engine_device, "--reps", str(a.reps), "--out", path,
+           "--engine-device", engine_device, "--reps", str(a.reps), "--out", path, "--bucket-mb", str(a.bucket_mb),
            *(["--compare-per-bucket"] if a.compare_per_bucket else []),
            *(["--profile-dir", _profile_dir(a)] if a.sync_profile else []),
            *a.sync_layout.replace(",", " ").split()]
     subprocess.run(cmd, env=env, check=True, timeout=900)
     with open(path) as f:
-        return json.load(f)
+        report = json.load(f)
+    report["engine_load_lines"] = engine_load_lines(os.path.join(a.out, "engines"))
+    return report
+
+
+def engine_load_lines(log_dir: str) -> dict:
+    """What the engine logs say about its bucket loads (``mrl.rollout.engine_patches``): layouts replayed
+    as copies, layouts left to ``load_weights`` and why (a refused layout costs the model's per-tensor
+    load on every sync)."""
+    from mrl.rollout.engine_patches import REPLAYED_LOAD_MARK
+
+    out = {"replayed_as_copies": 0, "load_weights": 0, "load_weights_reasons": []}
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            for line in f:
+                if REPLAYED_LOAD_MARK in line:
+                    out["replayed_as_copies"] += 1
+                elif "mrl: bucket layout loads through load_weights" in line:
+                    out["load_weights"] += 1
+                    why = line.split(":", 2)[-1].strip()[:300]
+                    if why not in out["load_weights_reasons"] and len(out["load_weights_reasons"]) < 10:
+                        out["load_weights_reasons"].append(why)
+    return out
 
 
 def main() -> int:
@@ -379,6 +401,9 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU engine and trainer, tiny model (checks the flow)")
     ap.add_argument("--model", default="probe", choices=[k for k in SHAPES if k != "tiny"])
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    ap.add_argument("--cpu-model", default="tiny", choices=list(SHAPES),
+                    help="--cpu: the checkpoint's shape (cpu_wide: 64 experts, for per-tensor costs)")
+    ap.add_argument("--bucket-mb", type=float, default=512, help="sync: weight_sync.bucket_mb")
     ap.add_argument("--sections", default="rollout,replay,sync")
     ap.add_argument("--engine-gpu", default="1", help="the engine's (first) GPU")
     ap.add_argument("--engine-tp", type=int, default=1,
@@ -428,8 +453,8 @@ def main() -> int:
     from mrl.routing.codec import RoutesCodec
 
     if a.cpu:  # the GPU flow's checkpoint writer, in several shards, at the tiny preset's shape
-        hf = make_checkpoint(os.path.join(a.out, f"model_tiny_{a.layers or 'all'}"), "tiny", a.layers,
-                             shard_gb=0.0001)
+        hf = make_checkpoint(os.path.join(a.out, f"model_{a.cpu_model}_{a.layers or 'all'}"), a.cpu_model, a.layers,
+                             shard_gb=0.0001 if a.cpu_model == "tiny" else 0.01)
         a.dtype, engine_device = "fp32", ",".join(["cpu"] * a.engine_tp)  # a raw receiver per engine rank
     else:
         name = f"model_{a.model}_{a.layers or 'all'}"
@@ -442,7 +467,7 @@ def main() -> int:
     engines = {"routes": _engine(a, hf, "engine", True, a.engine_gpu)}
     if a.plain_engine_gpu is not None and "rollout" in a.sections.split(","):
         engines["plain"] = _engine(a, hf, "plain_engine", False, a.plain_engine_gpu)
-    report = {"bench": "gpu_loop", "model": "tiny" if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
+    report = {"bench": "gpu_loop", "model": a.cpu_model if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
               "hf": hf, "checkpoint_files": sorted(f for f in os.listdir(hf) if f.endswith(".safetensors")),
               "environment": environment(a.cpu), "args": vars(a)}
     with contextlib.ExitStack() as stack:
