@@ -127,6 +127,12 @@ def _footprint(size, stride) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
 
 
+def _index_backwards(t: torch.Tensor) -> bool:
+    """Merge a backwards run into one ``index_copy_``: on CUDA it replaces a kernel launch per tensor; on CPU
+    a copy per tensor costs little to issue and ``index_copy_`` moves the bytes more slowly."""
+    return t.is_cuda
+
+
 def _fusable(dsts, specs) -> bool:
     return all(d.dtype == spec[0] and d.is_contiguous() and _contiguous(spec[2], spec[3])
                for d, spec in zip(dsts, specs))
@@ -143,7 +149,8 @@ def _batch(dsts: list[torch.Tensor], srcs: list[_Src]) -> list[tuple]:
     offsets on both sides (one tensor of every expert of the bucket) become one copy with a leading
     dimension. Contiguous pairs merge only when the merged pair is contiguous too, so they stay fused. When
     the two sides run in opposite directions (megatron's parameter buffer holds the experts in reverse, the
-    engine in order) the merged copy is an ``index_copy_`` along that leading dimension. Merging reorders
+    engine in order) the merged copy is an ``index_copy_`` along that leading dimension (on CUDA, where it
+    replaces a kernel launch per expert; on CPU those copies stay one per tensor). Merging reorders
     copies, so a step whose destinations overlap is replayed one copy at a time in the recorded order (two
     copies into one place must keep their order, which a fused kernel would not)."""
     spans = sorted((d.untyped_storage().data_ptr(), d.storage_offset() * d.itemsize,
@@ -181,9 +188,12 @@ def _batch(dsts: list[torch.Tensor], srcs: list[_Src]) -> list[tuple]:
                 src = (spec[0], spec[1], (len(run), *size), (run[1][1][1] - spec[1], *s_stride))
                 if d_step > 0:
                     put(first.as_strided((len(run), *size), (d_step, *d_stride), first.storage_offset()), src)
-                else:  # the destinations run backwards: row i of the source goes to row len - 1 - i
+                elif _index_backwards(first):  # destinations run backwards: source row i to row len - 1 - i
                     dst = last.as_strided((len(run), *size), (-d_step, *d_stride), last.storage_offset())
                     indexed.append(("index", dst, src, torch.arange(len(run) - 1, -1, -1, device=dst.device)))
+                else:
+                    for d, spec in run:
+                        put(d, spec)
             run.clear()
 
         for d, spec in items:

@@ -4,8 +4,10 @@ narrowing, and loaders the plan must refuse (a derived weight, a dtype conversio
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mrl.rollout import replayed_load
 from mrl.rollout.replayed_load import bucket_nbytes, bucket_views, record_load
 
 H, E, FF, TP_RANK = 8, 4, 6, 1
@@ -146,10 +148,12 @@ def _expert_bucket(seed: int, order, parts=("down", "gate", "up")):
     return torch.cat([t.flatten().view(torch.uint8) for _, t in named]), names, dtypes, shapes
 
 
-def test_expert_copies_merge_into_few_calls_and_load_the_same_bytes():
+@pytest.mark.parametrize("index_backwards", [False, True], ids=["cpu", "index_copy"])
+def test_expert_copies_merge_into_few_calls_and_load_the_same_bytes(monkeypatch, index_backwards):
     """Every expert's three copies (the down_proj one strided) become a handful of calls, whether the
-    bucket lists the experts in order or backwards (megatron's parameter buffer), and the replay writes
-    exactly what the model's own load writes."""
+    bucket lists the experts in order or backwards (megatron's parameter buffer: one ``index_copy_`` on
+    CUDA, forced here on CPU too), and the replay writes exactly what the model's own load writes."""
+    monkeypatch.setattr(replayed_load, "_index_backwards", lambda t: index_backwards)
     for order in (range(6), range(5, -1, -1), [0, 1, 2, 4, 5]):
         recorded, reference = Experts(), Experts()
         flat, names, dtypes, shapes = _expert_bucket(0, order)
@@ -157,9 +161,11 @@ def test_expert_copies_merge_into_few_calls_and_load_the_same_bytes():
                                 recorded)
         assert plan is not None, why
         counts = plan.counts()
-        # gate/up: contiguous, one fused call; down (strided): one merged copy per evenly spaced run of experts
+        # gate/up: contiguous, one fused call; down (strided): one call, of merged copies per evenly spaced run
         assert counts["copies"] == 3 * len(order) and counts["calls"] == 2, (list(order), counts)
-        assert counts["copies_run"] == 2 * len(order) + (1 if 3 in order else 2), counts
+        merged_down = 1 if 3 in order else 2  # one run of evenly spaced experts, or two around the gap
+        backwards = order[0] > order[-1] and not index_backwards  # else one copy per expert
+        assert counts["copies_run"] == 2 * len(order) + (len(order) if backwards else merged_down), counts
         flat2 = _expert_bucket(1, order)[0].clone()
         plan.replay(flat2)
         reference.load_weights(bucket_views(flat2, names, dtypes, shapes))
