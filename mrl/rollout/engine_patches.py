@@ -242,12 +242,15 @@ class _observed:
 
     def __exit__(self, *exc) -> None:
         s = self.stats
-        if self.prof is not None:
-            self.prof.__exit__(*exc)
-            self.prof.export_chrome_trace(os.path.join(s.dir, f"engine_tp{s.rank}_trace.json"))
-            with open(os.path.join(s.dir, f"engine_tp{s.rank}_ops.json"), "w") as f:
-                json.dump(_top_ops(self.prof), f)
-        s.write()
+        try:  # figures for a benchmark: never the reason an update fails
+            if self.prof is not None:
+                self.prof.__exit__(*exc)
+                self.prof.export_chrome_trace(os.path.join(s.dir, f"engine_tp{s.rank}_trace.json"))
+                with open(os.path.join(s.dir, f"engine_tp{s.rank}_ops.json"), "w") as f:
+                    json.dump(_top_ops(self.prof), f)
+            s.write()
+        except Exception as e:
+            print(f"mrl: weight update figures not written to {s.dir}: {e}", file=sys.stderr, flush=True)
 
 
 def _top_ops(prof, n: int = 25) -> list[dict]:
