@@ -143,6 +143,65 @@ def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, 
     return out
 
 
+def _top_ops(prof, n: int = 25) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", 0) or 0
+        rows.append({"op": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total, "self_device_us": dev})
+    rows.sort(key=lambda r: (-r["self_device_us"], -r["self_cpu_us"]))
+    return rows[:n]
+
+
+def _medians(rows: list[list[dict]]) -> dict:
+    """Per-bucket rows of several syncs (one list per sync, same steps in the same order) -> per step the
+    median of every figure, and per sync the sum of each phase (median over syncs)."""
+    if not rows:
+        return {}
+    steps = []
+    for i in range(min(len(r) for r in rows)):
+        same = [r[i] for r in rows]
+        keys = [k for k in same[0] if isinstance(same[0][k], (int, float)) and not isinstance(same[0][k], bool)]
+        steps.append({k: v for k, v in same[0].items() if k not in keys} |
+                     {k: statistics.median(x.get(k, 0.0) for x in same) for k in keys})
+    phases = sorted({k for r in rows for x in r for k in x if k.endswith("_s")})
+    totals = {k: statistics.median(sum(x.get(k, 0.0) for x in r) for r in rows) for k in phases}
+    return {"syncs": len(rows), "per_sync_total_s": totals, "per_bucket": steps}
+
+
+def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None:
+    """Every rank: the measured syncs' per-bucket host seconds, then one more sync under torch.profiler
+    (engine ranks too, asked through ``profile_next.tp{rank}`` files). Rank 0 returns the summary."""
+    os.makedirs(a.profile_dir, exist_ok=True)
+    me = layout.world_rank
+    if me == 0:
+        for r in range(engine_tp):
+            open(os.path.join(a.profile_dir, f"profile_next.tp{r}"), "w").close()
+    measured, executor.timings = executor.timings or [], []
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if compat.HAS_CUDA else [])
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        seconds, push = run_sync()
+    prof.export_chrome_trace(os.path.join(a.profile_dir, f"trainer_rank{me}_trace.json"))
+    mine = {"rank": me, "measured": _medians(measured), "profiled_sync": {"sync_s": seconds, "push_s": push,
+            "per_bucket": executor.timings[0] if executor.timings else []}, "top_ops": _top_ops(prof)}
+    executor.timings = None
+    box = [None] * layout.world_size
+    dist.all_gather_object(box, mine)
+    if me != 0:
+        return None
+    engine = {}
+    for r in range(engine_tp):
+        path = os.path.join(a.profile_dir, f"tp{r}.jsonl")
+        if not os.path.exists(path):
+            engine[f"tp{r}"] = {"error": f"no {path}: was the engine started with MRL_SYNC_STATS_DIR={a.profile_dir}?"}
+            continue
+        lines = [json.loads(x)["buckets"] for x in open(path)]
+        batched = [x for x in lines if len(x) > 1] or lines  # per-bucket A/B requests write one bucket a line
+        ops = os.path.join(a.profile_dir, f"engine_tp{r}_ops.json")
+        engine[f"tp{r}"] = {"measured": _medians(batched[1:-1]), "profiled_update": batched[-1],
+                            "top_ops": json.load(open(ops)) if os.path.exists(ops) else None}
+    return {"dir": a.profile_dir, "trainer": box, "engine": engine}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     add_layout_args(ap)
@@ -154,6 +213,11 @@ def main() -> int:
     ap.add_argument("--compare-per-bucket", action="store_true",
                     help="each repetition also syncs with one update request per bucket (the engine takes a "
                          "sync's buckets in one request otherwise)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="per-bucket host seconds on every trainer rank for every measured sync (and the engine's, "
+                         "when it was started with MRL_SYNC_STATS_DIR set to this directory), then one more sync "
+                         "under torch.profiler on every trainer rank and engine TP rank; traces here, a summary "
+                         "in the report")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -213,6 +277,8 @@ def main() -> int:
     if a.compare_per_bucket:
         sync(1, per_bucket=True)
     phases.clear()
+    if a.profile_dir:
+        transport.executor.timings = []
     sync_s, push_s, raw_s, pb_sync_s, pb_push_s = [], [], [], [], []
     for v in range(2, a.reps + 2):
         if a.compare_per_bucket:  # alternating: one request per bucket, all buckets in one, raw
@@ -227,6 +293,10 @@ def main() -> int:
         for r in receivers:
             r.wait(timeout=120)
         destroy_sender_group(raw_pg)
+    profile = None
+    if a.profile_dir:  # after the measured syncs, so the profiler's cost is in none of them
+        profile = _profiled_sync(a, layout, transport.executor, lambda: (sync(a.reps + 2), phases.pop())[0],
+                                 int(tp or 1))
 
     # the engine follows the trainer: teacher-forced probe logprobs, and sampled tensors read back
     probe = torch.randint(3, bridge.vocab_size, (1, 64), generator=torch.Generator().manual_seed(7))
@@ -262,6 +332,8 @@ def main() -> int:
             "sync_phases_s": phases,
             "sync_phases_median_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {},
         }
+        if profile is not None:
+            report["profile"] = profile
         if pb_sync_s:
             report |= {"per_bucket_sync_s": pb_sync_s, "per_bucket_push_s": pb_push_s,
                        "per_bucket_sync_vs_raw": statistics.median(pb_sync_s) / statistics.median(raw_s),

@@ -26,6 +26,10 @@ SHAPES = {
     # mrl's ``tiny`` preset's shape: what ``gpu_loop.py --cpu`` runs
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2),
+    # many experts on CPU (``gpu_loop.py --cpu --cpu-model cpu_wide``): per-tensor and per-bucket costs show
+    "cpu_wide": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=64,
+                     num_experts_per_tok=4),
     "probe": dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
                   num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=64,
                   num_experts_per_tok=8),

@@ -290,6 +290,11 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str):
     from mrl.engine.launcher import Engine
 
     env = {"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1", "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"}
+    if a.sync_profile:
+        from mrl.engine.patches import SYNC_STATS_ENV
+
+        os.makedirs(_profile_dir(a), exist_ok=True)
+        env[SYNC_STATS_ENV] = _profile_dir(a)
     if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU
         env["PYTHONPATH"] = ":".join([os.path.join(HERE, "_cpu_engine_shim"), PYSHIM_DIR, _pythonpath()])
     return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
@@ -330,13 +335,21 @@ def headline(report: dict, name: str) -> str:
     if name == "sync":
         bw = r.get("bitwise_sampled_tensors", {})
         bits = (f"{bw['equal']}/{bw['compared']} equal" if "compared" in bw else f"error {bw.get('error', '')[:120]}")
-        return (f"[sync] {r['bytes'] / 1e9:.3f} GB in {r['sync_median_s']:.4f} s (raw {r['raw_median_s']:.4f} s, "
+        line = (f"[sync] {r['bytes'] / 1e9:.3f} GB in {r['sync_median_s']:.4f} s (raw {r['raw_median_s']:.4f} s, "
                 f"sync/raw {r['sync_vs_raw']:.2f}), engine tp{r['engine_tp']} <- {r['trainer_ranks']} trainer ranks; "
                 f"bitwise {bits}; probe max |dlogp| {r['probe_max_abs_logprob_diff']:.2e}")
+        for rank, e in r.get("profile", {}).get("engine", {}).items():
+            tot = e.get("measured", {}).get("per_sync_total_s", {})
+            line += f"\n[sync] engine {rank} per sync: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tot.items()))
+        return line
     return f"[{name}] {json.dumps(r)[:300]}"
 
 
 # -- weight sync -----------------------------------------------------------------------------------
+def _profile_dir(a) -> str:
+    return os.path.join(os.path.abspath(a.out), "sync_profile")
+
+
 def _engine_gpus(a) -> list[str]:
     return [str(int(a.engine_gpu) + i) for i in range(a.engine_tp)]
 
@@ -351,12 +364,35 @@ def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(tg)}",
            os.path.join(HERE, "_live_sync_worker.py"), "--hf", hf, "--dtype", a.dtype,
            "--engine", f"{url}@{a.engine_tp}",
-           "--engine-device", engine_device, "--reps", str(a.reps), "--out", path,
+           "--engine-device", engine_device, "--reps", str(a.reps), "--out", path, "--bucket-mb", str(a.bucket_mb),
            *(["--compare-per-bucket"] if a.compare_per_bucket else []),
+           *(["--profile-dir", _profile_dir(a)] if a.sync_profile else []),
            *a.sync_layout.replace(",", " ").split()]
     subprocess.run(cmd, env=env, check=True, timeout=900)
     with open(path) as f:
-        return json.load(f)
+        report = json.load(f)
+    report["engine_load_lines"] = engine_load_lines(os.path.join(a.out, "engines"))
+    return report
+
+
+def engine_load_lines(log_dir: str) -> dict:
+    """What the engine logs say about its bucket loads (``mrl.engine.patches``): layouts replayed
+    as copies, layouts left to ``load_weights`` and why (a refused layout costs the model's per-tensor
+    load on every sync)."""
+    from mrl.engine.patches import REPLAYED_LOAD_MARK
+
+    out = {"replayed_as_copies": 0, "load_weights": 0, "load_weights_reasons": []}
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            for line in f:
+                if REPLAYED_LOAD_MARK in line:
+                    out["replayed_as_copies"] += 1
+                elif "mrl: bucket layout loads through load_weights" in line:
+                    out["load_weights"] += 1
+                    why = line.split(":", 2)[-1].strip()[:300]
+                    if why not in out["load_weights_reasons"] and len(out["load_weights_reasons"]) < 10:
+                        out["load_weights_reasons"].append(why)
+    return out
 
 
 def main() -> int:
@@ -365,6 +401,9 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU engine and trainer, tiny model (checks the flow)")
     ap.add_argument("--model", default="probe", choices=[k for k in SHAPES if k != "tiny"])
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    ap.add_argument("--cpu-model", default="tiny", choices=list(SHAPES),
+                    help="--cpu: the checkpoint's shape (cpu_wide: 64 experts, for per-tensor costs)")
+    ap.add_argument("--bucket-mb", type=float, default=512, help="sync: weight_sync.bucket_mb")
     ap.add_argument("--sections", default="rollout,replay,sync")
     ap.add_argument("--engine-gpu", default="1", help="the engine's (first) GPU")
     ap.add_argument("--engine-tp", type=int, default=1,
@@ -389,6 +428,12 @@ def main() -> int:
                     help="extra layout flags for the sync trainer, e.g. '--tp 2' (or --sync-layout=--tp,2)")
     ap.add_argument("--compare-per-bucket", action="store_true",
                     help="sync: each repetition also with one update request per bucket (A/B)")
+    ap.add_argument("--sync-profile", action="store_true",
+                    help="sync: per-bucket seconds on every trainer rank and engine TP rank for every repetition "
+                         "(the engine's from MRL_SYNC_STATS_DIR: waiting for a buffer, receiving, loading, on GPU "
+                         "device seconds too; its load path and copy counts), then one more sync under "
+                         "torch.profiler (CPU + CUDA) on each; traces in OUT/sync_profile, summary under "
+                         "sync.profile")
     ap.add_argument("--routes-int32", action="store_true",
                     help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
                          "mrl's compact routes")
@@ -408,8 +453,8 @@ def main() -> int:
     from mrl.routing.codec import RoutesCodec
 
     if a.cpu:  # the GPU flow's checkpoint writer, in several shards, at the tiny preset's shape
-        hf = make_checkpoint(os.path.join(a.out, f"model_tiny_{a.layers or 'all'}"), "tiny", a.layers,
-                             shard_gb=0.0001)
+        hf = make_checkpoint(os.path.join(a.out, f"model_{a.cpu_model}_{a.layers or 'all'}"), a.cpu_model, a.layers,
+                             shard_gb=0.0001 if a.cpu_model == "tiny" else 0.01)
         a.dtype, engine_device = "fp32", ",".join(["cpu"] * a.engine_tp)  # a raw receiver per engine rank
     else:
         name = f"model_{a.model}_{a.layers or 'all'}"
@@ -422,7 +467,7 @@ def main() -> int:
     engines = {"routes": _engine(a, hf, "engine", True, a.engine_gpu)}
     if a.plain_engine_gpu is not None and "rollout" in a.sections.split(","):
         engines["plain"] = _engine(a, hf, "plain_engine", False, a.plain_engine_gpu)
-    report = {"bench": "gpu_loop", "model": "tiny" if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
+    report = {"bench": "gpu_loop", "model": a.cpu_model if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
               "hf": hf, "checkpoint_files": sorted(f for f in os.listdir(hf) if f.endswith(".safetensors")),
               "environment": environment(a.cpu), "args": vars(a)}
     with contextlib.ExitStack() as stack:

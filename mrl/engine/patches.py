@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
@@ -52,6 +53,13 @@ sync, in the senders' global order: the prefix is followed by the JSON list ``[[
 engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (this patch) read it;
 others get one request per bucket."""
 BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
+
+SYNC_STATS_ENV = "MRL_SYNC_STATS_DIR"
+"""A directory (benchmarks): each weight update appends one JSON line to ``tp{rank}.jsonl`` there, per bucket
+the host seconds waiting for a free buffer, receiving and loading, the load's path and copy counts, and on
+GPUs the device seconds of the receive and of the load (CUDA events, read with one host sync after the
+update's last bucket). A file ``profile_next.tp{rank}`` there runs that rank's next update under
+``torch.profiler`` (trace and top ops written next to it, the file removed)."""
 
 
 class PatchOnImport:
@@ -131,11 +139,19 @@ def replayed_load(module) -> None:
     @functools.wraps(update)
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
         if load_format is not None and load_format.startswith(BATCHED_BUCKETS_FORMAT):
-            return _receive_batch(self, names, dtypes, shapes, load_format[len(BATCHED_BUCKETS_FORMAT):])
+            layout = load_format[len(BATCHED_BUCKETS_FORMAT):]
+            with _observed(self) as stats:
+                return _receive_batch(self, names, dtypes, shapes, layout, stats)
         if load_format != "flattened_bucket" or group_name not in getattr(self, "_model_update_group", {}):
             return update(self, names, dtypes, shapes, group_name, load_format)
         try:
-            return True, _load(self, _receive(self, dtypes, shapes, group_name), names, dtypes, shapes, group_name)
+            with _observed(self) as stats:
+                b = stats.start(group_name, dtypes, shapes)
+                flat = _receive(self, dtypes, shapes, group_name)
+                stats.mark(b, "receive")
+                message = _load(self, flat, names, dtypes, shapes, group_name, b)
+                stats.mark(b, "load")
+                return True, message
         except Exception as e:
             return False, _partial(e)
 
@@ -160,7 +176,101 @@ def _partial(e: Exception) -> str:
             "updated. Please discard the whole weights.")
 
 
-def _receive_batch(runner, names, dtypes, shapes, layout_json: str):
+class _Stats:
+    """Per-bucket figures of one update (``SYNC_STATS_ENV``); inert when the variable is unset."""
+
+    def __init__(self, runner, out_dir: str | None):
+        self.dir, self.rank = out_dir, int(getattr(runner, "tp_rank", 0) or 0)
+        self.cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
+        self.buckets: list[dict] = []
+
+    def start(self, group, dtypes, shapes) -> dict | None:
+        """A new bucket's record (None when off); ``mark`` closes each of its phases."""
+        if self.dir is None:
+            return None
+        from mrl.engine import replayed_load as rl
+
+        b = {"group": group, "bytes": rl.bucket_nbytes(dtypes, shapes), "tensors": len(shapes), "_t": 0.0, "_ev": []}
+        self.buckets.append(b)
+        self.mark(b, None)
+        return b
+
+    def mark(self, b: dict | None, phase: str | None) -> None:
+        """Host seconds since the previous mark, as ``{phase}_s``; on CUDA an event too (device seconds)."""
+        if b is None:
+            return
+        now = time.perf_counter()
+        if phase is not None:
+            b[f"{phase}_s"] = now - b["_t"]
+        b["_t"] = now
+        if self.cuda:
+            import torch
+
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            b["_ev"].append((phase, ev))
+
+    def write(self) -> None:
+        if self.dir is None or not self.buckets:
+            return
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        for b in self.buckets:
+            evs = b.pop("_ev")
+            for (_, a), (phase, z) in zip(evs, evs[1:]):
+                b[f"gpu_{phase}_s"] = a.elapsed_time(z) / 1e3
+            b.pop("_t")
+        with open(os.path.join(self.dir, f"tp{self.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"buckets": self.buckets}) + "\n")
+
+
+class _observed:
+    """The update's ``_Stats`` (written at the end) and, when asked for, a torch.profiler around it."""
+
+    def __init__(self, runner):
+        self.stats = _Stats(runner, os.environ.get(SYNC_STATS_ENV) or None)
+        self.prof = None
+
+    def __enter__(self) -> _Stats:
+        s = self.stats
+        ask = os.path.join(s.dir, f"profile_next.tp{s.rank}") if s.dir else None
+        if ask and os.path.exists(ask):
+            os.remove(ask)
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+        return s
+
+    def __exit__(self, *exc) -> None:
+        s = self.stats
+        try:  # figures for a benchmark: never the reason an update fails
+            if self.prof is not None:
+                self.prof.__exit__(*exc)
+                self.prof.export_chrome_trace(os.path.join(s.dir, f"engine_tp{s.rank}_trace.json"))
+                with open(os.path.join(s.dir, f"engine_tp{s.rank}_ops.json"), "w") as f:
+                    json.dump(_top_ops(self.prof), f)
+            s.write()
+        except Exception as e:
+            print(f"mrl: weight update figures not written to {s.dir}: {e}", file=sys.stderr, flush=True)
+
+
+def _top_ops(prof, n: int = 25) -> list[dict]:
+    """The profile's ops by self time on the device (else on the host): name, calls, host and device us."""
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
+        rows.append({"op": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total, "self_device_us": dev})
+    rows.sort(key=lambda r: (-r["self_device_us"], -r["self_cpu_us"]))
+    return rows[:n]
+
+
+def _receive_batch(runner, names, dtypes, shapes, layout_json: str, stats: _Stats | None = None):
     """Every bucket of a sync from one request (``BATCHED_BUCKETS_FORMAT``): no request, answer and
     scheduler round trip between buckets, so on GPUs the broadcasts and the loads' copies queue back to back.
     A bucket whose load fails does not stop the receiving (the senders' broadcasts must stay matched); its
@@ -177,21 +287,26 @@ def _receive_batch(runner, names, dtypes, shapes, layout_json: str):
                        f"{len(dtypes)} dtypes, {len(shapes)} shapes")
     import torch
 
+    stats = stats or _Stats(runner, None)
     first, at = None, 0
     done = collections.deque()  # GPU: an event after each queued bucket's load
     for i, (group, n) in enumerate(layout):
         part = slice(at, at + n)
         at += n
+        b = stats.start(group, dtypes[part], shapes[part])
         if len(done) >= _BUCKETS_IN_FLIGHT:  # the host runs ahead of the GPU: bound the receive buffers it holds
             done.popleft().synchronize()
+        stats.mark(b, "wait_free")
         try:
             flat = _receive(runner, dtypes[part], shapes[part], group)
         except Exception as e:
             return False, _partial(RuntimeError(f"bucket {i} over {group}: {e}"))
+        stats.mark(b, "receive")
         try:
-            _load(runner, flat, names[part], dtypes[part], shapes[part], group)
+            _load(runner, flat, names[part], dtypes[part], shapes[part], group, b)
         except Exception as e:
             first = first or RuntimeError(f"bucket {i} over {group}: {e}")
+        stats.mark(b, "load")
         if isinstance(flat, torch.Tensor) and flat.is_cuda:
             done.append(torch.cuda.Event())
             done[-1].record()
@@ -211,21 +326,26 @@ def _receive(runner, dtypes, shapes, group_name):
     return flat
 
 
-def _load(runner, flat, names, dtypes, shapes, group_name) -> str:
+def _load(runner, flat, names, dtypes, shapes, group_name, info: dict | None = None) -> str:
+    """Load a received bucket; ``info`` (stats) gets the path taken and, for a replay, the plan's counts."""
     from mrl.engine import replayed_load as rl
 
+    info = {} if info is None else info
     plans = runner.__dict__.setdefault("_mrl_load_plans", {})
     key = (group_name, tuple(names), tuple(map(str, dtypes)), tuple(tuple(s) for s in shapes))
     plan = plans.get(key)
     if plan is not None and plan.valid():
         plan.replay(flat)
+        info |= {"path": "replayed", **plan.counts()}
         return "Succeeded to update parameter online (replayed)."
     views = rl.bucket_views(flat, names, dtypes, shapes)
     if key in plans and plan is None:  # recorded before and refused: the model's own load, unrecorded
         runner.model.load_weights(views)
+        info["path"] = "load_weights"
         return "Succeeded to update parameter online."
     plan, why = rl.record_load(lambda: runner.model.load_weights(views), flat, runner.model)
     plans[key] = plan
+    info["path"] = "recorded" if plan else "refused"
     print(f"{REPLAYED_LOAD_MARK if plan else 'mrl: bucket layout loads through load_weights'}: {why}",
           file=sys.stderr, flush=True)
     return "Succeeded to update parameter online."

@@ -74,8 +74,21 @@ class LoadPlan:
         """False once a tensor the plan writes was replaced in its module (a reload may swap them)."""
         return all(_storage(_slot(m, a)) == ptr for m, a, ptr in self.owners)
 
+    def __post_init__(self) -> None:
+        self.batched = [_batch(dsts, what) if isinstance(what, list) else None for dsts, what in self.steps]
+
+    def counts(self) -> dict[str, int]:
+        """Per replay: copies recorded, copies run (after merging; ``fused``: of these, the ones in a list
+        that CUDA copies with its fused multi-tensor kernel), and the calls (batched copies and fills)."""
+        calls = [c for b in self.batched if b is not None for c in b]
+        return {"copies": self.copies, "fills": self.fills,
+                "copies_run": sum(len(c[1]) if c[0] == "foreach" else 1 for c in calls),
+                "fused": sum(len(c[1]) for c in calls if c[0] == "foreach" and _fusable(c[1], c[2])),
+                "calls": len(calls) + sum(1 for b in self.batched if b is None)}
+
     def replay(self, flat: torch.Tensor) -> None:
-        """Load a received bucket of this layout: the recorded steps, each copy step as one batched copy."""
+        """Load a received bucket of this layout: the recorded steps, each copy step as at most two batched
+        copies and an ``index_copy_`` per reversed run (``_batch``)."""
         storage = flat.untyped_storage()
         typed: dict[torch.dtype, torch.Tensor] = {}
 
@@ -86,14 +99,117 @@ class LoadPlan:
                 base = typed[dtype] = torch.empty(0, dtype=dtype, device=flat.device).set_(storage, 0, (n,), (1,))
             return base.as_strided(size, stride, offset)
 
-        for dsts, what in self.steps:
-            if isinstance(what, list):
-                torch._foreach_copy_(dsts, [src(*spec) for spec in what])
+        for (dsts, what), batched in zip(self.steps, self.batched):
+            if batched is not None:
+                for kind, d, specs, *index in batched:
+                    if kind == "foreach":
+                        torch._foreach_copy_(d, [src(*spec) for spec in specs])
+                    else:
+                        d.index_copy_(0, index[0], src(*specs))
             elif what == 0:
                 torch._foreach_zero_(dsts)
             else:
                 for d in dsts:
                     d.fill_(what)
+
+
+def _contiguous(size, stride) -> bool:
+    expect = 1
+    for n, s in zip(reversed(size), reversed(stride)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _footprint(size, stride) -> int:
+    """Elements from a view's first to one past its last (its span in the storage)."""
+    return 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+
+
+def _index_backwards(t: torch.Tensor) -> bool:
+    """Merge a backwards run into one ``index_copy_``: on CUDA it replaces a kernel launch per tensor; on CPU
+    a copy per tensor costs little to issue and ``index_copy_`` moves the bytes more slowly."""
+    return t.is_cuda
+
+
+def _fusable(dsts, specs) -> bool:
+    return all(d.dtype == spec[0] and d.is_contiguous() and _contiguous(spec[2], spec[3])
+               for d, spec in zip(dsts, specs))
+
+
+def _batch(dsts: list[torch.Tensor], srcs: list[_Src]) -> list[tuple]:
+    """One recorded copy step as the calls that replay it: ``("foreach", destinations, source specs)`` for
+    a ``_foreach_copy_``, ``("index", destination, source spec, index)`` for an ``index_copy_``.
+
+    ``_foreach_copy_`` takes CUDA's fused multi-tensor path only when every pair is contiguous with equal
+    strides; a single strided pair (a row-parallel shard, e.g. each expert's ``down_proj`` at engine TP > 1,
+    narrowed along its columns) sends the whole list to one ``copy_`` per tensor. So contiguous pairs go in
+    one call and the others in a second, where copies of the same shape into one parameter at evenly spaced
+    offsets on both sides (one tensor of every expert of the bucket) become one copy with a leading
+    dimension. Contiguous pairs merge only when the merged pair is contiguous too, so they stay fused. When
+    the two sides run in opposite directions (megatron's parameter buffer holds the experts in reverse, the
+    engine in order) the merged copy is an ``index_copy_`` along that leading dimension (on CUDA, where it
+    replaces a kernel launch per expert; on CPU those copies stay one per tensor). Merging reorders
+    copies, so a step whose destinations overlap is replayed one copy at a time in the recorded order (two
+    copies into one place must keep their order, which a fused kernel would not)."""
+    spans = sorted((d.untyped_storage().data_ptr(), d.storage_offset() * d.itemsize,
+                    (d.storage_offset() + _footprint(d.size(), d.stride())) * d.itemsize) for d in dsts)
+    overlap = any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
+    if overlap:
+        return [("foreach", [d], [spec]) for d, spec in zip(dsts, srcs)]
+    fused: tuple[list, list] = ([], [])
+    other: tuple[list, list] = ([], [])
+    indexed: list = []
+
+    def put(d: torch.Tensor, spec: _Src) -> None:
+        side = fused if _fusable([d], [spec]) else other
+        side[0].append(d)
+        side[1].append(spec)
+
+    groups: dict[tuple, list] = {}
+    for d, spec in zip(dsts, srcs):
+        key = (d.untyped_storage().data_ptr(), d.dtype, tuple(d.size()), tuple(d.stride()), spec[0], spec[3])
+        groups.setdefault(key, []).append((d, spec))
+    for items in groups.values():
+        items.sort(key=lambda x: x[1][1])  # source order
+        d0 = items[0][0]
+        size, d_stride, s_stride = tuple(d0.size()), tuple(d0.stride()), items[0][1][3]
+        contiguous = d0.is_contiguous() and _contiguous(size, s_stride)
+        n_item = _footprint(size, d_stride)
+        run: list = []
+
+        def flush() -> None:
+            if len(run) == 1:
+                put(*run[0])
+            elif run:
+                (first, spec), last = run[0], run[-1][0]
+                d_step = run[1][0].storage_offset() - first.storage_offset()
+                src = (spec[0], spec[1], (len(run), *size), (run[1][1][1] - spec[1], *s_stride))
+                if d_step > 0:
+                    put(first.as_strided((len(run), *size), (d_step, *d_stride), first.storage_offset()), src)
+                elif _index_backwards(first):  # destinations run backwards: source row i to row len - 1 - i
+                    dst = last.as_strided((len(run), *size), (-d_step, *d_stride), last.storage_offset())
+                    indexed.append(("index", dst, src, torch.arange(len(run) - 1, -1, -1, device=dst.device)))
+                else:
+                    for d, spec in run:
+                        put(d, spec)
+            run.clear()
+
+        for d, spec in items:
+            if run:
+                d_step = d.storage_offset() - run[-1][0].storage_offset()
+                s_step = spec[1] - run[-1][1][1]
+                steady = len(run) == 1 or (d_step == run[1][0].storage_offset() - run[0][0].storage_offset()
+                                           and s_step == run[1][1][1] - run[0][1][1])
+                # contiguous pairs only join a run that stays contiguous on both sides
+                joins = steady and abs(d_step) >= n_item and s_step > 0 and (
+                    not contiguous or d_step == s_step == n_item)
+                if not joins:
+                    flush()
+            run.append((d, spec))
+        flush()
+    return [("foreach", *side) for side in (fused, other) if side[0]] + indexed
 
 
 class _Recorder(TorchDispatchMode):

@@ -84,6 +84,8 @@ class DistributedWeightSync:
         """Engines that announce it get every bucket of a sync in one request; False: one request per bucket
         to every engine (comparisons)."""
         self._clients = [EngineClient(e) for e in engines] if self.is_controller else []
+        self.timings: list[list[dict]] | None = None
+        """A list (benchmarks): each push appends this rank's host seconds per bucket step (``_timed``)."""
 
     def _replan(self, plan: SyncPlan) -> None:
         self.plan = plan
@@ -252,12 +254,16 @@ class DistributedWeightSync:
         in_flight: dict[int, tuple] = {}  # send buffer slot -> (work, bucket) of its last broadcast
         sent = nbytes = in_place = 0
         failed: dict[str, str] = {}
+        clock = _timed(self.timings, steps)
         for step in steps:
+            clock.next(step)
             if step.flat is not None and step.slot in in_flight:  # the buffer is free once its broadcast is done
                 self._settle(*in_flight.pop(step.slot), failed, block=not compat.HAS_CUDA)
             if failed and self._pg is not None:
                 self._abort(in_flight)
+            clock.mark("settle_before")
             step.fill()  # joins the gathers even after a failure, so the other ranks never wait on us
+            clock.mark("fill")
             if step.flat is None or failed:
                 continue
             if not compat.HAS_CUDA:  # gloo: one broadcast at a time (receivers buffer early data: copies)
@@ -266,13 +272,17 @@ class DistributedWeightSync:
                 if failed:
                     self._abort(in_flight)
                     continue
+                clock.mark("settle_previous")
             flat = step.flat
             in_flight[step.slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), step.bucket)
+            clock.mark("issue")
             sent += 1
             nbytes += flat.numel()
             in_place += flat.numel() if step.in_place else 0
+        clock.next(None)
         for work, bucket in list(in_flight.values()):
             self._settle(work, bucket, failed, block=True)
+        clock.mark("settle_last")
         if failed and self._pg is not None:
             self._abort(in_flight)
         stamped: list[str] = []
@@ -280,6 +290,7 @@ class DistributedWeightSync:
             errs, stamped = posted.result(self.timeout_s * max(1, len(self._global)))
             for url, err in errs.items():
                 failed.setdefault(url, err)
+            clock.mark("engine_answers")
         failed = union_failures(self.layout, failed)
         broken = bool(failed) and any_rank(self.layout, self.broken)  # only then a collective: ranks agree on failed
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
@@ -376,6 +387,32 @@ class DistributedWeightSync:
                     [c.url for c, (_, stamped) in zip(self._clients, res) if stamped])
 
         return self._io.submit(all_engines())
+
+
+class _timed:
+    """Host seconds per bucket step of one push into ``into`` (a list, or None: nothing recorded)."""
+
+    def __init__(self, into: list | None, steps: list[BucketStep]):
+        self.rows: list[dict] | None = None if into is None else []
+        if self.rows is not None:
+            into.append(self.rows)
+        self.row: dict = {}
+        self.t = time.perf_counter()
+
+    def next(self, step: BucketStep | None) -> None:
+        if self.rows is None:
+            return
+        self.row = ({"bucket": step.bucket.index, "sender": step.bucket.sender, "in_place": step.in_place,
+                     "gathers": len(step.gathers), "bytes": 0 if step.flat is None else step.flat.numel()}
+                    if step is not None else {"bucket": None})
+        self.rows.append(self.row)
+        self.t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.rows is not None:
+            now = time.perf_counter()
+            self.row[f"{phase}_s"] = now - self.t
+            self.t = now
 
 
 def _check_answer(url: str, ep: str, answer) -> str:

@@ -2,6 +2,7 @@
 on GPU engines (``engine_shim``) and CPU engines (CPU mode's pyshim), without CPU mode's patches on GPUs.
 The engines themselves: tests/integration/test_keep_routing.py (routes of a real CPU engine are uint8)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -175,3 +176,25 @@ def test_the_group_answer_announces_batched_buckets(monkeypatch):
     runner, _, _ = _patched_runner(monkeypatch, [])
     assert runner.init_weights_update_group()[1].endswith(BATCHED_BUCKETS_MARK)
     assert BATCHED_BUCKETS_MARK not in runner.init_weights_update_group(ok=False)[1]
+
+
+def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, tmp_path):
+    """``MRL_SYNC_STATS_DIR``: one JSON line per update with every bucket's phases, load path and bytes; a
+    ``profile_next.tp0`` file there puts the next update under torch.profiler (and is used up)."""
+    a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
+    runner, _, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a), _flat(b)])
+    monkeypatch.setenv(engine_patches.SYNC_STATS_ENV, str(tmp_path))
+    (tmp_path / "profile_next.tp0").touch()
+    for _ in range(2):
+        ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[4], [2, 3]], "g0",
+                                                         load_format=fmt + '[["g0", 1], ["g1", 1]]')
+        assert ok, msg
+    lines = [json.loads(x) for x in (tmp_path / "tp0.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and [x["group"] for x in lines[0]["buckets"]] == ["g0", "g1"]
+    first, later = lines[0]["buckets"][1], lines[1]["buckets"][1]
+    assert first["bytes"] == 24 and first["tensors"] == 1 and first["path"] == "recorded"
+    assert later["path"] == "replayed" and later["copies"] == 1 and later["calls"] == 1
+    assert all(later[f"{p}_s"] >= 0 for p in ("wait_free", "receive", "load"))
+    assert not (tmp_path / "profile_next.tp0").exists()
+    ops = json.loads((tmp_path / "engine_tp0_ops.json").read_text())
+    assert ops and (tmp_path / "engine_tp0_trace.json").exists()

@@ -133,3 +133,24 @@ def test_engine_shards_cover_the_full_tensors():
     assert torch.equal(r[2][4:8], k[4:8]) and torch.equal(r[3][8:], v[4:8]) and torch.equal(r[1][4:8], k[:4])
     pad = [expert_layouts(hf, p, "mlp.experts.w2_weight", 2, i, ne)["padded"] for i in range(2)]
     assert torch.equal(pad[0], tp1["mlp.experts.w2_weight"]) and not pad[1].any()
+
+
+def test_sync_profile_summaries(tmp_path):
+    """--sync-profile's summaries: per-bucket medians over syncs (and per-sync phase totals), and the engine
+    log's load lines counted with the reasons a layout was left to load_weights."""
+    from _live_sync_worker import _medians
+    from gpu_loop import engine_load_lines
+
+    from mrl.engine.patches import REPLAYED_LOAD_MARK
+
+    rows = [[{"bucket": 0, "path": "replayed", "fill_s": f, "issue_s": 1.0}, {"bucket": None, "settle_last_s": 2 * f}]
+            for f in (1.0, 3.0, 2.0)]
+    m = _medians(rows)
+    assert m["syncs"] == 3 and m["per_bucket"][0]["fill_s"] == 2.0 and m["per_bucket"][0]["path"] == "replayed"
+    assert m["per_sync_total_s"] == {"fill_s": 2.0, "issue_s": 1.0, "settle_last_s": 4.0}
+    (tmp_path / "engine.log").write_text(
+        f"x\n{REPLAYED_LOAD_MARK}: 3 copies\n{REPLAYED_LOAD_MARK}: 5 copies\n"
+        "mrl: bucket layout loads through load_weights: the load computes on loaded data (aten.mul) at m.py:3\n")
+    lines = engine_load_lines(str(tmp_path))
+    assert lines["replayed_as_copies"] == 2 and lines["load_weights"] == 1
+    assert lines["load_weights_reasons"] == ["the load computes on loaded data (aten.mul) at m.py:3"]

@@ -4,8 +4,10 @@ narrowing, and loaders the plan must refuse (a derived weight, a dtype conversio
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mrl.engine import replayed_load
 from mrl.engine.replayed_load import bucket_nbytes, bucket_views, record_load
 
 H, E, FF, TP_RANK = 8, 4, 6, 1
@@ -114,3 +116,77 @@ def test_loads_that_are_not_pure_copies_are_refused():
     flat, names, dtypes, shapes = _bucket(0)
     plan, why = record_load(lambda: None, flat, m)
     assert plan is None and "copied nothing" in why
+
+
+class Experts(torch.nn.Module):
+    """SGLang's fused experts at engine TP rank 1 of 2: ``w13[e]`` = [gate rows of this rank; up rows],
+    ``w2[e]`` = this rank's columns of ``down_proj`` (a strided source)."""
+
+    I_FULL = 8
+
+    def __init__(self, experts: int = 6):
+        super().__init__()
+        half = self.I_FULL // 2
+        self.w13 = torch.nn.Parameter(torch.zeros(experts, 2 * half, H), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.zeros(experts, H, half), requires_grad=False)
+
+    def load_weights(self, weights):
+        half = self.I_FULL // 2
+        for name, w in weights:
+            e, part = int(name.split(".")[1]), name.split(".")[2]
+            if part == "down":
+                self.w2.data[e].copy_(w.narrow(1, half, half))
+            else:
+                self.w13.data[e].narrow(0, 0 if part == "gate" else half, half).copy_(w.narrow(0, half, half))
+
+
+def _expert_bucket(seed: int, order, parts=("down", "gate", "up")):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"gate": (Experts.I_FULL, H), "up": (Experts.I_FULL, H), "down": (H, Experts.I_FULL)}
+    named = [(f"e.{e}.{p}", torch.randn(*shapes[p], generator=g)) for e in order for p in parts]
+    names, dtypes, shapes = [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named]
+    return torch.cat([t.flatten().view(torch.uint8) for _, t in named]), names, dtypes, shapes
+
+
+@pytest.mark.parametrize("index_backwards", [False, True], ids=["cpu", "index_copy"])
+def test_expert_copies_merge_into_few_calls_and_load_the_same_bytes(monkeypatch, index_backwards):
+    """Every expert's three copies (the down_proj one strided) become a handful of calls, whether the
+    bucket lists the experts in order or backwards (megatron's parameter buffer: one ``index_copy_`` on
+    CUDA, forced here on CPU too), and the replay writes exactly what the model's own load writes."""
+    monkeypatch.setattr(replayed_load, "_index_backwards", lambda t: index_backwards)
+    for order in (range(6), range(5, -1, -1), [0, 1, 2, 4, 5]):
+        recorded, reference = Experts(), Experts()
+        flat, names, dtypes, shapes = _expert_bucket(0, order)
+        plan, why = record_load(lambda: recorded.load_weights(bucket_views(flat, names, dtypes, shapes)), flat,
+                                recorded)
+        assert plan is not None, why
+        counts = plan.counts()
+        # gate/up: contiguous, one fused call; down (strided): one call, of merged copies per evenly spaced run
+        assert counts["copies"] == 3 * len(order) and counts["calls"] == 2, (list(order), counts)
+        merged_down = 1 if 3 in order else 2  # one run of evenly spaced experts, or two around the gap
+        backwards = order[0] > order[-1] and not index_backwards  # else one copy per expert
+        assert counts["copies_run"] == 2 * len(order) + (len(order) if backwards else merged_down), counts
+        flat2 = _expert_bucket(1, order)[0].clone()
+        plan.replay(flat2)
+        reference.load_weights(bucket_views(flat2, names, dtypes, shapes))
+        for k, v in _state(reference).items():
+            assert torch.equal(v, recorded.state_dict()[k]), (list(order), k)
+
+
+def test_copies_into_one_place_keep_their_order():
+    """A step whose destinations overlap is replayed copy by copy in the recorded order (the later copy
+    wins), never merged."""
+
+    class Twice(Experts):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.w13.data[0].narrow(0, 0, 4).copy_(w.narrow(0, 0, 4))
+
+    m = Twice()
+    flat, names, dtypes, shapes = _expert_bucket(0, range(3), parts=("gate",))
+    plan, why = record_load(lambda: m.load_weights(bucket_views(flat, names, dtypes, shapes)), flat, m)
+    assert plan is not None and plan.counts()["copies_run"] == 3, why
+    flat2 = _expert_bucket(1, range(3), parts=("gate",))[0].clone()
+    plan.replay(flat2)
+    last = bucket_views(flat2, names, dtypes, shapes)[-1][1]
+    assert torch.equal(m.w13.data[0, :4], last[:4])
