@@ -217,6 +217,8 @@ def summarize(steps_rows: list[dict], logged_at_s: dict[str, float], warmup: int
             "sync_share_of_step": statistics.median(r.get("sync_seconds", 0.0) / r["step_seconds"] for r in timed),
             "time_to_first_step_s": logged_at_s[str(first["step"])],
             "first_step": {k: first.get(k) for k in PHASES},
+            # seconds from the command's start to each start phase, as mrl's rank 0 saw them (mrl/startup.py)
+            "start_phases_s": {k.split("/", 1)[1][:-2]: v for k, v in first.items() if k.startswith("startup/")},
             "busy_window_s": [t0, logged_at_s[str(timed[-1]["step"])]]}
 
 

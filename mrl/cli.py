@@ -21,6 +21,7 @@ import sys
 from mrl.cluster.rundir import UnsafeRunDir, secure_run_dir
 from mrl.config.schema import Config, TinyPreset
 from mrl.process import Terminated
+from mrl.startup import stamp_launch
 
 
 def _hydra_app(fn):
@@ -217,6 +218,7 @@ COMMANDS = {"train": train, "check": check, "check-model": check_model, "engine"
 
 
 def main() -> None:
+    stamp_launch()  # a run's start phases count from here (its time to first step)
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if len(sys.argv) >= 2 else 2)

@@ -13,11 +13,13 @@ import time
 
 LAUNCHED_AT = "MRL_LAUNCHED_AT"
 
-PHASES = ("rank_started", "parallel_ready", "policy_ready", "engines_healthy", "rollout_started",
-          "weights_connected", "generation_started", "first_batch", "first_step")
-"""In the order they end: the trainer rank runs; megatron's groups; the model built with its HF weights;
-the engines answer /health (they boot while the trainer builds); the rollout process runs; the weight
-channels are connected; generation starts; the first batch is in; the first step (train and sync) is done."""
+PHASES = ("trainer_imported", "parallel_ready", "policy_ready", "warm_started", "engines_healthy",
+          "rollout_started", "weights_connected", "generation_started", "first_batch", "first_step")
+"""In the order they end: rank 0 has imported torch, megatron and mrl's trainer; megatron's groups are
+built; the model is built with its HF weights (or a checkpoint's); the supervised warm start is done
+(``train.sft_warmup_steps``); the engines answer /health (they boot while the trainer builds and warms
+up); the rollout process runs; the weight channels are connected; generation starts; the first batch is
+in; the first step (train and sync) is done."""
 
 
 def stamp_launch() -> None:

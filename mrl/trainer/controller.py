@@ -17,6 +17,7 @@ from mrl.rollout.buffer import Group
 from mrl.routing.replay import check_routes
 from mrl.trainer.batch import build_batch
 from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, write_loop_state
+from mrl.startup import StartupClock
 
 
 class RankDuties(abc.ABC):
@@ -82,8 +83,10 @@ class Controller(RankDuties):
     process that feeds the buffer from them (``mrl.rollout.service``: producer, rewards, buffer,
     evaluation)."""
 
-    def __init__(self, cfg: Config, state: LoopState, engines: list | None = None):
+    def __init__(self, cfg: Config, state: LoopState, engines: list | None = None,
+                 clock: StartupClock | None = None):
         self.cfg = cfg
+        self.clock = clock or StartupClock()
         self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history, cfg=cfg)
         self.engines = list(engines or [])  # started already (``launch_job_engines``)
         self.restarter: EngineRestarter | None = None
@@ -99,12 +102,14 @@ class Controller(RankDuties):
             for e in self.engines:
                 e.wait_healthy()
             endpoints = [e.endpoint for e in self.engines]
+        self.clock.mark("engines_healthy")
         self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(self.cfg) else None
         self.codec = policy.codec
         self.rollout = start_rollout(self.cfg, hf_path, [e.url for e in endpoints], policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
             "buffered": state.buffered,
             "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or []})
+        self.clock.mark("rollout_started")
         return endpoints
 
     @staticmethod

@@ -47,6 +47,7 @@ from mrl.trainer.warm_start import sft_warmup
 from mrl.weight_sync.channel import WeightChannel
 from mrl.weight_sync.lora import AdapterChannel
 from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
+from mrl.startup import StartupClock
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -91,9 +92,12 @@ class Loop:
     def __init__(self, cfg: Config, engines: list | None = None):
         """``engines``: rank 0's, started by the caller already (``launch_job_engines``); None: started here."""
         self.cfg, t = cfg, cfg.train
+        self.clock = StartupClock()  # rank 0's marks go into its first step's metrics
+        self.clock.mark("trainer_imported")
         self.hf_path = cfg.model.hf_path
         _keep_off_engine_cores(cfg)
         self.layout = init_parallel(cfg.parallel, seed=cfg.seed)
+        self.clock.mark("parallel_ready")
         if engines is None:
             engines = launch_job_engines(cfg) if self.layout.world_rank == 0 else []
         self.policy = Policy(cfg, self.layout, self.hf_path)
@@ -107,10 +111,12 @@ class Loop:
             self.state = read_loop_state(ckpt)
             if self.layout.world_rank == 0:
                 print(f"[mrl] resuming from {ckpt} (step {self.state.step} of {t.steps})", flush=True)
+        self.clock.mark("policy_ready")
         self.step, self.version = self.state.step, self.state.version
         self.preempted = False
         signal.signal(signal.SIGUSR1, self._on_usr1)  # Slurm: checkpoint + requeue
-        self.duties: RankDuties = Controller(cfg, self.state, engines) if self.layout.world_rank == 0 else OtherRank()
+        self.duties: RankDuties = (Controller(cfg, self.state, engines, clock=self.clock) if self.layout.world_rank == 0
+                                   else OtherRank())
         self.syncer: WeightChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
         # each step's batch goes from rank 0 to each rank as its DP rank's share only
@@ -119,18 +125,21 @@ class Loop:
     def run(self) -> int:
         t = self.cfg.train
         self.warm_start()
+        self.clock.mark("warm_started")
         self.connect_engines()
         t_loop = time.monotonic()
         try:
             while self.step < t.steps:
                 t0 = time.perf_counter()
                 batch, normalizer, info = self.take_batch()
+                self.clock.mark("first_batch")
                 m = {"wait_seconds": time.perf_counter() - t0} | self.train_step(batch, normalizer) | info
                 m |= self.nonfinite.update(self.step + 1, m)
                 self.step += 1
                 if self.step % self.cfg.weight_sync.every_n_steps == 0:
                     m |= self.sync_weights()
                 m |= {"step_seconds": time.perf_counter() - t0, "version": self.version}
+                m |= self._first_step_marks()
                 self.duties.log_step(self.step, m, time.monotonic() - t_loop)
                 if self.maybe_checkpoint():
                     break
@@ -160,6 +169,7 @@ class Loop:
             self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
                                      model=self.policy.module, probe_timeout_s=self.cfg.weight_sync.probe_timeout_s)
         self.syncer.connect()
+        self.clock.mark("weights_connected")
         if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level
             self.version += 1
             self.syncer.sync(str(self.version))
@@ -167,6 +177,16 @@ class Loop:
         self.verify_engines()
         self.duties.start_producing(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step,
                                     self.state.step)
+        self.clock.mark("generation_started")
+
+    def _first_step_marks(self) -> dict:
+        """This process's first step: how long from the launch each start phase took (rank 0 logs them)."""
+        if "first_step" in self.clock.marks:
+            return {}
+        self.clock.mark("first_step")
+        if self.layout.world_rank == 0:
+            print(f"[mrl] {self.clock.summary()}", flush=True)
+        return self.clock.metrics()
 
     def _channels(self, engines: list[EngineEndpoint]):
         """Transport + disk repair for ``engines``; also rebuilt without an engine that died (per-run group

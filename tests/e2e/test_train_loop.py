@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from mrl.startup import PHASES
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
 
@@ -36,6 +38,11 @@ def test_default_run_learns(tmp_path):
     assert first < 0.3 and last > first + 0.2, rewards  # README run: 0.03 -> 0.5 by step 70
 
     steps = [r for r in rows if "step_seconds" in r]
+    # the start phases (mrl/startup.py) ride on the first step only, in the order they end
+    marks = [steps[0][f"startup/{p}_s"] for p in PHASES]
+    assert marks == sorted(marks) and 0 < marks[0] and not any(k.startswith("startup/") for k in steps[1]), marks
+    assert abs(marks[-1] - marks[PHASES.index("first_batch")] - steps[0]["step_seconds"]
+               + steps[0]["wait_seconds"]) < 1.0  # the first step's train and sync end it
     # every trained token is in one part: 16 prompts x 8 samples x the mean response length
     assert all(r["mismatch/numerics_tokens"] + r["mismatch/stale_tokens"] == round(r["response_len"] * 16 * 8)
                for r in steps)

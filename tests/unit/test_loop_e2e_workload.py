@@ -54,13 +54,14 @@ def test_gpu_overrides_compose(tmp_path):
 
 def test_summary_counts_only_timed_steps_and_times_the_first_step_from_the_start():
     phases = dict(wait_seconds=0.5, train_seconds=3.0, drain_seconds=0.1, sync_seconds=0.4)
-    rows = [{"step": 1, "batch_tokens": 1000, "step_seconds": 30.0, **phases}]
+    rows = [{"step": 1, "batch_tokens": 1000, "step_seconds": 30.0, "startup/policy_ready_s": 60.0, **phases}]
     rows += [{"step": i, "batch_tokens": 2000 * i, "step_seconds": float(i), **phases} for i in (2, 3, 4)]
     logged = {"1": 100.0, "2": 102.0, "3": 105.0, "4": 109.0}
     s = loop_e2e.summarize(rows, logged, warmup=1)
     assert s["timed_steps"] == 3 and s["tokens"] == 2000 * 9 and s["seconds"] == 9.0
     assert s["tokens_per_s"] == 2000.0 and s["tokens_per_s_per_step_median"] == 2000.0
     assert s["time_to_first_step_s"] == 100.0 and s["first_step"]["step_seconds"] == 30.0
+    assert s["start_phases_s"] == {"policy_ready": 60.0}
     assert s["busy_window_s"] == [100.0, 109.0]  # from the start of step 2 to the end of step 4
     assert s["phase_median_s"]["step_seconds"] == 3.0 and s["sync_share_of_step"] == 0.4 / 3.0
     assert [r["logged_at_s"] for r in s["steps"]] == [100.0, 102.0, 105.0, 109.0]
