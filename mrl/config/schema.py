@@ -231,6 +231,10 @@ class RolloutConfig:
             _fail("rollout.max_total_tokens", f"must be >= 1 or null, got {self.max_total_tokens}")
         if self.quantization not in ROLLOUT_QUANTIZATIONS:
             _fail("rollout.quantization", f"must be one of {list(ROLLOUT_QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "fp8" and not self.cpu_mode:
+            _fail("rollout.quantization", "=fp8: the trainer's weight sync does not quantize yet (mrl.weight_sync.fp8 "
+                  "holds its pieces; docs/fp8.md), so FP8 engines would be updated with bf16 bytes; serve a "
+                  "block-FP8 checkpoint (mrl export-fp8) from a plain SGLang server meanwhile, or use null")
         if self.quantization is not None and self.cpu_mode:
             _fail("rollout.quantization", f"={self.quantization}: CPU engines cannot serve block-FP8 weights (SGLang "
                   "0.5.14's CPU FP8 layers need AMX and the sgl-kernel CPU build, and mrl's CPU engines run float32, "

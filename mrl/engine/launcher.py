@@ -146,6 +146,8 @@ class Engine:
     """GPU: SGLang ``--sampling-backend`` (null: SGLang's default, flashinfer)."""
     dtype: str | None = None
     """GPU: ``--dtype`` (null: the checkpoint's). CPU mode always runs fp32."""
+    kv_cache_dtype: str | None = None
+    """``--kv-cache-dtype`` (null: the engine's dtype), CPU and GPU."""
     host: str = "127.0.0.1"
     port: int | None = None
     log_dir: str = "runs/engines"
@@ -217,6 +219,8 @@ class Engine:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
+        if self.kv_cache_dtype:
+            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.cpu_mode:
             cmd += cpu_mode.CPU_SERVER_ARGS
         else:
@@ -406,7 +410,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
-                   cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None, lora=lora)
+                   kv_cache_dtype=r.kv_cache_dtype, cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None, lora=lora)
             for i, n in enumerate(names)]
 
 
