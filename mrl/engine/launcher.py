@@ -410,7 +410,8 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
-                   kv_cache_dtype=r.kv_cache_dtype, cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None, lora=lora)
+                   kv_cache_dtype=r.kv_cache_dtype, lora=lora,
+                   cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for i, n in enumerate(names)]
 
 
