@@ -72,6 +72,9 @@ def test_cpu_engines_get_the_configured_thread_count(tmp_path, monkeypatch):
     (eng,) = engines_from_config(cfg.rollout, "/m", log_dir=str(tmp_path))
     assert eng.cpu_threads == 1
     assert cpu_mode.cpu_env(1, base={}, threads=eng.cpu_threads)["OMP_NUM_THREADS"] == "1"
+    # no per-request access log: the engine's output is pumped through trainer rank 0's process
+    cmd = eng.command()
+    assert cmd[cmd.index("--log-level-http") + 1] == "warning"
     with pytest.raises(Exception, match="rollout.cpu_threads"):
         compose(["rollout.cpu_threads=0"])
 
