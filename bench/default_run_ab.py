@@ -6,7 +6,8 @@ time goes and what a setting buys, on a box whose speed drifts.
 
 (the report goes to bench/reports/<date>_default_run_ab_cpu.json without --out)
 
-Per run: the whole process's wall time, the loop's (first RL step to the last), the median (p25-p75) of the
+Per run: the whole process's wall and CPU time (its processes' user + system seconds: on a shared box the
+figure other jobs move least), the loop's (first RL step to the last), the median (p25-p75) of the
 step phases from ``metrics.jsonl`` (``step_seconds``; ``wait_seconds`` for rollouts, ``train_seconds``,
 ``drain_seconds``, ``sync_seconds``; ``rest``: routing metrics, the sync's verification probe, logging and
 evaluation), the staleness of the trained samples, the reward of the first and last 10 steps and the last
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -39,10 +41,12 @@ def quartiles(xs: list[float]) -> dict:
 
 
 def run(overrides: list[str], steps: int, run_dir: str) -> dict:
-    t0 = time.monotonic()
+    t0, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run([MRL, "train", f"run_dir={run_dir}", f"train.steps={steps}", *overrides], cwd=REPO,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes that were waited for
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if p.returncode:
         raise RuntimeError(f"mrl train {overrides} failed:\n{p.stderr[-3000:]}")
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -52,7 +56,8 @@ def run(overrides: list[str], steps: int, run_dir: str) -> dict:
     rewards = [r["reward"] for r in steps_rows]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     stale = steps_rows[-1].get("staleness_hist", {})
-    return {"overrides": overrides, "wall_seconds": wall, "loop_seconds": steps_rows[-1]["wall_seconds"],
+    return {"overrides": overrides, "wall_seconds": wall, "cpu_seconds": cpu,
+            "loop_seconds": steps_rows[-1]["wall_seconds"],
             "phases": {k: quartiles([r.get(k, 0.0) for r in timed]) for k in PHASES} | {"rest": quartiles(rest)},
             "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
             "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "reward_last": rewards[-1],
@@ -77,20 +82,23 @@ def main() -> int:
             for name, ov in sides.items():
                 got[name] = run(ov, a.steps, os.path.join(tmp, f"{name}{i}"))
                 r = got[name]
-                print(f"[bench] round {i} {name}: wall {r['wall_seconds']:.1f} s, loop {r['loop_seconds']:.1f} s, "
+                print(f"[bench] round {i} {name}: wall {r['wall_seconds']:.1f} s, cpu {r['cpu_seconds']:.0f} s, "
+                      f"loop {r['loop_seconds']:.1f} s, "
                       f"median step {r['phases']['step_seconds']['median']:.3f} s, reward last 10 "
                       f"{r['reward_last10']:.3f}", file=sys.stderr, flush=True)
             if "B" in got:
                 got["B_over_A"] = {
                     "wall": got["B"]["wall_seconds"] / got["A"]["wall_seconds"],
+                    "cpu": got["B"]["cpu_seconds"] / got["A"]["cpu_seconds"],
                     "median_step": (got["B"]["phases"]["step_seconds"]["median"]
                                     / got["A"]["phases"]["step_seconds"]["median"])}
             rounds.append(got)
     summary = {name: {"wall_seconds": quartiles([r[name]["wall_seconds"] for r in rounds]),
+                      "cpu_seconds": quartiles([r[name]["cpu_seconds"] for r in rounds]),
                       "median_step": quartiles([r[name]["phases"]["step_seconds"]["median"] for r in rounds])}
                for name in sides}
     if "B" in sides:
-        summary["B_over_A"] = {k: quartiles([r["B_over_A"][k] for r in rounds]) for k in ("wall", "median_step")}
+        summary["B_over_A"] = {k: quartiles([r["B_over_A"][k] for r in rounds]) for k in ("wall", "cpu", "median_step")}
     dump({"steps": a.steps, "sides": sides, "summary": summary, "rounds": rounds}, a.out, name="default_run_ab_cpu")
     return 0
 
