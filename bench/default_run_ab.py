@@ -4,7 +4,7 @@ time goes and what a setting buys, on a box whose speed drifts.
     .venv/bin/python bench/default_run_ab.py --steps 30 --rounds 3 --a rollout.cpu_threads=2 --b ''
     .venv/bin/python bench/default_run_ab.py --steps 150 --rounds 3 --a '' --only-a   # the whole default run
 
-(the report goes to bench/reports/<date>_default_run_ab_cpu.json without --out)
+(without --out the report goes to bench/reports/learning/<date>_mrl_train_default_ab_cpu.json)
 
 Per run: the whole process's wall and CPU time (its processes' user + system seconds: on a shared box the
 figure other jobs move least), the loop's (first RL step to the last), the median (p25-p75) of the
@@ -99,7 +99,8 @@ def main() -> int:
                for name in sides}
     if "B" in sides:
         summary["B_over_A"] = {k: quartiles([r["B_over_A"][k] for r in rounds]) for k in ("wall", "cpu", "median_step")}
-    dump({"steps": a.steps, "sides": sides, "summary": summary, "rounds": rounds}, a.out, name="default_run_ab_cpu")
+    dump({"steps": a.steps, "sides": sides, "summary": summary, "rounds": rounds}, a.out,
+         name="mrl_train_default_ab_cpu")
     return 0
 
 
