@@ -169,6 +169,9 @@ class RolloutConfig:
     """CPU mode: cores the engines are pinned to (null = all). The trainer ranks then keep to the other
     cores, so generation and training overlap without fighting over the same cores (``train.mode=overlap``
     on a small box)."""
+    cpu_threads: Optional[int] = None
+    """CPU mode: torch/OpenMP threads of each engine TP rank; null = the rank's share of ``cpus`` (all cores
+    when unset)."""
     restart_engines: int = 3
     """Replacements the job may start, in all, for engines it started that die (0 = none); a replacement
     joins at the first weight sync after it is healthy. Engines attached by URL are never restarted."""
@@ -217,6 +220,8 @@ class RolloutConfig:
             _fail("rollout.restart_engines", f"must be >= 0, got {self.restart_engines}")
         if self.max_running_requests < 1:
             _fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            _fail("rollout.cpu_threads", f"must be >= 1 or null, got {self.cpu_threads}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             _fail("rollout.cpus", f"={list(self.cpus)}: give a non-empty list of core ids, or null")
         if self.base_gpu_id is not None and self.base_gpu_id < 0:

@@ -45,12 +45,14 @@ def ensure_cuda_stub(build_dir: str | None = None) -> str:
 
 
 def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None = None,
-            batched_attention: bool = True) -> dict[str, str]:
+            batched_attention: bool = True, threads: int | None = None) -> dict[str, str]:
     """Environment of an SGLang server process in CPU mode, its ranks sharing ``cpus`` (default: all).
 
     With CUDA-only sgl_kernel builds SGLang cannot bind OpenMP threads itself (it needs the AMX
     kernels), so the launcher pins the process group to ``cpus`` and sizes each rank's thread pool:
-    two engines on one box must not both spin threads on every core. ``batched_attention`` switches
+    two engines on one box must not both spin threads on every core. ``threads``: each rank's pool
+    (default: its share of ``cpus``); a small model's operators are too small to split, and an OpenMP
+    worker waiting for its share spins on a core the trainer needs. ``batched_attention`` switches
     SGLang's torch_native backend to ``mrl.engine.cpu_attention`` (through the pyshim).
     """
     env = dict(base if base is not None else os.environ)
@@ -61,7 +63,7 @@ def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None 
     env["PYTHONPATH"] = PYSHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env["MRL_CPU_BATCHED_ATTENTION"] = "1" if batched_attention else "0"
-    per = max(1, len(cpus) // tp)
+    per = threads or max(1, len(cpus) // tp)
     env["OMP_NUM_THREADS"] = str(per)
     # one block of cores per TP rank ("0|1" for TP2 on 2 cores); ranks share cores when there are fewer
     blocks = [cpus[(r * per) % len(cpus):(r * per) % len(cpus) + per] for r in range(tp)]

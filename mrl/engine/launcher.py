@@ -160,6 +160,8 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
     cpus: list[int] | None = None
     """CPU mode: cores this engine may use (several engines on one box get disjoint sets)."""
+    cpu_threads: int | None = None
+    """CPU mode: torch/OpenMP threads per TP rank (None: the rank's share of ``cpus``)."""
     lora: LoraEngineSpec | None = None
     """LoRA runs: the adapter pool (``--enable-lora`` and its sizes); adapters are loaded after start
     (``mrl.weight_sync.lora``)."""
@@ -249,7 +251,8 @@ class Engine:
             self.secrets = ensure_run_secrets()
         os.makedirs(self.log_dir, exist_ok=True)
         if self.cpu_mode:
-            env = cpu_mode.cpu_env(self.tp, cpus=self.cpus, batched_attention=self.cpu_batched_attention)
+            env = cpu_mode.cpu_env(self.tp, cpus=self.cpus, batched_attention=self.cpu_batched_attention,
+                                   threads=self.cpu_threads)
         else:
             gpu_mode.check_gpu_stack()
             env = gpu_mode.gpu_env()
@@ -410,7 +413,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
-                   kv_cache_dtype=r.kv_cache_dtype, lora=lora,
+                   kv_cache_dtype=r.kv_cache_dtype, cpu_threads=r.cpu_threads, lora=lora,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for i, n in enumerate(names)]
 

@@ -56,6 +56,27 @@ def test_cpu_env_builds_the_stub_and_splits_cores(tmp_path, monkeypatch):
     assert cpu_mode.cpu_env(1, base={}, batched_attention=False)["MRL_CPU_BATCHED_ATTENTION"] == "0"
     one = cpu_mode.cpu_env(1, base={}, cpus=[1])
     assert one["SGLANG_CPU_OMP_THREADS_BIND"] == "1" and "SGLANG_NCCL_SO_PATH" not in one
+    # all cores by default; rollout.cpu_threads sizes each rank's pool instead
+    assert cpu_mode.cpu_env(1, base={}, cpus=[0, 1])["OMP_NUM_THREADS"] == "2"
+    small = cpu_mode.cpu_env(1, base={}, cpus=[0, 1], threads=1)
+    assert small["OMP_NUM_THREADS"] == "1" and small["SGLANG_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_cpu_engines_get_the_configured_thread_count(tmp_path, monkeypatch):
+    from mrl.config.load import compose
+    from mrl.engine.launcher import engines_from_config
+
+    monkeypatch.setenv("MRL_CPU_STUB_DIR", str(tmp_path))
+    cfg = compose([])  # the default run: conf/rollout/cpu.yaml
+    assert cfg.rollout.cpu_threads == 1
+    (eng,) = engines_from_config(cfg.rollout, "/m", log_dir=str(tmp_path))
+    assert eng.cpu_threads == 1
+    assert cpu_mode.cpu_env(1, base={}, threads=eng.cpu_threads)["OMP_NUM_THREADS"] == "1"
+    # no per-request access log: the engine's output is pumped through trainer rank 0's process
+    cmd = eng.command()
+    assert cmd[cmd.index("--log-level-http") + 1] == "warning"
+    with pytest.raises(Exception, match="rollout.cpu_threads"):
+        compose(["rollout.cpu_threads=0"])
 
 
 def _rollout(**kw):
