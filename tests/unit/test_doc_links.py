@@ -36,3 +36,12 @@ def test_every_relative_link_resolves():
                 broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such heading)")
     assert seen > 50
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_readme_stays_short_and_quotes_the_suite_time_the_development_page_measured():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert len(readme.splitlines()) <= 200  # details live in docs/ and docs/results.md
+    quoted = re.search(r"(\d+) tests in (\d+ min \d+ s)", readme)
+    assert quoted, "README: the suite's measured size and time"
+    development = open(os.path.join(ROOT, "docs", "development.md")).read()
+    assert f"**{quoted.group(1)} tests in {quoted.group(2)}**" in development
