@@ -3,10 +3,12 @@ the reliability suite (``-m reliability``; ``scripts/reliability_report.py`` tur
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
 
@@ -29,6 +31,26 @@ def ckpt_dir(tmp_path_factory):
 
 def run_torchrun(module: str, args: list[str], nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
     return torchrun(module, args, nproc, timeout=timeout, cwd=REPO)
+
+
+@contextlib.contextmanager
+def one_rank_gloo_world():
+    """A one-process gloo world on a free port for in-process megatron models; the environment restored and
+    megatron's groups torn down after."""
+    from mrl.megatron.parallel import destroy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        yield
+    finally:
+        destroy()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def read_json(path) -> dict:

@@ -17,6 +17,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from mrl.routing import fused_replay
 from mrl.routing.fused_replay import FusedReplayRouter
 from mrl.routing.replay import ReplayError
+from tests.conftest import one_rank_gloo_world
 from tests.jobs.fused_replay_check import ACTIONS, CASES, DEVICE, E, H, K, PG, compare, pair
 
 
@@ -106,21 +107,8 @@ def test_settings_it_would_not_reproduce_are_refused(unfused_kernels, bad, msg):
 
 @pytest.fixture
 def gloo_world():
-    """A one-process gloo world on a free port for in-process megatron models."""
-    import os
-    import socket
-
-    from mrl.megatron.parallel import destroy
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    yield
-    destroy()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with one_rank_gloo_world():
+        yield
 
 
 def test_policy_rl_step_is_the_same_with_fused_replay(ckpt_dir, gloo_world, unfused_kernels):

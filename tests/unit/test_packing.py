@@ -1,8 +1,6 @@
 """Sequence packing: first-fit-decreasing plans, the packed layouts, and packed == unpacked through
 megatron's real local attention (in-process tiny model: logprobs and gradients, replayed routes)."""
 
-import os
-import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +9,7 @@ import torch
 
 from mrl.megatron.packing import (Packing, PackingError, check_context_parallel, first_fit_decreasing,
                                   pack_micro_batches, split_rows)
+from tests.conftest import one_rank_gloo_world
 
 
 def test_first_fit_decreasing_fills_rows_longest_first():
@@ -150,18 +149,8 @@ def test_every_dp_rank_gets_the_same_number_of_micro_batches():
 
 @pytest.fixture(scope="module")
 def gloo_world():
-    """A one-process gloo world on a free port for in-process megatron models; torn down at module end."""
-    from mrl.megatron.parallel import destroy
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    yield
-    destroy()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with one_rank_gloo_world():
+        yield
 
 
 @pytest.fixture(scope="module")
