@@ -56,6 +56,14 @@ def kernels(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def eager_router():
+    """megatron torch.compile's its expert-bias helper; compiling it on a CPU costs seconds and decides no
+    value compared here (both sides run the same eager code)."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+@pytest.fixture(autouse=True)
 def no_leftover_instances():
     RouterReplay.clear_global_router_replay_instances()
     yield

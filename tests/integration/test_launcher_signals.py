@@ -22,7 +22,7 @@ _LAUNCHER = """
 import sys
 from mrl.process import Terminated, torchrun
 try:
-    sys.exit(torchrun("tests.unit.test_launcher_signals", [sys.argv[1]], 2, capture=False).returncode)
+    sys.exit(torchrun("tests.integration.test_launcher_signals", [sys.argv[1]], 2, capture=False).returncode)
 except Terminated as e:
     print(f"launcher: {e}", flush=True)
     sys.exit(128 + e.signum)
