@@ -309,6 +309,13 @@ def parity(d):
             f"{sum(bool(v.get('roundtrip_bit_exact')) for v in cases)}"]
 
 
+def preflight_timing(d):
+    def span(x):
+        return f"{min(x['runs']):.2f}-{max(x['runs']):.2f} s"
+    return [f"`mrl check`, whole command: bridge-level failure {span(d['bridge_level_failure_s'])}, cheap failure "
+            f"{span(d['cheap_failure_s'])}, passing {span(d['passing_check_s'])}"]
+
+
 def mismatch_split(d):
     out = []
     for run, r in d["runs"].items():
@@ -326,6 +333,7 @@ EXTRACTORS = {
     "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
     "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
+    "preflight_timing": preflight_timing,
 }
 
 
