@@ -148,6 +148,8 @@ class Engine:
     """GPU: ``--dtype`` (null: the checkpoint's). CPU mode always runs fp32."""
     kv_cache_dtype: str | None = None
     """``--kv-cache-dtype`` (null: the engine's dtype), CPU and GPU."""
+    quantization: str | None = None
+    """GPU: ``--quantization`` (``fp8``: ``model_path`` must be a block-FP8 checkpoint, ``mrl export-fp8``)."""
     host: str = "127.0.0.1"
     port: int | None = None
     log_dir: str = "runs/engines"
@@ -177,6 +179,8 @@ class Engine:
     def __post_init__(self) -> None:
         if self.cpu_mode and self.ep > 1:
             raise ValueError("rollout.engine_ep: SGLang CPU mode does not support ep > 1 (its native MoE path crashes)")
+        if self.cpu_mode and self.quantization:
+            raise ValueError(f"rollout.quantization={self.quantization}: CPU engines cannot serve it (docs/fp8.md)")
         if self.cpu_mode and self.memory_saver:
             raise ValueError("rollout.memory_saver: needs GPUs (torch_memory_saver); not available in CPU mode")
         if self.dp > 1 and not self.server_args.get("enable_dp_attention"):
@@ -223,6 +227,8 @@ class Engine:
             cmd.append("--enable-return-routed-experts")
         if self.kv_cache_dtype:
             cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.quantization:
+            cmd += ["--quantization", self.quantization]
         if self.cpu_mode:
             cmd += cpu_mode.CPU_SERVER_ARGS
         else:
