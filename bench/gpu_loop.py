@@ -57,7 +57,26 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(1, ROOT)  # tests.jobs.replay_check reads the replay records
 
+from _bench_common import engine_timeline  # noqa: E402
 from _random_checkpoint import SHAPES, make_checkpoint  # noqa: E402
+
+
+def _fp8_checkpoint(hf: str, a) -> tuple[str, dict]:
+    """The block-FP8 export of ``hf`` next to it (made once: a later run finds it whole), and what it took."""
+    from mrl.quant.export import export_fp8
+
+    dst = hf.rstrip("/") + "_fp8"
+    done = os.path.join(dst, "export_fp8.json")
+    if os.path.exists(done):
+        with open(done) as f:
+            return dst, json.load(f) | {"reused": True}
+    shutil.rmtree(dst, ignore_errors=True)  # a partial export of an earlier run
+    t = time.perf_counter()
+    summary = export_fp8(hf, dst, device=None if a.cpu else "cuda", log=lambda *x: None)
+    summary = {"seconds": time.perf_counter() - t, "summary": summary}
+    with open(done, "w") as f:
+        json.dump(summary, f, default=str)
+    return dst, summary
 
 def environment(cpu: bool) -> dict:
     import megatron.core
@@ -181,8 +200,13 @@ def spy_summary(raw_path: str, top: int = 25) -> dict:
 
 
 # the kinds of rollout run: (engine, routes requested). "on"/"off": the routes engine with and without
-# routes in the requests; "plain": the engine started without route capture (--plain-engine-gpu)
+# routes in the requests; "plain": the engine started without route capture (--plain-engine-gpu); any other
+# engine (--fp8-engine-gpu, --variant) is its own kind, routes requested, compared with "on"
 KINDS = {"off": ("routes", False), "on": ("routes", True), "plain": ("plain", False)}
+
+
+def _kind(name: str) -> tuple[str, bool]:
+    return KINDS.get(name, (name, True))
 
 
 def _ratios(runs: list[dict], batch: int, num: str, den: str) -> dict:
@@ -193,17 +217,19 @@ def _ratios(runs: list[dict], batch: int, num: str, den: str) -> dict:
 
 
 def rollout_section(urls: dict[str, str], codec, vocab, a, engine_pid: int | None = None) -> dict:
-    """``urls``: {"routes": the engine with route capture, "plain": one without (optional)}."""
-    kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls]
+    """``urls``: {"routes": the engine with route capture, "plain": one without (optional), others: engines
+    compared with the routes engine, routes on (FP8 weights, other server args)}."""
+    extra = [k for k in urls if k not in ("routes", "plain")]
+    kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls] + extra
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
            "runs": []}
     for name, url in urls.items():  # warm-up (first requests, graphs)
-        asyncio.run(_workload(url, codec if name == "routes" else None, 8, a.prompt_len, 16, vocab, seed=0))
+        asyncio.run(_workload(url, codec if name != "plain" else None, 8, a.prompt_len, 16, vocab, seed=0))
     for rep in range(a.reps):
         for batch in a.batches:
             # the order turns with each repetition: no kind always runs first after a batch size change
             for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
-                engine, routes = KINDS[kind]
+                engine, routes = _kind(kind)
                 spy = None
                 if engine == "routes" and rep == 0 and batch == max(a.batches):
                     spy_out = os.path.join(a.out, f"py_spy_batch{batch}_routes_{kind}.txt")
@@ -230,6 +256,10 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, engine_pid: int | Non
             s |= {"plain_median": med["plain"], "routes_on_vs_plain_median": r["median"],
                   "routes_on_vs_plain_min": r["min"], "routes_on_vs_plain_max": r["max"],
                   "routes_off_vs_plain_median": _ratios(res["runs"], batch, "off", "plain")["median"]}
+        for k in extra:  # the same workload, routes on, on another engine
+            r = _ratios(res["runs"], batch, k, "on")
+            s |= {f"{k}_median": med[k], f"{k}_vs_on_median": r["median"], f"{k}_vs_on_min": r["min"],
+                  f"{k}_vs_on_max": r["max"], f"{k}_vs_on_per_rep": r["per_rep"]}
         summary[f"batch{batch}"] = s
     res["payload"] = asyncio.run(_routes_payload(urls["routes"], codec, a.prompt_len, a.new, vocab))
     for s in summary.values():  # the same engine, so the same payload at every batch size
@@ -244,7 +274,9 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, engine_pid: int | Non
 # -- Keep Routing ----------------------------------------------------------------------------------
 def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
     """Engine samples, then ``tests.jobs.replay_check`` on ``--trainer-gpus`` (one process each) in
-    ``--replay-layout``; every rank's records merged."""
+    ``--replay-layout``; every rank's records merged. ``hf``: the trainer's (bf16) checkpoint, whatever
+    the engine serves (an FP8 engine serves its block-FP8 export)."""
+    os.makedirs(out, exist_ok=True)
     from tests.jobs.replay_check import agreement, logprob_diffs
 
     samples, _, _, _ = asyncio.run(_workload(url, codec, a.replay_samples, a.replay_prompt_len, a.replay_new, vocab,
@@ -283,9 +315,11 @@ def replay_section(url, codec, vocab, a, hf: str, out: str) -> dict:
 
 
 # -- engines and headlines -------------------------------------------------------------------------
-def _engine(a, hf: str, name: str, routes: bool, gpu: str):
+def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str | None = None,
+            server_args: dict | None = None):
     """One SGLang server on ``gpu`` (its first GPU at ``--engine-tp`` > 1); ``routes``: route capture on
-    (``--enable-return-routed-experts``), the only difference between the routes and the plain engine."""
+    (``--enable-return-routed-experts``), the only difference between the routes and the plain engine.
+    ``quantization``/``server_args``: what an FP8 engine or a start variant changes (``hf``: its checkpoint)."""
     from mrl.engine.cpu_mode import PYSHIM_DIR
     from mrl.engine.launcher import Engine
 
@@ -298,10 +332,11 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str):
     if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU
         env["PYTHONPATH"] = ":".join([os.path.join(HERE, "_cpu_engine_shim"), PYSHIM_DIR, _pythonpath()])
     return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
-                  max_running_requests=max(a.batches + [a.replay_samples]), max_total_tokens=8192 if a.cpu else None,
+                  max_running_requests=max(a.batches + [a.replay_samples]),
+                  max_total_tokens=8192 if a.cpu else a.max_total_tokens,
                   base_gpu_id=int(gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
-                  dtype=None if a.cpu else "bfloat16", return_routed_experts=routes,
-                  server_args={} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}, env=env)
+                  dtype=None if a.cpu else "bfloat16", return_routed_experts=routes, quantization=quantization,
+                  server_args=({} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}) | (server_args or {}), env=env)
 
 
 def _wait_healthy(engine) -> float:
@@ -323,12 +358,14 @@ def headline(report: dict, name: str) -> str:
             if "routes_on_vs_plain_median" in s:
                 x += (f", on/plain {s['routes_on_vs_plain_median']:.3f} ({s['routes_on_vs_plain_min']:.3f}-"
                       f"{s['routes_on_vs_plain_max']:.3f}), plain {s['plain_median']:.0f} tok/s")
+            for k in r["kinds"][3 if "plain" in r["kinds"] else 2:]:
+                x += f", {k}/on {s[f'{k}_vs_on_median']:.3f} ({s[f'{k}_vs_on_min']:.3f}-{s[f'{k}_vs_on_max']:.3f})"
             parts.append(x + f", on {s['routes_on_median']:.0f} tok/s")
         starts = ", ".join(f"{k.removesuffix('_engine_start_s')} {v:.0f} s" for k, v in r.items()
                            if k.endswith("_engine_start_s"))
         return f"[rollout] {'; '.join(parts)}; engine start {starts}"
-    if name == "replay":
-        return (f"[replay] {r['trainer_layout']} x{r['trainer_ranks']}: route agreement off "
+    if name.startswith("replay"):
+        return (f"[{name}] {r['trainer_layout']} x{r['trainer_ranks']}: route agreement off "
                 f"{r['route_agreement_replay_off']:.4f} on {r['route_agreement_replay_on']:.4f} "
                 f"({r['decisions']} decisions); mean |dlogp| off {r['logprob_diff_replay_off']['mean_abs']:.2e} "
                 f"on {r['logprob_diff_replay_on']['mean_abs']:.2e} (max {r['logprob_diff_replay_on']['max_abs']:.2e})")
@@ -424,6 +461,19 @@ def main() -> int:
     ap.add_argument("--plain-engine-gpu", default=None,
                     help="rollout: also start an engine without route capture on this (first) GPU, the baseline "
                          "for routes on (ignored on CPU except that the engine is started)")
+    ap.add_argument("--fp8-engine-gpu", default=None,
+                    help="also start an engine on the block-FP8 export of the checkpoint (mrl export-fp8, routes "
+                         "captured) on this (first) GPU: rollout kind fp8 against on (bf16), and Keep Routing "
+                         "replay_fp8 (trainer bf16 vs FP8 engine)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="rollout: also an engine started with these extra server args (routes captured), on "
+                         "--variant-gpu, e.g. noprefill='{\"disable_prefill_cuda_graph\": true}': kind NAME "
+                         "against on, its start phases from its log")
+    ap.add_argument("--variant-gpu", default=None, help="--variant engines' (first) GPU (default --engine-gpu)")
+    ap.add_argument("--start-one-by-one", action="store_true",
+                    help="start each engine once the one before is healthy (engines sharing one GPU)")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="GPU: every engine's KV cache in tokens (engines sharing a GPU get equal caches)")
     ap.add_argument("--sync-layout", default="",
                     help="extra layout flags for the sync trainer, e.g. '--tp 2' (or --sync-layout=--tp,2)")
     ap.add_argument("--compare-per-bucket", action="store_true",
@@ -467,19 +517,33 @@ def main() -> int:
     engines = {"routes": _engine(a, hf, "engine", True, a.engine_gpu)}
     if a.plain_engine_gpu is not None and "rollout" in a.sections.split(","):
         engines["plain"] = _engine(a, hf, "plain_engine", False, a.plain_engine_gpu)
+    fp8_export = None
+    if a.fp8_engine_gpu is not None:
+        fp8_hf, fp8_export = _fp8_checkpoint(hf, a)
+        engines["fp8"] = _engine(a, fp8_hf, "fp8_engine", True, a.fp8_engine_gpu, quantization="fp8")
+    for v in a.variant:
+        name, _, args = v.partition("=")
+        engines[name] = _engine(a, hf, f"{name}_engine", True, a.variant_gpu or a.engine_gpu,
+                                server_args=json.loads(args))
     report = {"bench": "gpu_loop", "model": a.cpu_model if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
               "hf": hf, "checkpoint_files": sorted(f for f in os.listdir(hf) if f.endswith(".safetensors")),
-              "environment": environment(a.cpu), "args": vars(a)}
+              "environment": environment(a.cpu), "args": vars(a), "fp8_export": fp8_export}
     with contextlib.ExitStack() as stack:
-        for e in engines.values():
-            stack.enter_context(e)  # started together, each one's seconds to healthy timed on its own
-        with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
-            starts = dict(zip(engines, pool.map(_wait_healthy, engines.values())))
+        if a.start_one_by_one:  # engines sharing a GPU: each sizes its KV cache by the memory free when it starts
+            starts = {}
+            for k, e in engines.items():
+                stack.enter_context(e)
+                starts[k] = _wait_healthy(e)
+        else:
+            for e in engines.values():
+                stack.enter_context(e)  # started together, each one's seconds to healthy timed on its own
+            with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+                starts = dict(zip(engines, pool.map(_wait_healthy, engines.values())))
         report["engine_start_s"] = starts["routes"]
         report["engine_command"] = " ".join(engines["routes"].command()[1:])
-        if "plain" in engines:
-            report["plain_engine_start_s"] = starts["plain"]
-            report["plain_engine_command"] = " ".join(engines["plain"].command()[1:])
+        for k in engines.keys() - {"routes"}:
+            report[f"{k}_engine_start_s"] = starts[k]
+            report[f"{k}_engine_command"] = " ".join(engines[k].command()[1:])
         print("[gpu_loop] engines healthy: " + ", ".join(f"{k} {v:.1f} s" for k, v in starts.items()), flush=True)
         url = engines["routes"].url
         for name in a.sections.split(","):
@@ -490,10 +554,13 @@ def main() -> int:
                                                         bridge.vocab_size, a, engines["routes"].proc.pid)
                     for k, v in starts.items():
                         report["rollout"][f"{k}_engine_start_s"] = v
-                    if "plain" in engines:
-                        engines["plain"].stop()  # only rollout uses it: its GPU is free for the sections after
+                    for k in engines.keys() - {"routes", "fp8"}:
+                        engines[k].stop()  # only rollout uses them: their GPUs are free for the sections after
                 elif name == "replay":
                     report["replay"] = replay_section(url, codec, bridge.vocab_size, a, hf, a.out)
+                    if "fp8" in engines:
+                        report["replay_fp8"] = replay_section(engines["fp8"].url, codec, bridge.vocab_size, a, hf,
+                                                              os.path.join(a.out, "fp8"))
                 elif name == "sync":
                     report["sync"] = sync_section(url, a, hf, a.out, engine_device)
                 else:
@@ -504,7 +571,11 @@ def main() -> int:
             with open(os.path.join(a.out, "gpu_loop.json"), "w") as f:
                 json.dump(report, f, indent=1)
             print(f"[gpu_loop] {name}: {json.dumps(report[name])[:1500]}", flush=True)
-    print("\n".join(headline(report, name) for name in a.sections.split(",")), flush=True)
+        report["engine_log_timeline"] = engine_timeline(os.path.join(a.out, "engines"))
+        with open(os.path.join(a.out, "gpu_loop.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    shown = [n for n in a.sections.split(",")] + (["replay_fp8"] if "replay_fp8" in report else [])
+    print("\n".join(headline(report, name) for name in shown), flush=True)
     return 0 if not any("error" in report.get(s, {}) for s in a.sections.split(",")) else 1
 
 

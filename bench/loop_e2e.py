@@ -45,7 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _bench_common import environment  # noqa: E402
+from _bench_common import engine_timeline, environment  # noqa: E402
+from mrl.startup import LAUNCHED_AT  # noqa: E402
 
 
 # -- workload --------------------------------------------------------------------------------------
@@ -229,23 +230,10 @@ def _quartiles(xs: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-ENGINE_MARKS = ("Init torch distributed", "Load weight", "KV Cache is allocated", "Memory pool end", "Capture",
-                "piecewise", "Compil", "max_total_num_tokens", "Uvicorn running", "fired up")
-
-
-def engine_timeline(log_dir: str) -> dict[str, list[str]]:
-    """The lines of each engine's log that mark its start phases (SGLang stamps them with the time)."""
-    out = {}
-    if os.path.isdir(log_dir):
-        for name in sorted(os.listdir(log_dir)):
-            with open(os.path.join(log_dir, name), errors="replace") as f:
-                out[name] = [line.rstrip()[:300] for line in f if any(m in line for m in ENGINE_MARKS)]
-    return out
-
-
 # -- the ceilings ----------------------------------------------------------------------------------
-def run_ceilings(a, hf: str, prompts: str, tmp: str) -> tuple[dict, dict]:
-    """Engine alone and trainer alone, side by side (each on the GPUs it has in the loop)."""
+def run_ceilings(a, hf: str, prompts: str, tmp: str, engine: bool = True) -> tuple[dict | None, dict]:
+    """Engine alone and trainer alone, side by side (each on the GPUs it has in the loop); ``engine``
+    False: the trainer alone."""
     engine_dir, trainer_dir = os.path.join(tmp, "engine_ceiling"), os.path.join(tmp, "trainer_ceiling")
     engine_out, trainer_out = os.path.join(a.out, "engine_ceiling.json"), os.path.join(a.out, "trainer_ceiling.json")
     steps = a.warmup + a.steps
@@ -253,17 +241,20 @@ def run_ceilings(a, hf: str, prompts: str, tmp: str) -> tuple[dict, dict]:
     eng = subprocess.Popen([sys.executable, os.path.join(HERE, "_generation_ceiling.py"), "--steps",
                             str(a.ceiling_batches + 1), "--out", engine_out,
                             *overrides(a, hf, prompts, engine_dir, steps)], cwd=REPO, env=env,
-                           stdout=open(os.path.join(a.out, "engine_ceiling.log"), "w"), stderr=subprocess.STDOUT)
+                           stdout=open(os.path.join(a.out, "engine_ceiling.log"), "w"),
+                           stderr=subprocess.STDOUT) if engine else None
     nproc = a.trainer_procs
     trn = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                             os.path.join(HERE, "_loop_trainer_ceiling.py"), "--prompts", prompts,
-                            "--batches", str(a.ceiling_batches), "--warmup", "1", "--out", trainer_out, "--",
-                            *overrides(a, hf, prompts, trainer_dir, steps)], cwd=REPO, env=env,
+                            "--batches", str(a.ceiling_batches), "--warmup", "1", "--out", trainer_out,
+                            *(["--profile-startup"] if a.profile_startup else []), "--",
+                            *overrides(a, hf, prompts, trainer_dir, steps)], cwd=REPO,
+                           env=env | {LAUNCHED_AT: repr(time.time())},
                            stdout=open(os.path.join(a.out, "trainer_ceiling.log"), "w"), stderr=subprocess.STDOUT)
     for name, p in (("engine", eng), ("trainer", trn)):
-        if p.wait(timeout=3600):
+        if p is not None and p.wait(timeout=3600):
             raise RuntimeError(f"{name} ceiling exited {p.returncode}; see {a.out}/{name}_ceiling.log")
-    return json.load(open(engine_out)), json.load(open(trainer_out))
+    return json.load(open(engine_out)) if engine else None, json.load(open(trainer_out))
 
 
 def main() -> int:
@@ -291,6 +282,10 @@ def main() -> int:
     ap.add_argument("--pack-len", type=int, default=4096, help="train.pack_max_len")
     ap.add_argument("--ceiling-batches", type=int, default=4, help="timed batches of each ceiling")
     ap.add_argument("--skip-ceilings", action="store_true")
+    ap.add_argument("--trainer-ceiling-only", action="store_true",
+                    help="no loop, no engine: the trainer ceiling alone, with its start phases (one GPU is enough)")
+    ap.add_argument("--profile-startup", action="store_true",
+                    help="trainer ceiling: cProfile of the model's build and of its first rl_step in the report")
     ap.add_argument("--set", nargs="*", default=[], help="more mrl train overrides (both loop and ceilings)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories under --out")
     a = ap.parse_args()
@@ -323,6 +318,14 @@ def main() -> int:
               "workload": write_prompts(prompts, tok, a, rows),
               "overrides": overrides(a, hf, prompts, "RUN_DIR", a.warmup + a.steps)}
     out_json = os.path.join(a.out, "loop_e2e.json")
+    if a.trainer_ceiling_only:
+        _, report["trainer_ceiling"] = run_ceilings(a, hf, prompts, tmp, engine=False)
+        tc = report["trainer_ceiling"]
+        print(f"[loop_e2e] trainer ceiling {tc['tokens_per_s']:.0f} tokens/s; start: "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in tc["startup_s"].items())
+              + f", first rl_step {tc['warmup_s'][0]:.1f} s", flush=True)
+        json.dump(report, open(out_json, "w"), indent=1)
+        return 0
     loop = run_loop(a, hf, prompts, os.path.join(tmp, "loop"))
     report["loop"] = loop
     json.dump(report, open(out_json, "w"), indent=1)

@@ -15,6 +15,6 @@ if not torch.cuda.is_available():
     torch.cuda.synchronize = lambda *args, **kwargs: None
 
 _spec = importlib.util.find_spec("mrl")
-_mrl_shim = os.path.join(os.path.dirname(_spec.origin), "rollout", "cpu", "pyshim", "sitecustomize.py")
+_mrl_shim = os.path.join(os.path.dirname(_spec.origin), "engine", "cpu", "pyshim", "sitecustomize.py")
 _mod = importlib.util.spec_from_file_location("_mrl_cpu_sitecustomize", _mrl_shim)
 _mod.loader.exec_module(importlib.util.module_from_spec(_mod))

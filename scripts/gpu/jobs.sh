@@ -24,12 +24,16 @@
 #   loop30b bench/gpu_loop.py on a 4-layer Qwen3-30B-A3B slice: Keep Routing replay off/on
 #   loops*  bench/gpu_loop.py once per ';'-separated argument list in LOOP_RUNS_<name> (else LOOP_RUNS), one after
 #           another (GPU indices in the arguments count within the job's GPUs), e.g. the sync with and without
-#           --load-weights, the rollouts with and without --routes-int32; output in WORK/<name>_<i>/
+#           --load-weights, the rollouts with and without --routes-int32; output in WORK/<name>_<i>/. On one GPU:
+#           FP8 vs bf16 engines "--model qwen3_30b_a3b --layers 12 --engine-gpu 0 --fp8-engine-gpu 0
+#           --trainer-gpus 0 --start-one-by-one --mem-fraction 0.3 --max-total-tokens 262144 --sections rollout,replay";
+#           engine start variants "... --variant noprefill={"disable_prefill_cuda_graph":true}" (JSON without spaces)
 #   e2e*    bench/loop_e2e.py (the whole loop, `mrl train`, against its engine and trainer ceilings) on the job's
 #           GPUs, with the arguments in E2E_ARGS_<name> (e.g. E2E_ARGS_e2e4="--trainer-procs 2 --set parallel=ep2
 #           rollout.engine_tp=2"); output in WORK/<name>/
 #   delivery bench/batch_delivery.py: a step's batch to the trainer ranks, whole and pickled vs each DP rank's share
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
+#   fp8quant tests/gpu/fp8_quant.sh: the block-FP8 triton kernel against the torch path, bit for bit (one GPU)
 #   mismatch tests/gpu/mismatch_split.sh: the mismatch split by cause for an engine mrl launches and a plain SGLang
 #           server attached by URL (MISMATCH_STEPS steps each, default 60; MISMATCH_EXTRA: more overrides)
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
@@ -77,6 +81,7 @@ job() {  # name gpus te
       mismatch) STEPS=${MISMATCH_STEPS:-60} EXTRA=${MISMATCH_EXTRA:-} TIMEOUT=$TIMEOUT \
                   bash tests/gpu/mismatch_split.sh "$WORK/mismatch" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
+      fp8quant) timeout "$TIMEOUT" bash tests/gpu/fp8_quant.sh "$WORK/fp8quant" ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
       *) echo "unknown job $name"; exit 2 ;;
