@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from mrl.megatron.weights import LocalParam
 from mrl.models.bridge import ParamMap
+from mrl.weight_sync.copies import Copies, Flat1D, Strided
 from mrl.weight_sync.planner import Bucket, Placement, PlannedParam
 
 _ALIGN = 64  # bytes: start of each gather region (any dtype view stays aligned)
@@ -108,79 +109,6 @@ def _inplace_view(bucket: Bucket, direct: list, dtype: torch.dtype) -> torch.Ten
     first = direct[0][0].param.detach()
     n = sum(a.numel for a in at)
     return first.as_strided((n,), (1,), first.storage_offset()).view(torch.uint8)
-
-
-@dataclass
-class Copies:
-    """``dst[i].copy_(src[i])`` for every pair, as at most two batched calls."""
-
-    fused_dst: list[torch.Tensor] = field(default_factory=list)
-    fused_src: list[torch.Tensor] = field(default_factory=list)
-    """Contiguous, same dtype: CUDA's fused multi-tensor copy."""
-    other_dst: list[torch.Tensor] = field(default_factory=list)
-    other_src: list[torch.Tensor] = field(default_factory=list)
-    """Strided (row-parallel column blocks) or casting."""
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        assert dst.shape == src.shape, (dst.shape, src.shape)
-        fused = dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
-        (self.fused_dst if fused else self.other_dst).append(dst)
-        (self.fused_src if fused else self.other_src).append(src)
-
-    def __len__(self) -> int:
-        return len(self.fused_dst) + len(self.other_dst)
-
-    def run(self) -> None:
-        if self.fused_dst:
-            torch._foreach_copy_(self.fused_dst, self.fused_src)
-        if self.other_dst:
-            torch._foreach_copy_(self.other_dst, self.other_src)
-
-
-class _Flat1D:
-    """Contiguous element ranges ``base[src:src+n] -> dst[off:off+n]``, merged while both sides continue."""
-
-    def __init__(self) -> None:
-        self.ranges: list[list] = []  # [src base, src offset, dst offset, numel]
-
-    def add(self, base: torch.Tensor, src: int, dst: int, n: int) -> None:
-        last = self.ranges[-1] if self.ranges else None
-        if last is not None and last[0] is base and last[1] + last[3] == src and last[2] + last[3] == dst:
-            last[3] += n
-        else:
-            self.ranges.append([base, src, dst, n])
-
-    def into(self, copies: Copies, flat: torch.Tensor) -> None:
-        for base, src, dst, n in self.ranges:
-            copies.add(flat[dst:dst + n], base[src:src + n])
-
-
-class _Strided:
-    """Row-parallel copies (``dst`` a column block of an HF tensor, ``src`` a gathered shard), where
-    consecutive ones of the same shape sit at evenly spaced offsets on both sides (one tensor of every
-    expert of a bucket) merged into one copy with a leading dim: one kernel, not one per expert."""
-
-    def __init__(self) -> None:
-        # [dst base, src base, sizes, dst strides, src strides, dst offset, src offset, count, dst step, src step]
-        self.groups: list[list] = []
-
-    def add(self, dst: torch.Tensor, dst_off: int, dst_strides: tuple, src: torch.Tensor, src_off: int,
-            src_strides: tuple, sizes: tuple) -> None:
-        g = self.groups[-1] if self.groups else None
-        if g is not None and g[0] is dst and g[1] is src and g[2:5] == [sizes, dst_strides, src_strides]:
-            d_step, s_step = dst_off - g[5] - (g[7] - 1) * g[8], src_off - g[6] - (g[7] - 1) * g[9]
-            if g[7] == 1 and d_step > 0 and s_step > 0:
-                g[7:10] = [2, d_step, s_step]
-                return
-            if g[7] > 1 and (d_step, s_step) == (g[8], g[9]):
-                g[7] += 1
-                return
-        self.groups.append([dst, src, sizes, dst_strides, src_strides, dst_off, src_off, 1, 0, 0])
-
-    def into(self, copies: Copies) -> None:
-        for dst, src, sizes, d_str, s_str, d_off, s_off, count, d_step, s_step in self.groups:
-            copies.add(dst.as_strided((count, *sizes), (d_step, *d_str), d_off),
-                       src.as_strided((count, *sizes), (s_step, *s_str), s_off))
 
 
 @dataclass
@@ -352,9 +280,9 @@ def copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Te
     """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order. The
     sender's own shards come from its params, not through the gather buffer."""
     offsets = _hf_offsets(bucket)
-    local_ranges, own_in = _Flat1D(), Copies()
-    ranges = {(i, j): _Flat1D() for i, b in enumerate(batches) for j in range(len(b.chunks))}
-    strided = {key: _Strided() for key in ranges}
+    local_ranges, own_in = Flat1D(), Copies()
+    ranges = {(i, j): Flat1D() for i, b in enumerate(batches) for j in range(len(b.chunks))}
+    strided = {key: Strided() for key in ranges}
     sources = {p.mcore_name: ("direct", lp, pm) for lp, pm, p in direct}
     for i, b in enumerate(batches):
         for lp, pm, p, o in b.items:
