@@ -36,6 +36,11 @@ tensors need no regrouping: experts at expert-TP 1, embeddings, norms, o_proj at
 is a view of that memory and the bucket costs no copy. If the params have moved since the plan was
 made (an offload and reload), the bucket is filled by copies like any other.
 
+FP8 buckets (a block-FP8 engine, ``mrl.weight_sync.fp8``): the copies fill a staging buffer laid out as
+the bucket in the sync dtype (``staged_bucket``), and the bucket's last step quantizes it into the flat
+buffer (e4m3 codes and fp32 scales, each weight's pair where the plan puts it). Such buckets never go in
+place: the params hold bf16, not what goes on the wire.
+
 Byte layout of a flat buffer (what SGLang's ``flattened_bucket`` expects): the bucket's HF tensors in
 bucket order, each row-major in the sync dtype, no padding. It equals ``cat(split_full(pm, full))``
 of the per-tensor path.
@@ -43,6 +48,7 @@ of the per-tensor path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +57,7 @@ import torch.distributed as dist
 from mrl.megatron.weights import LocalParam
 from mrl.models.bridge import ParamMap
 from mrl.weight_sync.copies import Copies, Flat1D, Strided
+from mrl.weight_sync.fp8 import BucketQuantizer, has_fp8, staged_bucket
 from mrl.weight_sync.planner import Bucket, Placement, PlannedParam
 
 _ALIGN = 64  # bytes: start of each gather region (any dtype view stays aligned)
@@ -95,7 +102,9 @@ def inplace_numel(pm: ParamMap, planned: PlannedParam) -> int | None:
 def placement(lp: LocalParam, pm: ParamMap, planned: PlannedParam, dtype: torch.dtype) -> Placement | None:
     """Where the sender holds ``planned``'s bytes as they go on the wire, if it does."""
     t = lp.param
-    n = inplace_numel(pm, planned) if lp.shard_group is None and t.dtype == dtype and t.is_contiguous() else None
+    wire = str(dtype).removeprefix("torch.")  # FP8 entries (e4m3 codes, scales) are made, never held
+    same = t.dtype == dtype and all(x.dtype == wire for x in planned.tensors)
+    n = inplace_numel(pm, planned) if lp.shard_group is None and same and t.is_contiguous() else None
     return None if n is None else Placement(t.untyped_storage().data_ptr(), t.storage_offset(), n)
 
 
@@ -161,6 +170,9 @@ class BucketStep:
     """uint8 view of the bucket's bytes (sender only), in one of the reused send buffers."""
     slot: int | None
     """Which send buffer ``flat`` lives in (sender only); negative: ``flat`` is a view of the params."""
+    quantize: Callable[[], None] | None = None
+    """FP8 buckets (sender only): the copies fill a staging buffer in the sync dtype; this writes the
+    bucket's e4m3 codes and scales from it into ``flat`` (``mrl.weight_sync.fp8.BucketQuantizer``)."""
 
     @property
     def in_place(self) -> bool:
@@ -186,6 +198,8 @@ class BucketStep:
             last[0].finish(last[1])
         for w in sent:  # NCCL: the stream waits (the next pack reuses the buffer); gloo: the host waits
             w.wait()
+        if self.quantize is not None:
+            self.quantize()
 
 
 @dataclass
@@ -350,7 +364,8 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
     local params the steps read (their storage must not move while the steps are used).
     ``chunk_bytes``: split each (group, dtype) batch into transfers of about this size (0: one per batch)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    plans, gin_bytes, gout_bytes, flat_bytes = [], 0, 0, 0
+    plans, gin_bytes, gout_bytes, flat_bytes, staging_bytes = [], 0, 0, 0, 0
+    wire = str(dtype).removeprefix("torch.")
     for bucket in order:
         direct, batches = participation(bucket, local, maps, rank=rank, dp_rank=dp_rank, edp_rank=edp_rank)
         if not direct and not batches and rank != bucket.sender:
@@ -367,12 +382,16 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
         view = _inplace_view(bucket, direct, dtype) if bucket.inplace and rank == bucket.sender else None
         if rank == bucket.sender and view is None:
             flat_bytes = max(flat_bytes, bucket.nbytes)
+            if has_fp8(bucket):
+                staging_bytes = max(staging_bytes, staged_bucket(bucket, wire).nbytes)
         plans.append((bucket, direct, batches, view))
     gin_buf = torch.empty(gin_bytes, dtype=torch.uint8, device=device)
     gout_buf = torch.empty(gout_bytes, dtype=torch.uint8, device=device)
     num_sends = sum(1 for bucket, _, _, view in plans if bucket.sender == rank and view is None)
     send_bufs = [torch.empty(flat_bytes, dtype=torch.uint8, device=device)
                  for _ in range(min(num_send_buffers, num_sends))]
+    # one is enough: a bucket's quantization reads it before the next bucket's copies write it (same stream)
+    staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
     steps, sources, sends = [], [], 0
     for bucket, direct, batches, view in plans:
         for b in batches:
@@ -380,7 +399,7 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             if b.group.rank == 0:
                 b.out = gout_buf[b.out_byte:b.out_byte + b.numel * item * b.group.size].view(b.dtype)
             sources += [lp.param for lp, _, _, _ in b.items]
-        flat, slot, sc = None, None, None
+        flat, slot, sc, quantize = None, None, None, None
         if view is not None:  # its own slot: no later bucket waits for this one's broadcast
             flat, slot, sc = view, -1 - len(steps), _SenderCopies(Copies(), Copies(), {})
             sources += [lp.param for lp, _, _ in direct]
@@ -388,8 +407,14 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             slot = sends % len(send_bufs)
             sends += 1
             flat = send_bufs[slot][:bucket.nbytes]
-            assert bucket.nbytes % elem == 0
-            sc = copy_out(bucket, direct, batches, flat.view(dtype))
+            if has_fp8(bucket):  # gathered in the sync dtype as the bf16 bucket, then quantized into flat
+                staged = staged_bucket(bucket, wire)
+                dst = staging[:staged.nbytes].view(dtype)
+                quantize = BucketQuantizer(bucket, dst, flat, wire)
+                sc = copy_out(staged, direct, batches, dst)
+            else:
+                assert bucket.nbytes % elem == 0
+                sc = copy_out(bucket, direct, batches, flat.view(dtype))
             sources += [lp.param for lp, _, _ in direct]
         gathers, same_group = [], {}
         for i, b in enumerate(batches):
@@ -414,5 +439,5 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
                                         sc.per_chunk[i, j] if sc is not None and receiver else Copies(),
                                         tag=j * 16 + nth[0] - 1, receiver=receiver))
         steps.append(BucketStep(bucket, sc.own_in if sc else Copies(), gathers, sc.local if sc else Copies(),
-                                flat, slot))
+                                flat, slot, quantize))
     return steps, sources
