@@ -90,6 +90,20 @@ class BucketQuantizer:
         quantize_bucket(self.tensors, self.views, flat=self.flat, backend=self.backend)
 
 
+def quantize_checkpoint(tensors: dict[str, torch.Tensor], dtype: torch.dtype, backend: str = "auto"
+                        ) -> dict[str, torch.Tensor]:
+    """HF-named full tensors as the block-FP8 checkpoint of them (the disk transport's export to FP8
+    engines): each target cast to ``dtype`` (the sync dtype, as the distributed path quantizes it) and
+    quantized, followed by its ``weight_scale_inv``; the other tensors as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and is_fp8_target(name):
+            out[name], out[scale_inv_name(name)] = quantize_block_fp8(t.to(dtype), backend=backend)
+        else:
+            out[name] = t
+    return out
+
+
 def byte_offsets(entries: Sequence[HFTensor]) -> list[int]:
     """Start of each entry in the flat buffer (back to back, no padding), and the total as the last item."""
     out, at = [], 0
