@@ -206,3 +206,25 @@ def test_one_rank_copy_plan_sends_the_quantized_bucket(ckpt_dir, param_dtype):
             assert placement(lp, maps[p.mcore_name], p, torch.bfloat16) is not None
         if fp8:
             assert placement(lp, maps[p.mcore_name], p, torch.bfloat16) is None
+
+
+def test_disk_exports_are_the_fp8_checkpoint(ckpt_dir, tmp_path):
+    """The disk transport (and repair path) to FP8 engines: ``quantize_checkpoint`` of the full tensors in the
+    sync dtype is what ``mrl export-fp8`` writes for them, tensor for tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from mrl.quant.export import export_fp8
+
+    tensors = {k: v.to(torch.bfloat16) for k, v in
+               load_file(f"{ckpt_dir['tiny_gpu']}/model.safetensors").items()}
+    (tmp_path / "bf16").mkdir()
+    save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
+    (tmp_path / "bf16" / "config.json").write_text(open(f"{ckpt_dir['tiny_gpu']}/config.json").read())
+    export_fp8(str(tmp_path / "bf16"), str(tmp_path / "fp8"), log=lambda *_: None)
+    want = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    got = sync_fp8.quantize_checkpoint({k: v.float() for k, v in tensors.items()}, torch.bfloat16)
+    assert set(got) == set(want)
+    for k, v in want.items():  # the rest keeps the trainer's dtype, as the disk transport writes it
+        g = got[k] if got[k].dtype in (torch.float8_e4m3fn, torch.float32) and v.dtype != torch.bfloat16 \
+            else got[k].to(torch.bfloat16)
+        assert g.dtype == v.dtype and torch.equal(g.view(torch.uint8), v.view(torch.uint8)), k
