@@ -166,7 +166,10 @@ def engine(cfg: Config) -> int:
 
     secure_run_dir(cfg.run_dir)
     route_library_output(cfg.run_dir, f"engine_node_{socket.gethostname()}")  # health polls, library warnings
-    path = ensure_model(cfg)
+    cfg.model.hf_path = ensure_model(cfg)
+    from mrl.engine.fp8_model import engine_model_path
+
+    path = engine_model_path(cfg)  # rollout.quantization=fp8: the run's block-FP8 export (shared run_dir: one)
     r = cfg.rollout
     # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
     # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the

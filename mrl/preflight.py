@@ -360,9 +360,41 @@ def check_model(cfg: Config, where: str) -> str | None:
     return None
 
 
+def check_fp8_shapes(cfg: Config, where: str) -> str | None:
+    """``rollout.quantization=fp8``: SGLang's block-FP8 layers load this model at ``rollout.engine_tp`` x
+    ``engine_ep`` (whole 128-blocks per engine rank: ``sglang_shape_problems``). The model's config.json, or
+    the tiny preset's config when ``make_tiny_if_missing`` will write it."""
+    r = cfg.rollout
+    if r.quantization != "fp8" or _in_image(cfg, where):
+        return None
+    import transformers
+
+    from mrl.quant.fp8_targets import sglang_shape_problems
+
+    path = cfg.model.hf_path
+    if not os.path.isfile(os.path.join(path, "config.json")) and not cfg.model.make_tiny_if_missing:
+        return None  # check_model names the missing model
+    try:
+        if os.path.isfile(os.path.join(path, "config.json")):
+            hf_config = transformers.AutoConfig.from_pretrained(path)
+        else:
+            from mrl.models.tiny import FAMILIES, PRESETS
+
+            config_cls, arch = FAMILIES[cfg.model.tiny_preset]
+            hf_config = getattr(transformers, config_cls)(architectures=[arch], **PRESETS[cfg.model.tiny_preset])
+    except (ValueError, OSError, KeyError) as e:
+        return _model_msg(path, str(e))  # check_model reports a missing model; this is a bad config.json
+    problems = sglang_shape_problems(hf_config, r.engine_tp, r.engine_ep)
+    if problems:
+        return (f"rollout.quantization=fp8: SGLang's block-FP8 layers cannot load model.hf_path={path} at "
+                f"rollout.engine_tp={r.engine_tp}, engine_ep={r.engine_ep}: {'; '.join(problems)} (another engine_tp "
+                "or engine_ep, or rollout.quantization=null)")
+    return None
+
+
 CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
                             check_gpu_stack, check_ports, check_loggers)
-COSTLY: tuple[Check, ...] = (check_model,)
+COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes)
 
 
 def run_preflight(cfg: Config, where: str = LOCAL) -> list[str]:

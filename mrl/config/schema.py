@@ -142,9 +142,10 @@ class RolloutConfig:
     quantization: Optional[str] = None
     """GPU engines' weights: null = ``engine_dtype``; ``fp8`` = block-wise FP8 (e4m3, one scale per 128x128
     block, SGLang's ``fp8`` method): attention, MLP and expert projections in FP8, norms, router,
-    embeddings and head in ``engine_dtype``; the trainer (bf16) quantizes at every weight sync
-    (``mrl.quant``, docs/fp8.md). Not in CPU mode (SGLang's CPU FP8 kernels need AMX
-    and a bf16 engine)."""
+    embeddings and head in ``engine_dtype``. The engines start from ``<run_dir>/fp8_model``, the block-FP8
+    export of ``model.hf_path`` made once per run, and the trainer (bf16) quantizes at every weight sync
+    (``mrl.quant``, docs/fp8.md). Not in CPU mode (SGLang's CPU FP8 kernels need AMX and a bf16 engine),
+    not with LoRA, not with ``weight_sync.transport=tensor``."""
     kv_cache_dtype: Optional[str] = None
     """Engines' KV cache (SGLang ``--kv-cache-dtype``): null = the engine's dtype; ``fp8_e4m3``, ``fp8_e5m2``
     (both without calibrated scales: SGLang uses 1.0), ``bfloat16``. Independent of ``quantization``; CPU
@@ -236,10 +237,10 @@ class RolloutConfig:
             _fail("rollout.max_total_tokens", f"must be >= 1 or null, got {self.max_total_tokens}")
         if self.quantization not in ROLLOUT_QUANTIZATIONS:
             _fail("rollout.quantization", f"must be one of {list(ROLLOUT_QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization == "fp8" and not self.cpu_mode:
-            _fail("rollout.quantization", "=fp8: the trainer's weight sync does not quantize yet (mrl.weight_sync.fp8 "
-                  "holds its pieces; docs/fp8.md), so FP8 engines would be updated with bf16 bytes; serve a "
-                  "block-FP8 checkpoint (mrl export-fp8) from a plain SGLang server meanwhile, or use null")
+        for key, field_ in (("quantization", "rollout.quantization"), ("kv_cache_dtype", "rollout.kv_cache_dtype")):
+            if key in self.server_args:  # the fields also choose the checkpoint and what the weight sync sends
+                _fail(f"rollout.server_args.{key}", f"set {field_} instead (the engines' checkpoint and the weight "
+                      "sync follow it; a server flag alone would not)")
         if self.quantization is not None and self.cpu_mode:
             _fail("rollout.quantization", f"={self.quantization}: CPU engines cannot serve block-FP8 weights (SGLang "
                   "0.5.14's CPU FP8 layers need AMX and the sgl-kernel CPU build, and mrl's CPU engines run float32, "
@@ -301,6 +302,12 @@ class Config:
                   f"0..{self.parallel.world_size - 1}), and NCCL cannot join two ranks of one GPU in the "
                   "weight_sync.transport=distributed group; give the engines GPUs of their own (null: the ones "
                   "after the trainer's) or set weight_sync.transport=tensor (CUDA IPC) or disk")
+        if r.quantization == "fp8" and self.model.lora.enabled:
+            _fail("rollout.quantization", "=fp8 with model.lora: SGLang's LoRA layers over a block-FP8 base are not "
+                  "what the trainer computes (bf16 base + adapter) and were never tested here; use null")
+        if r.quantization == "fp8" and self.weight_sync.transport == WeightTransport.tensor:
+            _fail("weight_sync.transport", "=tensor with rollout.quantization=fp8: the tensor transport sends the "
+                  "trainer's tensors as they are, not block-FP8; use distributed (or disk)")
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:

@@ -419,16 +419,18 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
-                   kv_cache_dtype=r.kv_cache_dtype, cpu_threads=r.cpu_threads, lora=lora,
+                   kv_cache_dtype=r.kv_cache_dtype, quantization=r.quantization, cpu_threads=r.cpu_threads, lora=lora,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for i, n in enumerate(names)]
 
 
 def start_job_engines(cfg) -> list["Engine"]:
-    """Start the engines of a run's ``cfg.rollout`` that the job owns; the caller awaits their health."""
+    """Start the engines of a run's ``cfg.rollout`` that the job owns; the caller awaits their health. FP8
+    engines start from the run's block-FP8 export of ``model.hf_path`` (made here on the first start)."""
     from mrl.config.lora_engine import lora_engine_spec
+    from mrl.engine.fp8_model import engine_model_path
 
-    engines = engines_from_config(cfg.rollout, cfg.model.hf_path, log_dir=os.path.join(cfg.run_dir, "engines"),
+    engines = engines_from_config(cfg.rollout, engine_model_path(cfg), log_dir=os.path.join(cfg.run_dir, "engines"),
                                   lora=lora_engine_spec(cfg))
     for e in engines:
         e.start()

@@ -197,7 +197,8 @@ class Loop:
             padded_vocab=self.policy.padded_vocab, engines=engines, bucket_bytes=int(ws.bucket_mb * (1 << 20)),
             export_dir=ws.export_dir or os.path.join(self.cfg.run_dir, "weights"), config_src=self.hf_path,
             timeout_s=ws.timeout_s, group_prefix=broadcast_object(f"mrl-{os.urandom(4).hex()}"),
-            dtype=self.cfg.rollout.engine_dtype, master_address=ws.master_address)
+            dtype=self.cfg.rollout.engine_dtype, master_address=ws.master_address,
+            fp8=self.cfg.rollout.quantization == "fp8")
 
     def _adapter_channel(self, engines: list[EngineEndpoint]) -> AdapterChannel:
         """LoRA: versions go to the engines as adapters, over HTTP whatever ``weight_sync.transport`` (``disk``

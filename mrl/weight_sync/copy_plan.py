@@ -36,6 +36,11 @@ tensors need no regrouping: experts at expert-TP 1, embeddings, norms, o_proj at
 is a view of that memory and the bucket costs no copy. If the params have moved since the plan was
 made (an offload and reload), the bucket is filled by copies like any other.
 
+FP8 buckets (a block-FP8 engine, ``mrl.weight_sync.fp8``): the copies fill a staging buffer laid out as
+the bucket in the sync dtype (``staged_bucket``), and the bucket's last step quantizes it into the flat
+buffer (e4m3 codes and fp32 scales, each weight's pair where the plan puts it). Such buckets never go in
+place: the params hold bf16, not what goes on the wire.
+
 Byte layout of a flat buffer (what SGLang's ``flattened_bucket`` expects): the bucket's HF tensors in
 bucket order, each row-major in the sync dtype, no padding. It equals ``cat(split_full(pm, full))``
 of the per-tensor path.
@@ -43,6 +48,7 @@ of the per-tensor path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +56,8 @@ import torch.distributed as dist
 
 from mrl.megatron.weights import LocalParam
 from mrl.models.bridge import ParamMap
+from mrl.weight_sync.copies import Copies, Flat1D, Strided
+from mrl.weight_sync.fp8 import BucketQuantizer, has_fp8, staged_bucket
 from mrl.weight_sync.planner import Bucket, Placement, PlannedParam
 
 _ALIGN = 64  # bytes: start of each gather region (any dtype view stays aligned)
@@ -94,7 +102,9 @@ def inplace_numel(pm: ParamMap, planned: PlannedParam) -> int | None:
 def placement(lp: LocalParam, pm: ParamMap, planned: PlannedParam, dtype: torch.dtype) -> Placement | None:
     """Where the sender holds ``planned``'s bytes as they go on the wire, if it does."""
     t = lp.param
-    n = inplace_numel(pm, planned) if lp.shard_group is None and t.dtype == dtype and t.is_contiguous() else None
+    wire = str(dtype).removeprefix("torch.")  # FP8 entries (e4m3 codes, scales) are made, never held
+    same = t.dtype == dtype and all(x.dtype == wire for x in planned.tensors)
+    n = inplace_numel(pm, planned) if lp.shard_group is None and same and t.is_contiguous() else None
     return None if n is None else Placement(t.untyped_storage().data_ptr(), t.storage_offset(), n)
 
 
@@ -108,79 +118,6 @@ def _inplace_view(bucket: Bucket, direct: list, dtype: torch.dtype) -> torch.Ten
     first = direct[0][0].param.detach()
     n = sum(a.numel for a in at)
     return first.as_strided((n,), (1,), first.storage_offset()).view(torch.uint8)
-
-
-@dataclass
-class Copies:
-    """``dst[i].copy_(src[i])`` for every pair, as at most two batched calls."""
-
-    fused_dst: list[torch.Tensor] = field(default_factory=list)
-    fused_src: list[torch.Tensor] = field(default_factory=list)
-    """Contiguous, same dtype: CUDA's fused multi-tensor copy."""
-    other_dst: list[torch.Tensor] = field(default_factory=list)
-    other_src: list[torch.Tensor] = field(default_factory=list)
-    """Strided (row-parallel column blocks) or casting."""
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        assert dst.shape == src.shape, (dst.shape, src.shape)
-        fused = dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
-        (self.fused_dst if fused else self.other_dst).append(dst)
-        (self.fused_src if fused else self.other_src).append(src)
-
-    def __len__(self) -> int:
-        return len(self.fused_dst) + len(self.other_dst)
-
-    def run(self) -> None:
-        if self.fused_dst:
-            torch._foreach_copy_(self.fused_dst, self.fused_src)
-        if self.other_dst:
-            torch._foreach_copy_(self.other_dst, self.other_src)
-
-
-class _Flat1D:
-    """Contiguous element ranges ``base[src:src+n] -> dst[off:off+n]``, merged while both sides continue."""
-
-    def __init__(self) -> None:
-        self.ranges: list[list] = []  # [src base, src offset, dst offset, numel]
-
-    def add(self, base: torch.Tensor, src: int, dst: int, n: int) -> None:
-        last = self.ranges[-1] if self.ranges else None
-        if last is not None and last[0] is base and last[1] + last[3] == src and last[2] + last[3] == dst:
-            last[3] += n
-        else:
-            self.ranges.append([base, src, dst, n])
-
-    def into(self, copies: Copies, flat: torch.Tensor) -> None:
-        for base, src, dst, n in self.ranges:
-            copies.add(flat[dst:dst + n], base[src:src + n])
-
-
-class _Strided:
-    """Row-parallel copies (``dst`` a column block of an HF tensor, ``src`` a gathered shard), where
-    consecutive ones of the same shape sit at evenly spaced offsets on both sides (one tensor of every
-    expert of a bucket) merged into one copy with a leading dim: one kernel, not one per expert."""
-
-    def __init__(self) -> None:
-        # [dst base, src base, sizes, dst strides, src strides, dst offset, src offset, count, dst step, src step]
-        self.groups: list[list] = []
-
-    def add(self, dst: torch.Tensor, dst_off: int, dst_strides: tuple, src: torch.Tensor, src_off: int,
-            src_strides: tuple, sizes: tuple) -> None:
-        g = self.groups[-1] if self.groups else None
-        if g is not None and g[0] is dst and g[1] is src and g[2:5] == [sizes, dst_strides, src_strides]:
-            d_step, s_step = dst_off - g[5] - (g[7] - 1) * g[8], src_off - g[6] - (g[7] - 1) * g[9]
-            if g[7] == 1 and d_step > 0 and s_step > 0:
-                g[7:10] = [2, d_step, s_step]
-                return
-            if g[7] > 1 and (d_step, s_step) == (g[8], g[9]):
-                g[7] += 1
-                return
-        self.groups.append([dst, src, sizes, dst_strides, src_strides, dst_off, src_off, 1, 0, 0])
-
-    def into(self, copies: Copies) -> None:
-        for dst, src, sizes, d_str, s_str, d_off, s_off, count, d_step, s_step in self.groups:
-            copies.add(dst.as_strided((count, *sizes), (d_step, *d_str), d_off),
-                       src.as_strided((count, *sizes), (s_step, *s_str), s_off))
 
 
 @dataclass
@@ -233,6 +170,9 @@ class BucketStep:
     """uint8 view of the bucket's bytes (sender only), in one of the reused send buffers."""
     slot: int | None
     """Which send buffer ``flat`` lives in (sender only); negative: ``flat`` is a view of the params."""
+    quantize: Callable[[], None] | None = None
+    """FP8 buckets (sender only): the copies fill a staging buffer in the sync dtype; this writes the
+    bucket's e4m3 codes and scales from it into ``flat`` (``mrl.weight_sync.fp8.BucketQuantizer``)."""
 
     @property
     def in_place(self) -> bool:
@@ -258,6 +198,8 @@ class BucketStep:
             last[0].finish(last[1])
         for w in sent:  # NCCL: the stream waits (the next pack reuses the buffer); gloo: the host waits
             w.wait()
+        if self.quantize is not None:
+            self.quantize()
 
 
 @dataclass
@@ -352,9 +294,9 @@ def copy_out(bucket: Bucket, direct: list, batches: list[_Batch], flat: torch.Te
     """Pairs (flat slice <- param rows or gathered shard rows) for the whole bucket, in bucket order. The
     sender's own shards come from its params, not through the gather buffer."""
     offsets = _hf_offsets(bucket)
-    local_ranges, own_in = _Flat1D(), Copies()
-    ranges = {(i, j): _Flat1D() for i, b in enumerate(batches) for j in range(len(b.chunks))}
-    strided = {key: _Strided() for key in ranges}
+    local_ranges, own_in = Flat1D(), Copies()
+    ranges = {(i, j): Flat1D() for i, b in enumerate(batches) for j in range(len(b.chunks))}
+    strided = {key: Strided() for key in ranges}
     sources = {p.mcore_name: ("direct", lp, pm) for lp, pm, p in direct}
     for i, b in enumerate(batches):
         for lp, pm, p, o in b.items:
@@ -422,7 +364,8 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
     local params the steps read (their storage must not move while the steps are used).
     ``chunk_bytes``: split each (group, dtype) batch into transfers of about this size (0: one per batch)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    plans, gin_bytes, gout_bytes, flat_bytes = [], 0, 0, 0
+    plans, gin_bytes, gout_bytes, flat_bytes, staging_bytes = [], 0, 0, 0, 0
+    wire = str(dtype).removeprefix("torch.")
     for bucket in order:
         direct, batches = participation(bucket, local, maps, rank=rank, dp_rank=dp_rank, edp_rank=edp_rank)
         if not direct and not batches and rank != bucket.sender:
@@ -439,12 +382,16 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
         view = _inplace_view(bucket, direct, dtype) if bucket.inplace and rank == bucket.sender else None
         if rank == bucket.sender and view is None:
             flat_bytes = max(flat_bytes, bucket.nbytes)
+            if has_fp8(bucket):
+                staging_bytes = max(staging_bytes, staged_bucket(bucket, wire).nbytes)
         plans.append((bucket, direct, batches, view))
     gin_buf = torch.empty(gin_bytes, dtype=torch.uint8, device=device)
     gout_buf = torch.empty(gout_bytes, dtype=torch.uint8, device=device)
     num_sends = sum(1 for bucket, _, _, view in plans if bucket.sender == rank and view is None)
     send_bufs = [torch.empty(flat_bytes, dtype=torch.uint8, device=device)
                  for _ in range(min(num_send_buffers, num_sends))]
+    # one is enough: a bucket's quantization reads it before the next bucket's copies write it (same stream)
+    staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
     steps, sources, sends = [], [], 0
     for bucket, direct, batches, view in plans:
         for b in batches:
@@ -452,7 +399,7 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             if b.group.rank == 0:
                 b.out = gout_buf[b.out_byte:b.out_byte + b.numel * item * b.group.size].view(b.dtype)
             sources += [lp.param for lp, _, _, _ in b.items]
-        flat, slot, sc = None, None, None
+        flat, slot, sc, quantize = None, None, None, None
         if view is not None:  # its own slot: no later bucket waits for this one's broadcast
             flat, slot, sc = view, -1 - len(steps), _SenderCopies(Copies(), Copies(), {})
             sources += [lp.param for lp, _, _ in direct]
@@ -460,8 +407,14 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
             slot = sends % len(send_bufs)
             sends += 1
             flat = send_bufs[slot][:bucket.nbytes]
-            assert bucket.nbytes % elem == 0
-            sc = copy_out(bucket, direct, batches, flat.view(dtype))
+            if has_fp8(bucket):  # gathered in the sync dtype as the bf16 bucket, then quantized into flat
+                staged = staged_bucket(bucket, wire)
+                dst = staging[:staged.nbytes].view(dtype)
+                quantize = BucketQuantizer(bucket, dst, flat, wire)
+                sc = copy_out(staged, direct, batches, dst)
+            else:
+                assert bucket.nbytes % elem == 0
+                sc = copy_out(bucket, direct, batches, flat.view(dtype))
             sources += [lp.param for lp, _, _ in direct]
         gathers, same_group = [], {}
         for i, b in enumerate(batches):
@@ -486,5 +439,5 @@ def build_steps(order: list[Bucket], local: dict[str, LocalParam], maps: dict[st
                                         sc.per_chunk[i, j] if sc is not None and receiver else Copies(),
                                         tag=j * 16 + nth[0] - 1, receiver=receiver))
         steps.append(BucketStep(bucket, sc.own_in if sc else Copies(), gathers, sc.local if sc else Copies(),
-                                flat, slot))
+                                flat, slot, quantize))
     return steps, sources

@@ -14,6 +14,8 @@ from mrl.megatron.weights import export_hf
 from mrl.models.bridge import ModelBridge
 from mrl.models.checkpoint import save_hf
 from mrl.engine.endpoint import EngineEndpoint
+from mrl.quant.export import quantization_config
+from mrl.weight_sync.fp8 import quantize_checkpoint
 from mrl.weight_sync.transport import PushStats, Transport, run_on
 
 
@@ -26,9 +28,13 @@ class DiskTransport(Transport):
     name = "disk"
 
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
-                 engines: list[EngineEndpoint], export_dir: str | None, config_src: str, keep: int = 2):
+                 engines: list[EngineEndpoint], export_dir: str | None, config_src: str, keep: int = 2,
+                 fp8_dtype: torch.dtype | None = None):
+        """``fp8_dtype``: the engines serve a block-FP8 checkpoint (``rollout.quantization=fp8``), so each export
+        is one, its targets cast to this dtype (the sync dtype) and quantized (``quantize_checkpoint``)."""
         self.model, self.layout, self.bridge, self.vp = model, layout, bridge, padded_vocab
         self.engines, self.config_src, self.keep = engines, config_src, keep
+        self.fp8_dtype = fp8_dtype
         self.export_dir = export_dir or tempfile.mkdtemp(prefix="mrl_weights_")
         self.last_path: str | None = None
 
@@ -38,7 +44,11 @@ class DiskTransport(Transport):
         if self.layout.world_rank != 0:
             return None
         path = os.path.join(self.export_dir, f"v{version}")
-        save_hf(tensors, path, config_src=self.config_src)
+        extra = None
+        if self.fp8_dtype is not None:
+            extra = {"quantization_config": quantization_config(sorted(tensors))}
+            tensors = quantize_checkpoint(tensors, self.fp8_dtype)
+        save_hf(tensors, path, config_src=self.config_src, engine_config=extra)
         self.last_path = path
         olds = sorted((d for d in os.listdir(self.export_dir) if d.startswith("v") and d != f"v{version}"),
                       key=lambda d: os.path.getmtime(os.path.join(self.export_dir, d)))

@@ -23,12 +23,10 @@ import torch
 
 from mrl.quant.fp8 import BLOCK_SIZE, quantize_block_fp8, scale_shape
 from mrl.quant.fp8_targets import is_fp8_target, scale_inv_name
-from mrl.weight_sync.planner import HFTensor, PlannedParam
+from mrl.weight_sync.planner import Bucket, HFTensor, PlannedParam
 
 FP8_DTYPE = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
-ENTRY_BYTES = {FP8_DTYPE: 1, "float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of every dtype an FP8 bucket holds (the planner's ``DTYPE_BYTES`` plus e4m3)."""
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
@@ -47,11 +45,63 @@ def fp8_param(p: PlannedParam, ignored: Sequence[str] = (), block_size: tuple[in
     return replace(p, tensors=tuple(e for t in p.tensors for e in fp8_entries(t, ignored, block_size)))
 
 
-def entry_nbytes(t: HFTensor) -> int:
-    n = ENTRY_BYTES[t.dtype]
-    for d in t.shape:
-        n *= d
-    return n
+def high_precision(p: PlannedParam, dtype: str) -> PlannedParam:
+    """The param as the trainer gathers it before quantizing: each (e4m3 weight, scales) pair back to its
+    weight in ``dtype`` (the bf16 layout the sender stages a bucket in); the inverse of ``fp8_param``."""
+    out: list[HFTensor] = []
+    for t in p.tensors:
+        if out and t.dtype == SCALE_DTYPE and out[-1][1] and t.name == scale_inv_name(out[-1][0].name):
+            continue
+        out.append((HFTensor(t.name, t.shape, dtype) if t.dtype == FP8_DTYPE else t, t.dtype == FP8_DTYPE))
+    return replace(p, tensors=tuple(t for t, _ in out))
+
+
+def has_fp8(bucket: Bucket) -> bool:
+    return any(t.dtype == FP8_DTYPE for t in bucket.tensors)
+
+
+def staged_bucket(bucket: Bucket, dtype: str) -> Bucket:
+    """``bucket`` with its params as ``high_precision`` gives them: the layout of its staging buffer."""
+    return replace(bucket, params=[high_precision(p, dtype) for p in bucket.params])
+
+
+class BucketQuantizer:
+    """The sender's last step of an FP8 bucket, built once per bucket and run every sync: the staged
+    high-precision tensors (views of the staging buffer the copy plan fills) quantized into the bucket's
+    flat send buffer. Checks at build time that what it writes is the planned bucket, entry for entry."""
+
+    def __init__(self, bucket: Bucket, staging: torch.Tensor, flat: torch.Tensor, dtype: str,
+                 backend: str = "auto"):
+        self.tensors = staged_bucket(bucket, dtype).tensors
+        self.views, at = [], 0
+        for t in self.tensors:
+            n = 1
+            for d in t.shape:
+                n *= d
+            self.views.append(staging[at:at + n].view(t.shape))
+            at += n
+        entries = [e for t in self.tensors for e in fp8_entries(t)]
+        if entries != bucket.tensors:
+            raise ValueError(f"bucket {bucket.index} of sender {bucket.sender}: its planned FP8 entries are not what "
+                             "quantizing its tensors gives (the plan and the sender disagree on the FP8 targets)")
+        self.flat, self.backend = flat, backend
+
+    def __call__(self) -> None:
+        quantize_bucket(self.tensors, self.views, flat=self.flat, backend=self.backend)
+
+
+def quantize_checkpoint(tensors: dict[str, torch.Tensor], dtype: torch.dtype, backend: str = "auto"
+                        ) -> dict[str, torch.Tensor]:
+    """HF-named full tensors as the block-FP8 checkpoint of them (the disk transport's export to FP8
+    engines): each target cast to ``dtype`` (the sync dtype, as the distributed path quantizes it) and
+    quantized, followed by its ``weight_scale_inv``; the other tensors as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and is_fp8_target(name):
+            out[name], out[scale_inv_name(name)] = quantize_block_fp8(t.to(dtype), backend=backend)
+        else:
+            out[name] = t
+    return out
 
 
 def byte_offsets(entries: Sequence[HFTensor]) -> list[int]:
@@ -59,7 +109,7 @@ def byte_offsets(entries: Sequence[HFTensor]) -> list[int]:
     out, at = [], 0
     for e in entries:
         out.append(at)
-        at += entry_nbytes(e)
+        at += e.nbytes
     return out + [at]
 
 

@@ -10,6 +10,8 @@ No torch.distributed, no model: unit-tested on CPU with layouts up to 64 ranks. 
   stages and EP ranks stream in parallel;
 - buckets of one sender keep parameter order and stay <= ``bucket_bytes`` (a single tensor larger
   than that gets a bucket of its own);
+- FP8 syncs (``fp8``): each block-FP8 target travels as its e4m3 weight and fp32 scales in the engine's
+  checkpoint names (``mrl.weight_sync.fp8.fp8_param``), both in its param, so buckets fill by FP8 bytes;
 - in place (``placements``): params a sender holds already as their HF tensors back to back (no
   gather, no regrouping, the sync dtype) and that follow each other in one storage without a gap
   (megatron's DDP parameter buffer) form buckets of their own, in memory order, which the sender
@@ -26,7 +28,8 @@ from dataclasses import dataclass, field
 
 from mrl.models.bridge import ParamMap
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+"""Bytes per element of the dtypes a bucket holds (e4m3: FP8 syncs, ``mrl.weight_sync.fp8``)."""
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
@@ -151,7 +154,12 @@ def layer_stage(layer: int, num_layers: int, pp: int, stage_layers: tuple[int, .
 
 
 def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
-                dtype: str = "float32", tied: bool = False) -> list[PlannedParam]:
+                dtype: str = "float32", tied: bool = False, fp8: bool = False) -> list[PlannedParam]:
+    """Every param to send, with its sender and HF tensors; ``fp8``: the block-FP8 targets as (e4m3 weight,
+    fp32 scales) pairs, for engines started from a block-FP8 checkpoint."""
+    # imported here: mrl.weight_sync.fp8 builds on this module's types
+    from mrl.weight_sync.fp8 import fp8_param
+
     if num_experts and num_experts % layout.ep:
         raise ValueError(f"parallel.ep={layout.ep} does not divide {num_experts} experts")
     per_ep = num_experts // layout.ep if num_experts else 0
@@ -177,7 +185,8 @@ def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int,
                     shapes[p.hf_name] = shapes.get(p.hf_name, 0) + p.num_rows
         tensors = tuple(HFTensor(n, (rows,) + ((pm.num_cols,) if pm.num_cols else ()), dtype)
                         for n, rows in shapes.items())
-        out.append(PlannedParam(pm.mcore_name, stage, expert, sender, tensors))
+        p = PlannedParam(pm.mcore_name, stage, expert, sender, tensors)
+        out.append(fp8_param(p) if fp8 else p)
     return out
 
 
@@ -199,7 +208,8 @@ def _inplace_runs(params: list[PlannedParam], placements: dict[str, Placement], 
 
 def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
               bucket_bytes: int, dtype: str = "float32", tied: bool = False, group_prefix: str = "mrl",
-              placements: dict[str, Placement] | None = None, min_inplace_bytes: int | None = None) -> SyncPlan:
+              placements: dict[str, Placement] | None = None, min_inplace_bytes: int | None = None,
+              fp8: bool = False) -> SyncPlan:
     """Ordered buckets per sender; bucket i of every sender can be streamed concurrently.
     ``placements``: every sender's params that can go out in place (module docstring). Runs shorter
     than ``min_inplace_bytes`` (default: a quarter bucket) are copied: each bucket costs a request and
@@ -207,7 +217,8 @@ def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, n
     into a bucket with others."""
     if bucket_bytes <= 0:
         raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_bytes} bytes")
-    params = plan_params(maps, layout, num_layers=num_layers, num_experts=num_experts, dtype=dtype, tied=tied)
+    params = plan_params(maps, layout, num_layers=num_layers, num_experts=num_experts, dtype=dtype, tied=tied,
+                         fp8=fp8)
     senders = sorted({p.sender for p in params})
     groups = {r: f"{group_prefix}-r{r}" for r in senders}
     buckets: list[Bucket] = []

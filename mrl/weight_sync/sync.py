@@ -316,15 +316,17 @@ class EngineSync(WeightChannel):
 def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge,
                    padded_vocab: int, engines: list[EngineEndpoint], bucket_bytes: int, export_dir: str | None,
                    config_src: str, dtype: str = "float32", timeout_s: float = 300.0,
-                   group_prefix: str = "mrl", **executor_kw) -> tuple[Transport, Transport]:
-    """The configured transport and the disk transport that repairs it (the same object for disk)."""
+                   group_prefix: str = "mrl", fp8: bool = False, **executor_kw) -> tuple[Transport, Transport]:
+    """The configured transport and the disk transport that repairs it (the same object for disk). ``fp8``:
+    the engines serve block-FP8 weights (``rollout.quantization=fp8``); every transport but ``tensor`` sends
+    them so."""
     disk = DiskTransport(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab, engines=engines,
-                          export_dir=export_dir, config_src=config_src)
+                         export_dir=export_dir, config_src=config_src, fp8_dtype=getattr(torch, dtype) if fp8 else None)
     if kind == WeightTransport.disk:
         return disk, disk
     ex = DistributedWeightSync(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab,
                                engines=engines, bucket_bytes=bucket_bytes, dtype=dtype, timeout_s=timeout_s,
-                               group_prefix=group_prefix, **executor_kw)
+                               group_prefix=group_prefix, fp8=fp8, **executor_kw)
     if kind == WeightTransport.tensor:
         return TensorTransport(ex), disk
     return DistributedTransport(ex), disk

@@ -48,6 +48,10 @@ class TensorTransport(Transport):
         if not torch.cuda.is_available():
             raise RuntimeError("weight_sync.transport=tensor needs CUDA (colocated GPUs): SGLang crashes "
                                "on CPU tensors sent between processes; use transport=distributed or disk")
+        if executor.fp8:
+            raise ValueError("weight_sync.transport=tensor with rollout.quantization=fp8: the tensor transport sends "
+                             "the trainer's tensors as they are, not block-FP8; use weight_sync.transport=distributed "
+                             "(or disk)")
         self.executor = executor
         self._io = LoopThread() if executor.is_sender else None
         self._clients = [EngineClient(e) for e in executor.engines] if executor.is_sender else []

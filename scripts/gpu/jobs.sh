@@ -36,6 +36,8 @@
 #   fp8quant tests/gpu/fp8_quant.sh: the block-FP8 triton kernel against the torch path, bit for bit (one GPU)
 #   mismatch tests/gpu/mismatch_split.sh: the mismatch split by cause for an engine mrl launches and a plain SGLang
 #           server attached by URL (MISMATCH_STEPS steps each, default 60; MISMATCH_EXTRA: more overrides)
+#   fp8sync tests/gpu/fp8_sync.sh: an FP8 weight sync into an engine serving the run's block-FP8 export (2 GPUs:
+#           trainer on the first, engine on the second), engine tensors vs the trainer's quantization bit for bit
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded
@@ -82,6 +84,7 @@ job() {  # name gpus te
                   bash tests/gpu/mismatch_split.sh "$WORK/mismatch" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
       fp8quant) timeout "$TIMEOUT" bash tests/gpu/fp8_quant.sh "$WORK/fp8quant" ;;
+      fp8sync) timeout "$TIMEOUT" bash tests/gpu/fp8_sync.sh "$WORK/fp8sync" ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
       *) echo "unknown job $name"; exit 2 ;;

@@ -1,6 +1,9 @@
-"""``rollout.quantization`` and ``rollout.kv_cache_dtype``: accepted values, refusals naming the field."""
+"""``rollout.quantization`` and ``rollout.kv_cache_dtype``: accepted values, refusals naming the field, what
+reaches the engines' command, and the preflight's block-shape check of FP8 engines."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -28,8 +31,15 @@ def test_fp8_kv_cache_reaches_the_engines_command():
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.quantization=fp8"], r"rollout.quantization: =fp8: CPU engines cannot serve block-FP8 weights"),
-    (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8"],
-     r"rollout.quantization: =fp8: the trainer's weight sync does not quantize yet"),
+    (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "model.lora.rank=8"],
+     r"rollout.quantization: =fp8 with model.lora"),
+    (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "weight_sync.transport=tensor",
+      "rollout.base_gpu_id=0"],
+     r"weight_sync.transport: =tensor with rollout.quantization=fp8"),
+    (["rollout=gpu", "model.dtype=bf16", "+rollout.server_args.quantization=fp8"],
+     r"rollout.server_args.quantization: set rollout.quantization instead"),
+    (["+rollout.server_args.kv_cache_dtype=fp8_e4m3"],
+     r"rollout.server_args.kv_cache_dtype: set rollout.kv_cache_dtype instead"),
     (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=int4"],
      r"rollout.quantization: must be one of \[None, 'fp8'\], got 'int4'"),
     (["rollout=gpu", "model.dtype=bf16", "rollout.kv_cache_dtype=fp4_e2m1"],
@@ -38,3 +48,43 @@ def test_fp8_kv_cache_reaches_the_engines_command():
 def test_refusals_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         compose(overrides)
+
+
+def test_fp8_gpu_engines_are_accepted_and_get_the_flags(monkeypatch):
+    from mrl.engine import gpu_mode
+
+    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
+    cfg = compose(["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8"])
+    (engine,) = engines_from_config(cfg.rollout, "/run/fp8_model", log_dir="/tmp", names=["e0"])
+    cmd = engine.command()
+    assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--model-path") + 1] == "/run/fp8_model"
+    assert "--kv-cache-dtype" not in cmd  # independent of the weights' format
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["model=tiny_gpu"], None),
+    (["model=tiny_gpu", "rollout.engine_tp=2"], r"k_proj = 64 rows per engine rank"),
+    ([], r"q_proj = 64 rows per engine rank"),  # the default tiny (hidden 64): no block FP8 at all
+])
+def test_preflight_checks_the_fp8_block_shapes(tmp_path, overrides, problem):
+    from mrl.preflight import check_fp8_shapes
+
+    cfg = compose(["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8",
+                   f"model.hf_path={tmp_path / 'missing'}", *overrides])  # made on first use: the preset's config
+    msg = check_fp8_shapes(cfg, "local")
+    if problem is None:
+        assert msg is None
+    else:
+        assert msg.startswith("rollout.quantization=fp8: SGLang's block-FP8 layers cannot load") and "\n" not in msg
+        assert f"rollout.engine_tp={cfg.rollout.engine_tp}" in msg
+        assert re.search(problem, msg), msg
+    assert check_fp8_shapes(compose(["model=tiny_gpu"]), "local") is None  # bf16 engines: nothing to check
+
+
+def test_preflight_reads_the_models_config(ckpt_dir):
+    from mrl.preflight import check_fp8_shapes
+
+    base = ["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "model.make_tiny_if_missing=false"]
+    assert check_fp8_shapes(compose([*base, f"model.hf_path={ckpt_dir['tiny_gpu']}"]), "local") is None
+    assert "cannot load" in check_fp8_shapes(compose([*base, f"model.hf_path={ckpt_dir['stress_b']}"]), "local")

@@ -54,24 +54,38 @@ def test_fp8_entries_are_the_fp8_checkpoints_tensors_for_every_layout(layout, pr
                 assert t.dtype == "bfloat16"
 
 
-def test_planner_buckets_with_fp8_entries(monkeypatch):
-    """The planner's one missing piece is e4m3's size in DTYPE_BYTES; with it, plan_sync over FP8 params
-    keeps each weight with its scales and fills buckets by FP8 bytes."""
-    monkeypatch.setitem(planner.DTYPE_BYTES, "float8_e4m3fn", 1)
-    plain = planner.plan_params
-    monkeypatch.setattr(planner, "plan_params", lambda *a, **k: [sync_fp8.fp8_param(p) for p in plain(*a, **k)])
+def test_planner_buckets_with_fp8_entries():
+    """plan_sync(fp8=True) keeps each weight with its scales (next to each other, in the param's order) and
+    fills buckets by FP8 bytes; every other tensor is where the bf16 plan has it."""
     b = _bridge(TinyPreset.tiny)
-    plan = planner.plan_sync(b.param_maps(b.padded_vocab(128, 2)), LAYOUTS["tp2xep2"], num_layers=b.num_layers,
-                             num_experts=b.num_experts, bucket_bytes=64 * 1024, dtype="bfloat16")
+    kw = dict(num_layers=b.num_layers, num_experts=b.num_experts, bucket_bytes=64 * 1024, dtype="bfloat16")
+    maps = b.param_maps(b.padded_vocab(128, 2))
+    plan = planner.plan_sync(maps, LAYOUTS["tp2xep2"], fp8=True, **kw)
+    plain = planner.plan_sync(maps, LAYOUTS["tp2xep2"], **kw)
+    bf16_params = {p.mcore_name: p for x in plain.buckets for p in x.params}
     for bucket in plan.buckets:
         names = [t.name for t in bucket.tensors]
-        assert all(n + "_scale_inv" in names for n in names if is_fp8_target(n))
-        assert bucket.nbytes == sync_fp8.byte_offsets(bucket.tensors)[-1]
-    bf16 = [t for p in plain(b.param_maps(b.padded_vocab(128, 2)), LAYOUTS["tp2xep2"], num_layers=b.num_layers,
-                             num_experts=b.num_experts, dtype="bfloat16") for t in p.tensors]
+        for i, n in enumerate(names):
+            if is_fp8_target(n):
+                assert names[i + 1] == n + "_scale_inv"
+        assert bucket.nbytes == sync_fp8.byte_offsets(bucket.tensors)[-1] <= 64 * 1024
+        # the sender's staging layout is the bf16 plan's tensors of the same params
+        assert sync_fp8.staged_bucket(bucket, "bfloat16").tensors == [
+            t for p in bucket.params for t in bf16_params[p.mcore_name].tensors]
+    assert [p.mcore_name for x in plan.buckets for p in x.params] == \
+        [p.mcore_name for x in plain.buckets for p in x.params]  # same order (bigger buckets may merge)
+    bf16 = [t for x in plain.buckets for t in x.tensors]
     q = [t for t in bf16 if is_fp8_target(t.name)]
     # one byte instead of two per quantized element, plus 4 bytes per block (one block each in the tiny model)
     assert plan.nbytes == sum(t.nbytes for t in bf16) - sum(t.nbytes // 2 for t in q) + 4 * len(q)
+    assert planner.DTYPE_BYTES["float8_e4m3fn"] == 1
+
+
+def test_high_precision_inverts_fp8_param():
+    b = _bridge(TinyPreset.deepseek_v3)
+    for p in plan_params(b.param_maps(b.padded_vocab(128, 1)), LAYOUTS["tp1"], num_layers=b.num_layers,
+                         num_experts=b.num_experts, dtype="bfloat16"):
+        assert sync_fp8.high_precision(sync_fp8.fp8_param(p), "bfloat16") == p
 
 
 def _bucket(num_experts=4, inter=96, hidden=160, seed=0):
@@ -152,3 +166,65 @@ def test_triton_fills_the_bucket_like_the_cpu_path():
     _, cpu = sync_fp8.quantize_bucket(tensors, values)
     _, gpu = sync_fp8.quantize_bucket(tensors, [v.cuda() for v in values], backend="triton")
     assert torch.equal(cpu, gpu.cpu())
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_copy_plan_sends_the_quantized_bucket(ckpt_dir, param_dtype):
+    """TP1, no process group: every FP8 bucket the copy plan fills is, byte for byte, the per-tensor path
+    (split_full, cast to bf16) quantized by ``quantize_bucket``; FP8 buckets never go in place."""
+    from mrl.megatron.weights import LocalParam
+    from mrl.models import get_bridge
+    from mrl.models.bridge import split_full
+    from mrl.weight_sync.copy_plan import build_steps, placement
+
+    bridge = get_bridge(ckpt_dir["tiny_gpu"])
+    vp = bridge.padded_vocab(128, 1)
+    maps = {pm.mcore_name: pm for pm in bridge.param_maps(vp)}
+    g = torch.Generator().manual_seed(0)
+    local = {n: LocalParam(n, torch.nn.Parameter((torch.randn(pm.shape, generator=g) * 0.02).to(param_dtype),
+                                                 requires_grad=False), n, ".experts." in n, None, None)
+             for n, pm in maps.items()}
+    plan = planner.plan_sync(bridge.param_maps(vp), LAYOUTS["tp1"], num_layers=bridge.num_layers,
+                             num_experts=bridge.num_experts, bucket_bytes=256 << 10, dtype="bfloat16", fp8=True)
+    steps, _ = build_steps(plan.buckets, local, maps, rank=0, dp_rank=0, edp_rank=0, dtype=torch.bfloat16,
+                           device=torch.device("cpu"))
+    fp8_steps = [s for s in steps if s.quantize is not None]
+    assert len(fp8_steps) >= 3 and len(steps) > len(fp8_steps)  # the embedding and head: bf16 buckets
+    for step in steps:
+        step.flat.fill_(0xAB)  # poison: every byte must be written
+        step.fill()
+        bf16 = sync_fp8.staged_bucket(step.bucket, "bfloat16")
+        values = [split_full(maps[p.mcore_name], local[p.mcore_name].param.detach())[t.name].to(torch.bfloat16)
+                  for p in bf16.params for t in p.tensors]
+        entries, want = sync_fp8.quantize_bucket(bf16.tensors, values)
+        assert entries == step.bucket.tensors
+        assert torch.equal(step.flat, want), step.bucket.index
+    for p in (p for b in plan.buckets for p in b.params):
+        lp = local[p.mcore_name]
+        fp8 = any(t.dtype == "float8_e4m3fn" for t in p.tensors)
+        if param_dtype == torch.bfloat16 and not fp8 and "layernorm" in p.mcore_name:
+            assert placement(lp, maps[p.mcore_name], p, torch.bfloat16) is not None
+        if fp8:
+            assert placement(lp, maps[p.mcore_name], p, torch.bfloat16) is None
+
+
+def test_disk_exports_are_the_fp8_checkpoint(ckpt_dir, tmp_path):
+    """The disk transport (and repair path) to FP8 engines: ``quantize_checkpoint`` of the full tensors in the
+    sync dtype is what ``mrl export-fp8`` writes for them, tensor for tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from mrl.quant.export import export_fp8
+
+    tensors = {k: v.to(torch.bfloat16) for k, v in
+               load_file(f"{ckpt_dir['tiny_gpu']}/model.safetensors").items()}
+    (tmp_path / "bf16").mkdir()
+    save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
+    (tmp_path / "bf16" / "config.json").write_text(open(f"{ckpt_dir['tiny_gpu']}/config.json").read())
+    export_fp8(str(tmp_path / "bf16"), str(tmp_path / "fp8"), log=lambda *_: None)
+    want = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    got = sync_fp8.quantize_checkpoint({k: v.float() for k, v in tensors.items()}, torch.bfloat16)
+    assert set(got) == set(want)
+    for k, v in want.items():  # the rest keeps the trainer's dtype, as the disk transport writes it
+        g = got[k] if got[k].dtype in (torch.float8_e4m3fn, torch.float32) and v.dtype != torch.bfloat16 \
+            else got[k].to(torch.bfloat16)
+        assert g.dtype == v.dtype and torch.equal(g.view(torch.uint8), v.view(torch.uint8)), k

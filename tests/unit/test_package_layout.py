@@ -99,15 +99,16 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
 PROCESS_FOLDERS = {
     # what runs inside an SGLang server mrl starts, or starts, watches and stops one
     "engine": ["launcher", "restart", "endpoint", "secrets", "patches", "replayed_load", "cpu_mode", "cpu_attention",
-               "gpu_mode", "cpu/pyshim/sitecustomize", "shim/sitecustomize"],
+               "gpu_mode", "fp8_model", "cpu/pyshim/sitecustomize", "shim/sitecustomize"],
     # the rollout process
     "rollout": ["client", "protocol", "manager", "producer", "buffer", "service", "multiturn", "sample", "lora"],
     # the trainer ranks
     "trainer": ["loop", "controller", "state", "batch", "warm_start"],
 }
-ENGINE_SIDE_IMPORTS = ("mrl.engine", "mrl.process", "mrl.config")
+ENGINE_SIDE_IMPORTS = ("mrl.engine", "mrl.process", "mrl.config", "mrl.quant")
 """All that ``mrl/engine`` may import of mrl: code loaded into SGLang's servers pulls in no trainer or
-rollout code."""
+rollout code. ``mrl.quant``: the block-FP8 export FP8 engines start from (torch, safetensors and the HF
+checkpoint reader only)."""
 MAX_LINES = 500
 
 

@@ -190,3 +190,67 @@ def test_copies_into_one_place_keep_their_order():
     plan.replay(flat2)
     last = bucket_views(flat2, names, dtypes, shapes)[-1][1]
     assert torch.equal(m.w13.data[0, :4], last[:4])
+
+
+class Fp8Toy(torch.nn.Module):
+    """SGLang's block-FP8 layers as a loader sees them: fused q/k/v and stacked gate/up experts in e4m3, each
+    with its fp32 ``weight_scale_inv`` (one per 128x128 block), and a bf16 norm."""
+
+    def __init__(self, experts: int = 2, n: int = 128):
+        super().__init__()
+        f8 = torch.float8_e4m3fn
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * n, n, dtype=f8), requires_grad=False)
+        self.qkv_weight_scale_inv = torch.nn.Parameter(torch.zeros(3, 1), requires_grad=False)
+        self.w13 = torch.nn.Parameter(torch.zeros(experts, 2 * n, n, dtype=f8), requires_grad=False)
+        self.w13_weight_scale_inv = torch.nn.Parameter(torch.zeros(experts, 2, 1), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16), requires_grad=False)
+        self.n = n
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            scale = name.endswith("_scale_inv")
+            leaf = name.removesuffix("_scale_inv").removesuffix(".weight").split(".")[-1]
+            if leaf in ("q_proj", "k_proj", "v_proj"):
+                i = ("q_proj", "k_proj", "v_proj").index(leaf)
+                (self.qkv_weight_scale_inv.data.narrow(0, i, 1) if scale
+                 else self.qkv.data.narrow(0, i * self.n, self.n)).copy_(w)
+            elif ".experts." in name:
+                e, i = int(name.split(".experts.")[1].split(".")[0]), ("gate_proj", "up_proj").index(leaf)
+                (self.w13_weight_scale_inv.data[e].narrow(0, i, 1) if scale
+                 else self.w13.data[e].narrow(0, i * self.n, self.n)).copy_(w)
+            else:
+                self.norm.data.copy_(w)
+
+
+def _fp8_bucket(seed: int, experts: int = 2, n: int = 128):
+    from mrl.weight_sync.fp8 import quantize_bucket
+    from mrl.weight_sync.planner import HFTensor
+
+    h = "model.layers.0."
+    spec = [(h + "input_layernorm.weight", (n,))] + [(f"{h}self_attn.{p}.weight", (n, n)) for p in
+                                                     ("q_proj", "k_proj", "v_proj")]
+    spec += [(f"{h}mlp.experts.{e}.{p}.weight", (n, n)) for e in range(experts) for p in ("gate_proj", "up_proj")]
+    g = torch.Generator().manual_seed(seed)
+    entries, flat = quantize_bucket([HFTensor(name, s, "bfloat16") for name, s in spec],
+                                    [torch.randn(s, generator=g).to(torch.bfloat16) for _, s in spec])
+    return flat.clone(), [e.name for e in entries], [e.dtype for e in entries], [list(e.shape) for e in entries]
+
+
+def test_fp8_buckets_of_codes_and_scales_replay_like_any_dtype():
+    """A bucket the FP8 sync sends (e4m3 codes, fp32 scales and bf16 back to back) decodes by its dtype
+    names and is recorded and replayed as plain copies, scales included."""
+    recorded, reference = Fp8Toy(), Fp8Toy()
+    flat, names, dtypes, shapes = _fp8_bucket(0)
+    assert set(dtypes) == {"float8_e4m3fn", "float32", "bfloat16"} and flat.numel() == bucket_nbytes(dtypes, shapes)
+    views = dict(bucket_views(flat, names, dtypes, shapes))
+    assert views["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert views["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (1, 1)
+    plan, why = record_load(lambda: recorded.load_weights(bucket_views(flat, names, dtypes, shapes)), flat, recorded)
+    assert plan is not None and plan.copies == len(names), why
+    flat2 = _fp8_bucket(1)[0]
+    plan.replay(flat2)
+    reference.load_weights(bucket_views(flat2, names, dtypes, shapes))
+    got = recorded.state_dict()
+    for k, v in reference.state_dict().items():  # bytes: torch.equal has no float8 kernel on CPU
+        assert torch.equal(v.view(torch.uint8), got[k].view(torch.uint8)), k
+    assert recorded.qkv_weight_scale_inv.abs().min() > 0
