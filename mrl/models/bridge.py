@@ -21,9 +21,10 @@ import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: the preflight names tensors without it (seconds)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,44 @@ def read_config_json(path: str) -> dict:
         return json.load(fh)
 
 
+class ConfigKeyMissing(Exception):
+    """A bridge read a key that config.json lacks: transformers' config class would give its own default
+    there, so ask it (not an AttributeError, which ``getattr(c, key, default)`` would turn into the bridge's
+    default)."""
+
+
+class JsonConfig:
+    """config.json's values as attributes, for a bridge that names tensors and checks settings without
+    transformers (its config machinery imports torch: seconds, what the preflight must not spend).
+
+    Where a key is absent, only the keys of ``ABSENT_OK`` read as absent (the bridge's own default applies);
+    any other raises ConfigKeyMissing, and the caller builds transformers' config instead
+    (``get_bridge(path, json_config=True)`` callers do). tests/unit/test_preflight.py holds these against
+    transformers' config classes."""
+
+    ABSENT_OK = frozenset({
+        "rope_scaling", "rope_parameters",  # the bridges merge both spellings of the rope settings
+        "num_experts",  # Qwen3-MoE's other name of num_local_experts, which the bridge reads next
+        "pad_token_id",  # None in every mapped config class
+    })
+
+    def __init__(self, raw: dict):
+        self._raw = raw
+
+    def __getattr__(self, key: str):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        if key in self._raw:
+            return self._raw[key]
+        if key in self.ABSENT_OK:
+            raise AttributeError(key)
+        raise ConfigKeyMissing(key)
+
+
 def full_from_parts(pm: ParamMap, hf: dict[str, torch.Tensor]) -> torch.Tensor:
     """Assemble the full (TP1) megatron tensor of ``pm`` from full HF tensors."""
+    import torch
+
     rows = []
     for seg in pm.segments:
         for p in seg:
@@ -203,6 +240,8 @@ def full_from_parts(pm: ParamMap, hf: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def split_full(pm: ParamMap, full: torch.Tensor) -> dict[str, torch.Tensor]:
     """Inverse of ``full_from_parts``: HF tensors from a full megatron tensor (padding dropped)."""
+    import torch
+
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     off = 0
     for seg in pm.segments:
