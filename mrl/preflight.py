@@ -10,7 +10,7 @@ config returning None or its one-line message. Nothing here writes a file.
 The cheap checks (run directory, layout, data, reward and environment fns, GPU packages, ports, trackers)
 run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
 tensor data, and the model's bridge reads config.json itself: neither torch nor transformers is imported
-(seconds on a small CPU box), unless config.json leaves a key to transformers' defaults.
+(seconds on a small CPU box), unless config.json leaves a key to transformers' defaults or type checks.
 """
 
 from __future__ import annotations
@@ -340,11 +340,11 @@ def check_model(cfg: Config, where: str) -> str | None:
             return _model_msg(path, f"{os.path.basename(fn)}: not a complete safetensors file ({e})")
     if why := expert_gaps(shapes):
         return _model_msg(path, why)
-    from mrl.models import ConfigKeyMissing
+    from mrl.models import ConfigNeedsTransformers
 
     try:
         return _check_bridge(cfg, path, json_config=True)
-    except ConfigKeyMissing:  # config.json leaves a key to transformers' defaults: its config class decides
+    except ConfigNeedsTransformers:  # a key left to transformers' defaults or type checks: its config class decides
         return _check_bridge(cfg, path, json_config=False)
 
 
@@ -354,6 +354,12 @@ def _check_bridge(cfg: Config, path: str, json_config: bool) -> str | None:
     from mrl.models import get_bridge
     from mrl.models.checkpoint import HFCheckpoint, check_tokenizer
 
+    errors: tuple[type[Exception], ...] = (ValueError, OSError, KeyError, TypeError)
+    if not json_config:  # transformers checks config.json's types through huggingface_hub (an Exception)
+        with contextlib.suppress(ImportError):
+            from huggingface_hub.errors import StrictDataclassError
+
+            errors += (StrictDataclassError,)
     try:
         bridge = get_bridge(path, json_config=json_config)
         hc = bridge.hf_config
@@ -364,7 +370,7 @@ def _check_bridge(cfg: Config, path: str, json_config: bool) -> str | None:
         ckpt.check_against(bridge.hf_tensor_shapes(padded), skip=bridge.skipped_hf_tensors(ckpt.shapes))
         sizes = dict(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
                      num_query_groups=bridge.num_query_groups)
-    except (ValueError, OSError, KeyError, TypeError) as e:  # transformers' config errors among them
+    except errors as e:  # transformers' config errors among them
         return _model_msg(path, str(e))
     try:
         cfg.parallel.check_model(**sizes)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mrl.models.bridge import ConfigKeyMissing, JsonConfig, ModelBridge, UnsupportedModelError, read_config_json
+from mrl.models.bridge import (ConfigNeedsTransformers, JsonConfig, ModelBridge, UnsupportedModelError,
+                              read_config_json)
 from mrl.models.deepseek_v3 import DeepseekV3Bridge
 from mrl.models.glm4_moe import Glm4MoeBridge
 from mrl.models.qwen3_moe import Qwen3MoeBridge
@@ -16,7 +17,7 @@ def get_bridge(path: str, json_config: bool = False) -> ModelBridge:
     """Bridge for the HF checkpoint at ``path``; a clear error for architectures mrl does not map.
 
     ``json_config``: over config.json as written (``JsonConfig``), without importing transformers; the
-    bridge then raises ConfigKeyMissing where transformers' defaults would be needed."""
+    bridge then raises ConfigNeedsTransformers where transformers' defaults or type checks are needed."""
     raw = read_config_json(path)
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in BRIDGES), None)
@@ -32,4 +33,5 @@ def get_bridge(path: str, json_config: bool = False) -> ModelBridge:
     return BRIDGES[arch](AutoConfig.from_pretrained(path), path=path)
 
 
-__all__ = ["BRIDGES", "ConfigKeyMissing", "JsonConfig", "ModelBridge", "UnsupportedModelError", "get_bridge"]
+__all__ = ["BRIDGES", "ConfigNeedsTransformers", "JsonConfig", "ModelBridge", "UnsupportedModelError",
+           "get_bridge"]

@@ -188,10 +188,10 @@ def read_config_json(path: str) -> dict:
         return json.load(fh)
 
 
-class ConfigKeyMissing(Exception):
-    """A bridge read a key that config.json lacks: transformers' config class would give its own default
-    there, so ask it (not an AttributeError, which ``getattr(c, key, default)`` would turn into the bridge's
-    default)."""
+class ConfigNeedsTransformers(Exception):
+    """A bridge read a key that config.json lacks, or holds as a string or a real where a bridge reads
+    neither: transformers' config class would give its own default there, or refuse the type, so ask it (not
+    an AttributeError, which ``getattr(c, key, default)`` would turn into the bridge's default)."""
 
 
 class JsonConfig:
@@ -199,15 +199,18 @@ class JsonConfig:
     transformers (its config machinery imports torch: seconds, what the preflight must not spend).
 
     Where a key is absent, only the keys of ``ABSENT_OK`` read as absent (the bridge's own default applies);
-    any other raises ConfigKeyMissing, and the caller builds transformers' config instead
-    (``get_bridge(path, json_config=True)`` callers do). tests/unit/test_preflight.py holds these against
-    transformers' config classes."""
+    any other raises ConfigNeedsTransformers, and the caller builds transformers' config instead. So does a
+    string or a real value of a key not in ``TEXT_OR_REAL`` (vocab_size "512": transformers checks the types).
+    tests/unit/test_bridge_json_config.py holds these against transformers' config classes."""
 
     ABSENT_OK = frozenset({
         "rope_scaling", "rope_parameters",  # the bridges merge both spellings of the rope settings
         "num_experts",  # Qwen3-MoE's other name of num_local_experts, which the bridge reads next
         "pad_token_id",  # None in every mapped config class
     })
+    TEXT_OR_REAL = {"hidden_act": str, "scoring_func": str, "topk_method": str, "rms_norm_eps": float,
+                    "rope_theta": float, "attention_dropout": float, "routed_scaling_factor": float,
+                    "partial_rotary_factor": float}
 
     def __init__(self, raw: dict):
         self._raw = raw
@@ -216,10 +219,13 @@ class JsonConfig:
         if key.startswith("_"):
             raise AttributeError(key)
         if key in self._raw:
-            return self._raw[key]
+            value = self._raw[key]
+            if isinstance(value, (str, float)) and not isinstance(value, self.TEXT_OR_REAL.get(key, ())):
+                raise ConfigNeedsTransformers(key)
+            return value
         if key in self.ABSENT_OK:
             raise AttributeError(key)
-        raise ConfigKeyMissing(key)
+        raise ConfigNeedsTransformers(key)
 
 
 def full_from_parts(pm: ParamMap, hf: dict[str, torch.Tensor]) -> torch.Tensor:

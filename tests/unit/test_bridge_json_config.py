@@ -50,13 +50,44 @@ def test_keys_that_may_be_absent_mean_what_transformers_gives():
     assert transformers.Qwen3MoeConfig.attribute_map["num_experts"] == "num_local_experts"
 
 
+def test_string_and_real_keys_are_typed_so_in_transformers():
+    """``JsonConfig.TEXT_OR_REAL``: where a mapped config class declares one of these keys, it takes that type
+    (a string or real anywhere else is left to transformers' type checks)."""
+    import transformers
+
+    from mrl.models import BRIDGES, JsonConfig
+
+    for arch in BRIDGES:
+        annotations = {}
+        for c in reversed(getattr(transformers, arch.replace("ForCausalLM", "Config")).__mro__):
+            annotations.update(getattr(c, "__annotations__", {}))
+        for key, kind in JsonConfig.TEXT_OR_REAL.items():
+            if key in annotations:
+                assert kind.__name__ in str(annotations[key]), (arch, key, annotations[key])
+
+
+def test_a_value_of_the_wrong_type_is_one_line_from_transformers(ckpt_dir, tmp_path):
+    """vocab_size "512": the JSON-config bridge would take it; transformers' config class refuses it."""
+    from mrl.config.load import compose
+    from mrl.preflight import run_preflight
+
+    path = tmp_path / "tiny"
+    shutil.copytree(ckpt_dir["tiny"], path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "vocab_size": "512"}))
+    failures = run_preflight(compose([f"model.hf_path={path}", "model.make_tiny_if_missing=false",
+                                      f"run_dir={tmp_path / 'run'}"]))
+    assert len(failures) == 1 and failures[0].startswith(f"model.hf_path={path}: "), failures
+    assert "'vocab_size' expected int, got str" in failures[0], failures
+
+
 @pytest.mark.parametrize("key", ["num_key_value_heads", "rope_theta_in_parameters"])
 def test_a_key_left_to_transformers_defaults_is_decided_by_transformers(ckpt_dir, tmp_path, key):
     """A key config.json lacks (other than ``JsonConfig.ABSENT_OK``) sends the check to transformers' config
     class: without num_key_value_heads its Qwen3-MoE default (4) applies, so the file's k_proj of 2 KV heads is
     mis-shaped; without rope_theta its default applies and the check passes."""
     from mrl.config.load import compose
-    from mrl.models import ConfigKeyMissing, get_bridge
+    from mrl.models import ConfigNeedsTransformers, get_bridge
     from mrl.preflight import check_model
 
     path = tmp_path / "tiny"
@@ -67,7 +98,7 @@ def test_a_key_left_to_transformers_defaults_is_decided_by_transformers(ckpt_dir
     else:
         raw["rope_parameters"].pop("rope_theta")
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigKeyMissing):
+    with pytest.raises(ConfigNeedsTransformers):
         _facts(get_bridge(str(path), json_config=True))
     msg = check_model(compose([f"model.hf_path={path}", "model.make_tiny_if_missing=false"]), "local")
     if key == "num_key_value_heads":  # transformers' 4 KV heads: k_proj/v_proj of 4 * 16 rows, the file's 2 * 16
