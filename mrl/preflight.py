@@ -8,8 +8,9 @@ or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each
 config returning None or its one-line message. Nothing here writes a file.
 
 The cheap checks (run directory, layout, data, reward and environment fns, GPU packages, ports, trackers)
-run first, all of them; the model check imports torch and transformers for the model's bridge (seconds),
-so it runs only when they pass. It reads safetensors headers, never tensor data.
+run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
+tensor data, and the model's bridge reads config.json itself: neither torch nor transformers is imported
+(seconds on a small CPU box), unless config.json leaves a key to transformers' defaults or type checks.
 """
 
 from __future__ import annotations
@@ -285,8 +286,8 @@ _EXPERT = re.compile(r"^(?P<layer>.+\.experts\.)(?P<e>\d+)(?P<rest>\..+)$")
 
 def expert_gaps(shapes: dict[str, tuple[int, ...]]) -> str | None:
     """Per-expert tensors (``<layer>.experts.<e>.<proj>``, the hub layout) that a layer lacks or holds in
-    another shape than its other experts: seen from the headers alone, before the bridge (whose config costs
-    the import of transformers) names every expected tensor."""
+    another shape than its other experts: seen from the headers alone, so the line names the odd expert
+    against its siblings rather than against the bridge's list of every expected tensor."""
     layers: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}
     for name, shape in shapes.items():
         if m := _EXPERT.match(name):
@@ -339,22 +340,40 @@ def check_model(cfg: Config, where: str) -> str | None:
             return _model_msg(path, f"{os.path.basename(fn)}: not a complete safetensors file ({e})")
     if why := expert_gaps(shapes):
         return _model_msg(path, why)
+    from mrl.models import ConfigNeedsTransformers
+
+    try:
+        return _check_bridge(cfg, path, json_config=True)
+    except ConfigNeedsTransformers:  # a key left to transformers' defaults or type checks: its config class decides
+        return _check_bridge(cfg, path, json_config=False)
+
+
+def _check_bridge(cfg: Config, path: str, json_config: bool) -> str | None:
+    """The tokenizer against config.json, every tensor the bridge names with its shape, the layout against the
+    model. ``json_config``: the bridge reads config.json itself (no transformers, no torch: seconds less)."""
     from mrl.models import get_bridge
     from mrl.models.checkpoint import HFCheckpoint, check_tokenizer
 
+    errors: tuple[type[Exception], ...] = (ValueError, OSError, KeyError, TypeError)
+    if not json_config:  # transformers checks config.json's types through huggingface_hub (an Exception)
+        with contextlib.suppress(ImportError):
+            from huggingface_hub.errors import StrictDataclassError
+
+            errors += (StrictDataclassError,)
     try:
-        bridge = get_bridge(path)
+        bridge = get_bridge(path, json_config=json_config)
         hc = bridge.hf_config
         check_tokenizer(path, vocab_size=bridge.vocab_size, special_ids={
             k: getattr(hc, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
         ckpt = HFCheckpoint(path)
         padded = bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
         ckpt.check_against(bridge.hf_tensor_shapes(padded), skip=bridge.skipped_hf_tensors(ckpt.shapes))
-    except (ValueError, OSError, KeyError, TypeError) as e:  # transformers' config errors among them
+        sizes = dict(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
+                     num_query_groups=bridge.num_query_groups)
+    except errors as e:  # transformers' config errors among them
         return _model_msg(path, str(e))
     try:
-        cfg.parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
-                                 num_query_groups=bridge.num_query_groups)
+        cfg.parallel.check_model(**sizes)
     except ValueError as e:
         return f"{e} (model.hf_path={path})"
     return None

@@ -311,7 +311,9 @@ def parity(d):
 
 def preflight_timing(d):
     def span(x):
-        return f"{min(x['runs']):.2f}-{max(x['runs']):.2f} s"
+        was = f"; {x['median_at_branch_start']:.2f} s at branch start" if "median_at_branch_start" in x else ""
+        median = f" (median {x['median']:.2f} s{was})" if "median" in x else ""
+        return f"{min(x['runs']):.2f}-{max(x['runs']):.2f} s{median}"
     return [f"`mrl check`, whole command: bridge-level failure {span(d['bridge_level_failure_s'])}, cheap failure "
             f"{span(d['cheap_failure_s'])}, passing {span(d['passing_check_s'])}"]
 

@@ -21,9 +21,10 @@ import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: the preflight names tensors without it (seconds)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,50 @@ def read_config_json(path: str) -> dict:
         return json.load(fh)
 
 
+class ConfigNeedsTransformers(Exception):
+    """A bridge read a key that config.json lacks, or holds as a string or a real where a bridge reads
+    neither: transformers' config class would give its own default there, or refuse the type, so ask it (not
+    an AttributeError, which ``getattr(c, key, default)`` would turn into the bridge's default)."""
+
+
+class JsonConfig:
+    """config.json's values as attributes, for a bridge that names tensors and checks settings without
+    transformers (its config machinery imports torch: seconds, what the preflight must not spend).
+
+    Where a key is absent, only the keys of ``ABSENT_OK`` read as absent (the bridge's own default applies);
+    any other raises ConfigNeedsTransformers, and the caller builds transformers' config instead. So does a
+    string or a real value of a key not in ``TEXT_OR_REAL`` (vocab_size "512": transformers checks the types).
+    tests/unit/test_bridge_json_config.py holds these against transformers' config classes."""
+
+    ABSENT_OK = frozenset({
+        "rope_scaling", "rope_parameters",  # the bridges merge both spellings of the rope settings
+        "num_experts",  # Qwen3-MoE's other name of num_local_experts, which the bridge reads next
+        "pad_token_id",  # None in every mapped config class
+    })
+    TEXT_OR_REAL = {"hidden_act": str, "scoring_func": str, "topk_method": str, "rms_norm_eps": float,
+                    "rope_theta": float, "attention_dropout": float, "routed_scaling_factor": float,
+                    "partial_rotary_factor": float}
+
+    def __init__(self, raw: dict):
+        self._raw = raw
+
+    def __getattr__(self, key: str):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        if key in self._raw:
+            value = self._raw[key]
+            if isinstance(value, (str, float)) and not isinstance(value, self.TEXT_OR_REAL.get(key, ())):
+                raise ConfigNeedsTransformers(key)
+            return value
+        if key in self.ABSENT_OK:
+            raise AttributeError(key)
+        raise ConfigNeedsTransformers(key)
+
+
 def full_from_parts(pm: ParamMap, hf: dict[str, torch.Tensor]) -> torch.Tensor:
     """Assemble the full (TP1) megatron tensor of ``pm`` from full HF tensors."""
+    import torch
+
     rows = []
     for seg in pm.segments:
         for p in seg:
@@ -203,6 +246,8 @@ def full_from_parts(pm: ParamMap, hf: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def split_full(pm: ParamMap, full: torch.Tensor) -> dict[str, torch.Tensor]:
     """Inverse of ``full_from_parts``: HF tensors from a full megatron tensor (padding dropped)."""
+    import torch
+
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     off = 0
     for seg in pm.segments:

@@ -12,10 +12,12 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # torch only where tensors are read or written: the preflight reads headers without it
+    import torch
 
 _FUSED = re.compile(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$")
 
@@ -50,14 +52,18 @@ class HFCheckpoint:
                     self._file_of[name] = os.path.join(path, fn)
         else:
             for fn in files:
-                with safe_open(fn, framework="pt") as f:
+                with safe_open(fn, framework="numpy") as f:
                     for name in f.keys():
                         self._file_of[name] = fn
         self._handles: dict[str, object] = {}
         self._aliases: dict[str, _Alias] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        headers: dict[str, object] = {}  # shapes from the headers; "numpy": no torch until a tensor is read
         for name in self._file_of:
-            shape = tuple(self._slice(name).get_shape())
+            fn = self._file_of[name]
+            if fn not in headers:
+                headers[fn] = safe_open(fn, framework="numpy")
+            shape = tuple(headers[fn].get_slice(name).get_shape())
             m = _FUSED.match(name)
             if not m:
                 self._shapes[name] = shape
@@ -124,6 +130,8 @@ def save_hf(tensors: dict[str, torch.Tensor], path: str, config_src: str | None 
             engine_config: dict | None = None) -> None:
     """Write per-expert-named tensors as ``model.safetensors`` (+ copy config/tokenizer files; the keys of
     ``engine_config`` missing from config.json are added: what SGLang reads beyond transformers)."""
+    from safetensors.torch import save_file
+
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
-
 from mrl.models.bridge import ModelBridge, ParamMap, Part, UnsupportedModelError, concat, copy, padded_rows
 
 
@@ -82,6 +80,8 @@ class Qwen3MoeBridge(ModelBridge):
         return [int(i not in dense and self.num_experts > 0 and (i + 1) % step == 0) for i in range(self.num_layers)]
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
+        import torch.nn.functional as F  # here, not at import: the preflight uses the bridge without torch
+
         c = self.hf_config
         return dict(
             num_layers=self.num_layers,
