@@ -65,6 +65,12 @@ def _fp8_checkpoint(hf: str, a) -> tuple[str, dict]:
     """The block-FP8 export of ``hf`` next to it (made once: a later run finds it whole), and what it took."""
     from mrl.quant.export import export_fp8
 
+    from mrl.models import get_bridge
+    from mrl.quant.fp8_targets import sglang_shape_problems
+
+    problems = sglang_shape_problems(get_bridge(hf).hf_config, a.engine_tp)
+    if problems:  # SGLang would refuse the export at load, after minutes of start
+        raise SystemExit(f"--fp8-engine-gpu: {hf} cannot be served in block FP8: {'; '.join(problems)}")
     dst = hf.rstrip("/") + "_fp8"
     done = os.path.join(dst, "export_fp8.json")
     if os.path.exists(done):

@@ -38,6 +38,9 @@ TOPICS = {  # folder -> (title, what its reports measure)
     "keep_routing": ("Keep Routing", "Engine vs trainer routing with replay off and on, its train-step overhead "
                      "(`bench/replay_overhead.py`, `bench/routing_mismatch.py`, `bench/gpu_loop.py --sections "
                      "replay`), the mismatch split."),
+    "fp8": ("FP8 rollouts", "Block-FP8 engines against bf16 ones on the same workload and Keep Routing against "
+            "an FP8 engine (`bench/gpu_loop.py --fp8-engine-gpu`), the block-FP8 quantizer's triton kernel "
+            "against its torch path (`tests/gpu/fp8_quant.sh`)."),
     "learning": ("Learning runs", "`mrl train` runs to the end: reward and held-out accuracy, step and sync time."),
     "parity": ("Parity", "HF <-> Megatron logits on GPUs (`tests/gpu/parity.sh`)."),
 }
@@ -157,6 +160,10 @@ def _rollout(r):
                 f"{k(s['routes_on_median'])} / {k(s['routes_off_median'])} tokens/s")
         if s.get("routes_on_vs_plain_median") is not None:
             line += f"; on vs plain engine {s['routes_on_vs_plain_median']:.2f}"
+        for kind in (r.get("kinds") or [])[2:]:  # other engines, routes on, against the routes engine
+            if f"{kind}_vs_on_median" in s:
+                line += (f"; **{kind} / on {s[f'{kind}_vs_on_median']:.2f}** ({s[f'{kind}_vs_on_min']:.2f}-"
+                         f"{s[f'{kind}_vs_on_max']:.2f})")
         out.append(line)
     if get(r, "payload.bytes_per_token"):
         out.append(f"routes {get(r, 'payload.bytes_per_token'):.0f} base64 bytes/token")
@@ -188,6 +195,14 @@ def gpu_loop(d):
     if "model" in d and "layers" in d:
         out.append(f"{d['model']}, {d['layers']} layers")
     out += _rollout(d.get("rollout") or {}) + _replay(d.get("replay")) + _sync(d.get("sync"))
+    out += [f"FP8 engine: {x}" for x in _replay(d.get("replay_fp8"))]
+    starts = {k[:-len("engine_start_s")].rstrip("_") or "default": v for k, v in d.items()
+              if k.endswith("engine_start_s")}
+    if d.get("variant") == "engine_start":
+        cold = d["cold_start_default_engine"]
+        out.append("engine start, warm caches: " + ", ".join(f"{k} {v:.0f} s" for k, v in sorted(starts.items()))
+                   + f"; cold (fresh host) {cold['start_s']:.0f} s, of which prefill graphs "
+                   f"{cold['prefill_graph_capture_s']:.0f} s")
     if "sync_vs_raw_load_weights" in d:  # the session's summary
         out.append(f"sync/raw: replayed load {d['sync_vs_raw']:.1f}x, SGLang's per-tensor load "
                    f"{d['sync_vs_raw_load_weights']:.1f}x, TP2 -> TP2 {d['sync_vs_raw_reshard_tp2_to_tp2']:.1f}x")
@@ -195,6 +210,24 @@ def gpu_loop(d):
         if isinstance(d.get(name), dict) and "error" in d[name]:
             out.append(f"{name}: failed ({d[name]['error'][:80]})")
     return out
+
+
+def fp8_quant(d):
+    cases = d.get("cases", {})
+    equal = sum(c["codes_equal"] and c["scales_equal"] for c in cases.values())
+    big = max(cases.values(), key=lambda c: c["bytes_in"], default=None)
+    out = [f"triton kernel vs torch path: **{equal}/{len(cases)} shapes bit-equal** (codes and scales)"]
+    if big:
+        out.append(f"largest ({big['shape']}): triton {big['triton_s'] * 1e3:.2f} ms, "
+                   f"torch {big['torch_s'] * 1e3:.2f} ms")
+    return out
+
+
+def trainer_start(d):
+    st = d["trainer_start_s"]
+    return [f"trainer ready {st['policy_ready']:.0f} s after its start (imports {st['trainer_imported']:.0f} s), "
+            f"first rl_step {d['first_rl_step_s']:.1f} s, then {d['steady_rl_step_median_s']:.1f} s; "
+            f"{k(d['trainer_ceiling_tokens_per_s'])} tokens/s"]
 
 
 def routes_wire(d):
@@ -335,7 +368,7 @@ EXTRACTORS = {
     "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
     "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
-    "preflight_timing": preflight_timing,
+    "preflight_timing": preflight_timing, "fp8_quant": fp8_quant, "loop_e2e_trainer_start": trainer_start,
 }
 
 
@@ -380,6 +413,8 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
     ("rollouts with routes / without, batch 256", ">=", 0.95,
      "rollouts/2026-11-28_gpu_loop_rollout_sync_qwen3_30b_a3b_l12_2xH200.json",
      lambda d: get(d, "rollout.summary.batch256.on_vs_off_median"), "1x H200 engine, 30B slice, same engine"),
+    ("FP8 rollouts / bf16, batch 256", ">=", 1.3, "fp8/2026-11-28_gpu_loop_fp8_vs_bf16_qwen3_30b_a3b_l12_1xH200.json",
+     lambda d: d["fp8_vs_bf16_rollout"], "1x H200, 30B slice, both engines routes on"),
     ("rollouts with routes / a plain engine, batch 256", ">=", 0.95,
      "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json", lambda d: d["routes_on_vs_plain"],
      "2x H200, full 48-layer Qwen3-30B-A3B"),

@@ -146,6 +146,11 @@ class RolloutConfig:
     export of ``model.hf_path`` made once per run, and the trainer (bf16) quantizes at every weight sync
     (``mrl.quant``, docs/fp8.md). Not in CPU mode (SGLang's CPU FP8 kernels need AMX and a bf16 engine),
     not with LoRA, not with ``weight_sync.transport=tensor``."""
+    compile_cache_dir: Optional[str] = "~/.cache/mrl/compile"
+    """GPU engines: where torch inductor and triton keep what they compile at start (prefill CUDA graphs,
+    kernels), so the next run's engines start warm; put it on storage the nodes share and keep. null:
+    their defaults (inductor's under /tmp). The caller's ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``
+    win."""
     kv_cache_dtype: Optional[str] = None
     """Engines' KV cache (SGLang ``--kv-cache-dtype``): null = the engine's dtype; ``fp8_e4m3``, ``fp8_e5m2``
     (both without calibrated scales: SGLang uses 1.0), ``bfloat16``. Independent of ``quantization``; CPU

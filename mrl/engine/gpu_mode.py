@@ -11,6 +11,11 @@
   (``mrl.engine.patches``), without CPU mode's.
 - placement: ``--base-gpu-id``; several engines on a node take consecutive blocks of ``tp * dp`` GPUs,
   after the GPUs of the trainer ranks started on the same node.
+- compile caches: SGLang compiles its piecewise prefill CUDA graphs with torch inductor and its MoE and
+  attention kernels with triton at every start. Both cache what they compile, inductor under /tmp by
+  default, which a cluster job or a container loses when it ends: a cold start of a 30B MoE engine spends
+  most of its time compiling. ``compile_cache_dir`` puts both caches where the next job finds them (a
+  caller's own ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win).
 
 ``check_gpu_stack`` runs before an engine starts: a host with GPUs but without SGLang's GPU kernels
 gets one error naming what is missing and how to install it, instead of a server dying in start-up.
@@ -79,9 +84,13 @@ def check_gpu_stack() -> None:
                             f"they need torch 2.11.0 with CUDA 13 and an NVIDIA driver; {INSTALL_HINT}")
 
 
-def gpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def gpu_env(base: dict[str, str] | None = None, compile_cache_dir: str | None = None) -> dict[str, str]:
     env = dict(base if base is not None else os.environ)
     env.setdefault("NCCL_CUMEM_ENABLE", "0")
+    if compile_cache_dir:
+        root = os.path.abspath(os.path.expanduser(compile_cache_dir))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+        env.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
     env["PYTHONPATH"] = SHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

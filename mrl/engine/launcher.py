@@ -148,6 +148,8 @@ class Engine:
     """GPU: ``--dtype`` (null: the checkpoint's). CPU mode always runs fp32."""
     kv_cache_dtype: str | None = None
     """``--kv-cache-dtype`` (null: the engine's dtype), CPU and GPU."""
+    compile_cache_dir: str | None = None
+    """GPU: where inductor's and triton's caches live (``gpu_mode.gpu_env``); null: their defaults."""
     quantization: str | None = None
     """GPU: ``--quantization`` (``fp8``: ``model_path`` must be a block-FP8 checkpoint, ``mrl export-fp8``)."""
     host: str = "127.0.0.1"
@@ -261,7 +263,7 @@ class Engine:
                                    threads=self.cpu_threads)
         else:
             gpu_mode.check_gpu_stack()
-            env = gpu_mode.gpu_env()
+            env = gpu_mode.gpu_env(compile_cache_dir=self.compile_cache_dir)
         patches.engine_env(env)
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
@@ -420,6 +422,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
                    kv_cache_dtype=r.kv_cache_dtype, quantization=r.quantization, cpu_threads=r.cpu_threads, lora=lora,
+                   compile_cache_dir=r.compile_cache_dir,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for i, n in enumerate(names)]
 

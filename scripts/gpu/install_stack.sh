@@ -40,6 +40,9 @@ export PYTHONPATH=$T:\${PYTHONPATH:-}
 export NCCL_CUMEM_ENABLE=0
 EOF
 rm -rf "$W"
+# bytecode now, as pip does by default: otherwise every process's first import compiles it, and the first
+# engine and trainer of a fresh host pay for it at start (the wheels go in with --no-compile above)
+"$PY" -m compileall -q -j 0 "$T" > /dev/null 2>&1 || echo "[install] compileall reported errors (bytecode is made at import then)"
 PYTHONPATH="$T/te:$T" "$PY" - <<'PY'
 import importlib
 for m in ("sglang", "sgl_kernel", "megatron.core", "hydra", "omegaconf", "transformers"):

@@ -188,3 +188,20 @@ def test_cpu_engines_skip_sglangs_full_gc_on_every_cache_flush(shim):
     out = subprocess.run([sys.executable, "-c", _GC_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"full collections: {0 if shim else 1}" in out.stdout
+
+
+def test_gpu_engines_keep_their_compile_caches_where_the_next_run_finds_them(tmp_path):
+    from mrl.engine import gpu_mode
+    from mrl.engine.launcher import engines_from_config
+
+    engine = engines_from_config(_rollout(compile_cache_dir=str(tmp_path / "cc")).rollout, "/m",
+                                 log_dir=str(tmp_path))[0]
+    env = gpu_mode.gpu_env(base={}, compile_cache_dir=engine.compile_cache_dir)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc" / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cc" / "triton")
+    home = gpu_mode.gpu_env(base={"HOME": str(tmp_path)}, compile_cache_dir="~/c")["TRITON_CACHE_DIR"]
+    assert home == os.path.join(os.path.expanduser("~"), "c", "triton")
+    mine = gpu_mode.gpu_env(base={"TORCHINDUCTOR_CACHE_DIR": "/mine"}, compile_cache_dir="/shared")
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/mine" and mine["TRITON_CACHE_DIR"] == "/shared/triton"
+    assert not {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"} & set(gpu_mode.gpu_env(base={}))
+    assert _rollout().rollout.compile_cache_dir == "~/.cache/mrl/compile"  # on by default
