@@ -145,7 +145,7 @@ class RolloutConfig:
     embeddings and head in ``engine_dtype``. The engines start from ``<run_dir>/fp8_model``, the block-FP8
     export of ``model.hf_path`` made once per run, and the trainer (bf16) quantizes at every weight sync
     (``mrl.quant``, docs/fp8.md). Not in CPU mode (SGLang's CPU FP8 kernels need AMX and a bf16 engine),
-    not with LoRA, not with ``weight_sync.transport=tensor``."""
+    not with LoRA."""
     compile_cache_dir: Optional[str] = "~/.cache/mrl/compile"
     """GPU engines: where torch inductor and triton keep what they compile at start (prefill CUDA graphs,
     kernels), so the next run's engines start warm; put it on storage the nodes share and keep. null:
@@ -310,9 +310,6 @@ class Config:
         if r.quantization == "fp8" and self.model.lora.enabled:
             _fail("rollout.quantization", "=fp8 with model.lora: SGLang's LoRA layers over a block-FP8 base are not "
                   "what the trainer computes (bf16 base + adapter) and were never tested here; use null")
-        if r.quantization == "fp8" and self.weight_sync.transport == WeightTransport.tensor:
-            _fail("weight_sync.transport", "=tensor with rollout.quantization=fp8: the tensor transport sends the "
-                  "trainer's tensors as they are, not block-FP8; use distributed (or disk)")
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:

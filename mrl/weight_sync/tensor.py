@@ -15,7 +15,8 @@ import torch
 
 from mrl.models.bridge import split_full
 from mrl.rollout.client import EngineClient
-from mrl.weight_sync.distributed import DistributedWeightSync
+from mrl.weight_sync.distributed import _TORCH_DTYPES, DistributedWeightSync
+from mrl.weight_sync.fp8 import quantize_checkpoint
 from mrl.engine.endpoint import EngineEndpoint
 from mrl.weight_sync.transport import LoopThread, PushStats, Transport, run_on, union_failures
 
@@ -38,6 +39,20 @@ def pickle_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def bucket_tensors(gathered, *, fp8_from: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+    """A gathered bucket's HF tensors as the engine loads them. ``fp8_from`` (the engines serve a block-FP8
+    checkpoint): each FP8 target cast to this sync dtype, as the distributed transport stages it, and sent
+    as its e4m3 weight followed by its ``weight_scale_inv``, the names and layout of a block-FP8
+    checkpoint, which the model's ``load_weights`` takes as it takes the file."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for _, pm, full in gathered:
+        parts = split_full(pm, full)
+        if fp8_from is not None:
+            parts = quantize_checkpoint(parts, fp8_from)
+        named += [(name, t.contiguous()) for name, t in parts.items()]
+    return named
+
+
 class TensorTransport(Transport):
     """Colocated engines: senders gather each bucket (as the distributed transport does) and post
     it as CUDA IPC handles. No collective with the engines, so any order of requests is safe."""
@@ -48,10 +63,6 @@ class TensorTransport(Transport):
         if not torch.cuda.is_available():
             raise RuntimeError("weight_sync.transport=tensor needs CUDA (colocated GPUs): SGLang crashes "
                                "on CPU tensors sent between processes; use transport=distributed or disk")
-        if executor.fp8:
-            raise ValueError("weight_sync.transport=tensor with rollout.quantization=fp8: the tensor transport sends "
-                             "the trainer's tensors as they are, not block-FP8; use weight_sync.transport=distributed "
-                             "(or disk)")
         self.executor = executor
         self._io = LoopThread() if executor.is_sender else None
         self._clients = [EngineClient(e) for e in executor.engines] if executor.is_sender else []
@@ -65,7 +76,7 @@ class TensorTransport(Transport):
             gathered = ex.gather_bucket(bucket)
             if gathered is None:
                 continue
-            named = [(name, t.contiguous()) for p, pm, full in gathered for name, t in split_full(pm, full).items()]
+            named = bucket_tensors(gathered, fp8_from=_TORCH_DTYPES[ex.dtype] if ex.fp8 else None)
             payload = serialize_named_tensors(named)  # tensors stay alive until every engine answered
             for url, err in run_on(ex.engines, lambda c: c.update_weights_from_tensor(
                     [payload] * next(e.tp for e in ex.engines if e.url == c.url)), loop=self._io).items():

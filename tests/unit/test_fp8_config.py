@@ -33,9 +33,6 @@ def test_fp8_kv_cache_reaches_the_engines_command():
     (["rollout.quantization=fp8"], r"rollout.quantization: =fp8: CPU engines cannot serve block-FP8 weights"),
     (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "model.lora.rank=8"],
      r"rollout.quantization: =fp8 with model.lora"),
-    (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "weight_sync.transport=tensor",
-      "rollout.base_gpu_id=0"],
-     r"weight_sync.transport: =tensor with rollout.quantization=fp8"),
     (["rollout=gpu", "model.dtype=bf16", "+rollout.server_args.quantization=fp8"],
      r"rollout.server_args.quantization: set rollout.quantization instead"),
     (["+rollout.server_args.kv_cache_dtype=fp8_e4m3"],
@@ -60,6 +57,9 @@ def test_fp8_gpu_engines_are_accepted_and_get_the_flags(monkeypatch):
     assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
     assert cmd[cmd.index("--model-path") + 1] == "/run/fp8_model"
     assert "--kv-cache-dtype" not in cmd  # independent of the weights' format
+    colocated = compose(["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "weight_sync.transport=tensor",
+                         "rollout.base_gpu_id=0"])  # one GPU: CUDA IPC sends the quantized tensors
+    assert colocated.weight_sync.transport.value == "tensor" and colocated.rollout.quantization == "fp8"
 
 
 @pytest.mark.parametrize("overrides, problem", [

@@ -228,3 +228,29 @@ def test_disk_exports_are_the_fp8_checkpoint(ckpt_dir, tmp_path):
         g = got[k] if got[k].dtype in (torch.float8_e4m3fn, torch.float32) and v.dtype != torch.bfloat16 \
             else got[k].to(torch.bfloat16)
         assert g.dtype == v.dtype and torch.equal(g.view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_tensor_transport_sends_the_fp8_checkpoint(ckpt_dir, tmp_path):
+    """The CUDA IPC transport to FP8 engines (colocated runs): a gathered bucket's tensors are, name for name
+    and bit for bit, what ``mrl export-fp8`` writes for the same weights (vocab padding dropped)."""
+    from safetensors.torch import load_file, save_file
+
+    from mrl.models import get_bridge
+    from mrl.models.bridge import full_from_parts
+    from mrl.quant.export import export_fp8
+    from mrl.weight_sync.tensor import bucket_tensors
+
+    hf = {k: v.to(torch.bfloat16) for k, v in load_file(f"{ckpt_dir['tiny_gpu']}/model.safetensors").items()}
+    (tmp_path / "bf16").mkdir()
+    save_file(hf, str(tmp_path / "bf16" / "model.safetensors"))
+    (tmp_path / "bf16" / "config.json").write_text(open(f"{ckpt_dir['tiny_gpu']}/config.json").read())
+    export_fp8(str(tmp_path / "bf16"), str(tmp_path / "fp8"), log=lambda *_: None)
+    want = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    bridge = get_bridge(ckpt_dir["tiny_gpu"])
+    gathered = [(None, pm, full_from_parts(pm, hf)) for pm in bridge.param_maps(bridge.padded_vocab(128, 1))]
+    got = dict(bucket_tensors(gathered, fp8_from=torch.bfloat16))
+    assert set(got) == set(want) and any(v.dtype == torch.float8_e4m3fn for v in got.values())
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    plain = dict(bucket_tensors(gathered))
+    assert set(plain) == set(hf) and all(torch.equal(plain[k], hf[k]) for k in hf)
