@@ -10,7 +10,8 @@ rows of the prompt file in order, ``n_samples_per_prompt`` samples each: the row
 random response ids, routes from the model's own routing (a RECORD pass before the timing, as the
 engine routes a random-init model), advantages N(0, 1). Reported: the batch tokens (prompt +
 response) over the rl_step seconds of the timed batches, and the trainer's start as the loop marks it
-(``mrl.startup``: imports, groups, the model with its HF weights, then the first rl_step), counted from
+(``mrl.startup``: imports, groups, the model with its HF weights, the warm-up pass where the loop runs
+one, then the first rl_step), counted from
 ``MRL_LAUNCHED_AT`` (the bench stamps it before torchrun). ``--profile-startup``: cProfile of the model's
 build and of the first rl_step (the functions with most cumulative seconds) in the report.
 """
@@ -31,6 +32,7 @@ from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.megatron.train_step import MicroBatch
+from mrl.megatron.warm_up import warm_up
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--prompts", required=True)
@@ -108,6 +110,8 @@ def make_batch(b: int) -> tuple[RLBatch, float, int]:
 batches = [make_batch(b) for b in range(a.warmup + a.batches)]
 if compat.HAS_CUDA:
     torch.cuda.empty_cache()
+wp = cfg.train.warmup_pass  # as the loop does before its first step (its effect: the first rl_step below)
+warm_pass_s = timed(lambda: warm_up(policy)) if (wp if wp is not None else compat.HAS_CUDA) else None
 times = [timed(lambda b=b: profiled(lambda: policy.rl_step(b[0], b[1]), "first_rl_step", profiles) if b is batches[0]
                else policy.rl_step(b[0], b[1])) for b in batches]
 step_s, tokens = times[a.warmup:], [b[2] for b in batches[a.warmup:]]
@@ -116,7 +120,7 @@ if layout.world_rank == 0:
                "tokens_per_s": sum(tokens) / sum(step_s),
                "tokens_per_s_per_batch": [t / s for t, s in zip(tokens, step_s)],
                "median_step_s": statistics.median(step_s), "world_size": layout.world_size,
-               "startup_s": clock.marks, "profiles": profiles,
+               "startup_s": clock.marks, "profiles": profiles, "warm_pass_s": warm_pass_s,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None},
               open(a.out, "w"))
 destroy()

@@ -323,6 +323,7 @@ def main() -> int:
         tc = report["trainer_ceiling"]
         print(f"[loop_e2e] trainer ceiling {tc['tokens_per_s']:.0f} tokens/s; start: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in tc["startup_s"].items())
+              + (f", warm-up pass {tc['warm_pass_s']:.1f} s" if tc.get("warm_pass_s") is not None else "")
               + f", first rl_step {tc['warmup_s'][0]:.1f} s", flush=True)
         json.dump(report, open(out_json, "w"), indent=1)
         return 0

@@ -91,6 +91,11 @@ class TrainConfig:
     ``cu_seqlens`` (TE's fused attention; run on GPUs)."""
     pack_max_len: Optional[int] = None
     """Packed row length in tokens; null = the step's longest sample (rounded up to a multiple of tp)."""
+    warmup_pass: Optional[bool] = None
+    """Before the first RL step, one forward and backward of a full-size micro-batch of random tokens, thrown
+    away (``mrl.megatron.warm_up``): the first step's one-time kernel and allocator costs are paid while the
+    engines boot. No trace in training. null = on with CUDA (a GPU's first step costs seconds more than the
+    next ones), off on CPU."""
     sampling_mask: bool = False
     """Keep Sampling Mask: train on the support the engine sampled from (rollout top_k / top_p / min_p):
     logprobs renormalized over it, rebuilt from the engine's top logprobs (``rollout.top_logprobs_num``)."""

@@ -35,10 +35,12 @@ from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.schema import Config, LoopMode, WeightTransport
 from mrl.engine.endpoint import EngineEndpoint
 from mrl.engine.launcher import launch_job_engines
+from mrl.megatron import compat
 from mrl.megatron.batch_scatter import BatchScatter
 from mrl.megatron.collectives import broadcast_object
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
+from mrl.megatron.warm_up import warm_up
 from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.trainer.controller import Controller, OtherRank, RankDuties, restarts_engines
@@ -157,6 +159,9 @@ class Loop:
             sft_warmup(self.cfg, self.policy, self.hf_path, self.duties)
         if self.state.step == 0:
             self.policy.capture_reference()  # algo.kl_coef > 0 only
+        wp = self.cfg.train.warmup_pass
+        if wp if wp is not None else compat.HAS_CUDA:  # fresh or resumed: a new process pays either way
+            warm_up(self.policy)
 
     def connect_engines(self) -> None:
         """Engines and rollout process (rank 0), the weight-update channels, the engines brought level with
