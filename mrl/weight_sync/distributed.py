@@ -50,7 +50,7 @@ from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
 from mrl.engine.endpoint import EngineEndpoint
 from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank, union_failures
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def trainer_layout(layout: Layout, num_layers: int) -> TrainerLayout:
@@ -104,7 +104,7 @@ class DistributedWeightSync:
     def place_buckets(self) -> None:
         """Collective: re-plan with every sender's in-place params (``planner.Placement``: in megatron's
         DDP parameter buffer these go out without a copy). ``connect`` calls it; the groups stay."""
-        me, dtype = self.layout.world_rank, _TORCH_DTYPES[self.dtype]
+        me, dtype = self.layout.world_rank, TORCH_DTYPES[self.dtype]
         mine = {}
         for p in (p for b in self.plan.buckets for p in b.params):  # the planned params, whatever their buckets
             lp = self.local.get(p.mcore_name)
@@ -234,7 +234,7 @@ class DistributedWeightSync:
             self._steps = None  # drop the old buffers first
             steps, sources = build_steps(self.order, self.local, self.maps, rank=self.layout.world_rank,
                                          dp_rank=self.layout.dp.rank, edp_rank=self.layout.edp.rank,
-                                         dtype=_TORCH_DTYPES[self.dtype], device=compat.DEVICE,
+                                         dtype=TORCH_DTYPES[self.dtype], device=compat.DEVICE,
                                          chunk_bytes=self.chunk_bytes)
             self._steps, self._sources = steps, (sources, list(map(torch.Tensor.data_ptr, sources)))
         return self._steps

@@ -15,7 +15,7 @@ import torch
 
 from mrl.models.bridge import split_full
 from mrl.rollout.client import EngineClient
-from mrl.weight_sync.distributed import _TORCH_DTYPES, DistributedWeightSync
+from mrl.weight_sync.distributed import TORCH_DTYPES, DistributedWeightSync
 from mrl.weight_sync.fp8 import quantize_checkpoint
 from mrl.engine.endpoint import EngineEndpoint
 from mrl.weight_sync.transport import LoopThread, PushStats, Transport, run_on, union_failures
@@ -76,7 +76,7 @@ class TensorTransport(Transport):
             gathered = ex.gather_bucket(bucket)
             if gathered is None:
                 continue
-            named = bucket_tensors(gathered, fp8_from=_TORCH_DTYPES[ex.dtype] if ex.fp8 else None)
+            named = bucket_tensors(gathered, fp8_from=TORCH_DTYPES[ex.dtype] if ex.fp8 else None)
             payload = serialize_named_tensors(named)  # tensors stay alive until every engine answered
             for url, err in run_on(ex.engines, lambda c: c.update_weights_from_tensor(
                     [payload] * next(e.tp for e in ex.engines if e.url == c.url)), loop=self._io).items():
