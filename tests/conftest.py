@@ -53,6 +53,17 @@ def one_rank_gloo_world():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+def write_every_ranks_rows(rows: list[dict], path: str) -> None:
+    """A torchrun worker's last step: every rank's rows gathered, written by rank 0 as JSON lines."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for rs in everyone for r in rs)
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, write_every_ranks_rows
 
 pytestmark = pytest.mark.dist
 
@@ -87,8 +87,6 @@ def check_layout(a, text: str, fp8_dir: str) -> list[dict]:
 def main() -> None:
     import argparse
 
-    import torch.distributed as dist
-
     from mrl.megatron.parallel import destroy
 
     ap = argparse.ArgumentParser()
@@ -100,11 +98,7 @@ def main() -> None:
     rows: list[dict] = []
     for text in a.layouts:
         rows += check_layout(a, text, a.fp8)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    if dist.get_rank() == 0:
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for rs in everyone for r in rs)
+    write_every_ranks_rows(rows, a.out)
     destroy()
 
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, write_every_ranks_rows
 
 pytestmark = pytest.mark.dist
 
@@ -143,8 +143,6 @@ def check_layout(a, rows: list[dict]) -> None:
 def main() -> None:
     import argparse
 
-    import torch.distributed as dist
-
     from mrl.megatron.parallel import destroy
     from tests.jobs.parity import parse_layout
 
@@ -160,11 +158,7 @@ def main() -> None:
         mine: list[dict] = []
         check_layout(parse_layout(text, a.hf), mine)
         rows += [dict(r, layout=text) for r in mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    if dist.get_rank() == 0:
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for rs in everyone for r in rs)
+    write_every_ranks_rows(rows, a.out)
     destroy()
 
 
