@@ -62,27 +62,20 @@ from _random_checkpoint import SHAPES, make_checkpoint  # noqa: E402
 
 
 def _fp8_checkpoint(hf: str, a) -> tuple[str, dict]:
-    """The block-FP8 export of ``hf`` next to it (made once: a later run finds it whole), and what it took."""
-    from mrl.quant.export import export_fp8
-
+    """The block-FP8 export of ``hf`` as a run makes it (``mrl.engine.fp8_model``: once, then reused),
+    in a run directory next to ``hf``, and what it took."""
+    from mrl.engine.fp8_model import MARKER, ensure_fp8_model
     from mrl.models import get_bridge
     from mrl.quant.fp8_targets import sglang_shape_problems
 
     problems = sglang_shape_problems(get_bridge(hf).hf_config, a.engine_tp)
     if problems:  # SGLang would refuse the export at load, after minutes of start
         raise SystemExit(f"--fp8-engine-gpu: {hf} cannot be served in block FP8: {'; '.join(problems)}")
-    dst = hf.rstrip("/") + "_fp8"
-    done = os.path.join(dst, "export_fp8.json")
-    if os.path.exists(done):
-        with open(done) as f:
-            return dst, json.load(f) | {"reused": True}
-    shutil.rmtree(dst, ignore_errors=True)  # a partial export of an earlier run
     t = time.perf_counter()
-    summary = export_fp8(hf, dst, device=None if a.cpu else "cuda", log=lambda *x: None)
-    summary = {"seconds": time.perf_counter() - t, "summary": summary}
-    with open(done, "w") as f:
-        json.dump(summary, f, default=str)
-    return dst, summary
+    dst = ensure_fp8_model(hf, hf.rstrip("/") + "_fp8run", device=None if a.cpu else "cuda", log=lambda *x: None)
+    with open(os.path.join(dst, MARKER)) as f:
+        return dst, {"seconds": time.perf_counter() - t, **json.load(f)}
+
 
 def environment(cpu: bool) -> dict:
     import megatron.core
