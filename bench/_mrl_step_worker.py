@@ -124,7 +124,7 @@ def phases() -> dict:
         return run
 
     pol.forward_backward = timed_call("forward_backward", pol.forward_backward)
-    for name in ("_micro_batches", "_step_if_finite", "_engine_gap", "_reduce"):  # the step holds optimizer.step
+    for name in ("micro_batches", "_step_if_finite", "_engine_gap", "_reduce"):  # the step holds optimizer.step
         setattr(policy, name, timed_call(name, getattr(policy, name)))
     policy.optimizer.step = timed_call("optimizer.step", policy.optimizer.step)
     total = [timed(lambda b=b: step(b)) for b in batches[-2:]]

@@ -6,7 +6,7 @@ vocab-parallel cross-entropy via ``labels``, no replay), interleaved.
 Timed, per repetition (order rotated, every kind on the same batch; garbage collected before each
 step, CUDA synchronized around it, wall time of the slowest rank), after ``--warmup`` repetitions:
   rl_step    Policy.rl_step(batch, normalizer): batch -> padded micro-batches, replay, loss, optimizer step, metrics
-  rl_fb      the same minus optimizer step and metrics: _micro_batches + forward_backward(loss_fn, replay driver)
+  rl_fb      the same minus optimizer step and metrics: micro_batches + forward_backward(loss_fn, replay driver)
   bare_fb    zero grads + megatron forward_backward_func, cross-entropy, no replay
   bare_step  bare_fb + optimizer.step()
   ce_fb      mrl's forward_backward (vocab-parallel fp32 log-softmax) with a plain NLL loss, no replay:
@@ -98,7 +98,7 @@ class Case:
                             num_layers=len(codec.moe_layers), top_k=codec.top_k, num_experts=codec.num_experts)
         routes = torch.cat(rec).cpu().numpy().astype(np.uint8 if codec.num_experts <= 256 else np.int32)
         self.batch.routes = [routes[i, :len(t) - 1] for i, t in enumerate(tokens)]
-        self.bare_mbs, _ = policy._micro_batches(self.batch, False)
+        self.bare_mbs, _ = policy.micro_batches(self.batch, False)
 
 
 cases = [Case() for _ in range(a.warmup + a.reps)]
@@ -136,7 +136,7 @@ def bare_step() -> None:
 
 def rl_fb() -> None:
     batch, normalizer = case.batch, case.normalizer
-    mbs, _ = policy._micro_batches(batch, True)
+    mbs, _ = policy.micro_batches(batch, True)
     algo = cfg.algo
 
     norm = torch.tensor(float(normalizer), dtype=torch.float32, device=compat.DEVICE)  # as Policy.rl_step
@@ -225,7 +225,7 @@ def phase_times(n: int) -> dict:
         return fn
 
     saved = [(pol, "forward_backward", wrap(pol, "forward_backward", "forward_backward")),
-             (policy, "_micro_batches", wrap(policy, "_micro_batches", "micro_batches")),
+             (policy, "micro_batches", wrap(policy, "micro_batches", "micro_batches")),
              (policy.optimizer, "step", wrap(policy.optimizer, "step", "optimizer_step")),
              (policy.scheduler, "step", wrap(policy.scheduler, "step", "scheduler_step")),
              (policy, "_engine_gap", wrap(policy, "_engine_gap", "engine_gap")),
@@ -253,7 +253,7 @@ def phase_times(n: int) -> dict:
 phases = phase_times(a.phases) if a.phases else None
 mb_s = []  # host time of Policy's batch -> micro-batches path alone (part of rl_step and rl_fb)
 for c in cases[a.warmup:a.warmup + 4]:
-    mb_s.append(timed(lambda c=c: policy._micro_batches(c.batch, True)))
+    mb_s.append(timed(lambda c=c: policy.micro_batches(c.batch, True)))
 
 
 def spread(v: list[float]) -> dict:

@@ -1,4 +1,4 @@
-"""The host's work of building a step's micro-batches (``Policy._micro_batches``: token, mask, logprob
+"""The host's work of building a step's micro-batches (``Policy.micro_batches``: token, mask, logprob
 and route tensors per micro-batch, packed), timed at the GPU benchmark's shape. On a GPU this runs at
 the start of every RL step while the device waits, so its seconds count in full.
 
@@ -59,11 +59,11 @@ def main() -> None:
     policy.layout = SimpleNamespace(dp=SimpleNamespace(size=a.dp, rank=0), tp=SimpleNamespace(size=1))
     policy.codec = SimpleNamespace(num_experts=a.experts, top_k=a.top_k)
     policy.support_spec = None
-    policy._micro_batches(batch, True)  # warm-up
+    policy.micro_batches(batch, True)  # warm-up
     ms = []
     for _ in range(a.reps):
         t = time.perf_counter()
-        policy._micro_batches(batch, True)
+        policy.micro_batches(batch, True)
         ms.append((time.perf_counter() - t) * 1e3)
     q = statistics.quantiles(ms, n=4)
     result = {"bench": "micro_batches", "args": vars(a), "ms": ms, "median_ms": statistics.median(ms),

@@ -153,7 +153,7 @@ class Policy:
         return export_peft(self.module, self.layout, self.bridge, self.lora, dst=dst, dtype=dtype)
 
     # -- batches ---------------------------------------------------------------------------------
-    def _micro_batches(self, batch: RLBatch, with_routes: bool,
+    def micro_batches(self, batch: RLBatch, with_routes: bool,
                        version: int | None = None) -> tuple[list[MicroBatch], list[int]]:
         """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices (in
         the whole batch). ``batch`` is the whole batch or this DP rank's share of it: the same plan.
@@ -244,7 +244,7 @@ class Policy:
             raise ValueError("train.sampling_mask=true but the batch carries no sampling supports (the rollout "
                              "must ask for top logprobs and rebuild them: sampling_mask.engine_support)")
         version = self.version.current
-        mbs, _ = self._micro_batches(batch, replay, version)
+        mbs, _ = self.micro_batches(batch, replay, version)
         algo = self.cfg.algo
 
         driver = self.replay if replay else None
@@ -298,7 +298,7 @@ class Policy:
         if batch.routes is None:
             return {}
         version = self.version.current
-        mbs, _ = self._micro_batches(batch, True, version)
+        mbs, _ = self.micro_batches(batch, True, version)
         self.record.recorded.clear()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                 forward_only=True, driver=self.record, support=self.support_spec,
@@ -332,7 +332,7 @@ class Policy:
         """Supervised warm start: mean NLL of the answer tokens, natural routing."""
         batch = RLBatch(tokens=tokens, prompt_lens=prompt_lens, behav_logp=[[0.0] * len(t) for t in tokens],
                         advantages=[0.0] * len(tokens), routes=None)
-        mbs, _ = self._micro_batches(batch, False)
+        mbs, _ = self.micro_batches(batch, False)
         total = sum(float(mb.data["mask"].sum()) for mb in mbs)
         box = torch.tensor([total], dtype=torch.float64, device=compat.DEVICE)  # NCCL reduces device tensors only
         dist.all_reduce(box, group=self.layout.dp.group)

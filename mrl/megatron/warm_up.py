@@ -3,8 +3,8 @@ random tokens, thrown away, before the first RL step.
 
 A GPU trainer's first step pays once for what later steps reuse: kernel selection and compilation
 (cuDNN attention graphs, TE's fused kernels, torch.compile'd helpers), the caching allocator's growth to
-the step's peak. On the Qwen3-30B-A3B slice that made the first ``rl_step`` 23.5 s against 9.3 s for the
-next ones. The loop runs this pass while its engines boot and produce the first batch, so those costs
+the step's peak: a first step takes more than twice as long as the next ones (docs/gpu.md has the
+figures). The loop runs this pass while its engines boot and produce the first batch, so those costs
 leave the path to the first step.
 
 It leaves no trace in training: no optimizer step (every step zeroes the gradient buffers before it
@@ -39,7 +39,7 @@ def warm_up(policy) -> None:
     batch = RLBatch(tokens=tokens, prompt_lens=[prompt] * n,
                     behav_logp=[[-1.0] * (length - prompt) for _ in range(n)],
                     advantages=[1.0 if i % 2 else -1.0 for i in range(n)], routes=None)
-    mbs, _ = policy._micro_batches(batch, False)
+    mbs, _ = policy.micro_batches(batch, False)  # the whole batch on every rank: each plans its own share
     norm = torch.full((), float(n * (length - prompt)), dtype=torch.float32, device=compat.DEVICE)
 
     def loss_fn(lp, mb):

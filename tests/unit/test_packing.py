@@ -242,7 +242,7 @@ def test_policy_rl_step_is_the_same_packed_or_not(ckpt_dir, gloo_world):
         batch = synthetic_batch(0, 8, policy.bridge.vocab_size, len(c.moe_layers), c.top_k, c.num_experts)
         batch.support, batch.support_log_mass = _supports(batch, policy.bridge.vocab_size, 0)
         batch.support[3][1] = []  # one support the engine's top logprobs could not decide: out of the loss
-        mbs, _ = policy._micro_batches(batch, True)
+        mbs, _ = policy.micro_batches(batch, True)
         m = policy.rl_step(batch, float(sum(len(t) - p for t, p in zip(batch.tokens, batch.prompt_lens))))
         params = torch.cat([p.detach().flatten() for p in policy.module.parameters()])
         results[packing, mask] = (m, params, [tuple(mb.input_ids.shape) for mb in mbs])
