@@ -12,6 +12,13 @@ of a probe against the trainer's, and a bitwise check of sampled tensors read ba
 (SGLang's ``/weights_checker`` checksums per engine TP rank, against the trainer's export cut the
 way each rank holds it: ``bench/_engine_shards.py``; the first and last layer in full, experts
 included).
+
+``--transport tensor``: the engine shares the trainer's GPU and takes each bucket as CUDA IPC handles; the
+raw baseline is then a device-to-device copy of the same bytes on that GPU. ``--fp8-engine``: a second
+engine, serving the block-FP8 export, synced in each repetition right after the bf16 one (FP8 vs bf16
+sync seconds on the same host state) and bitwise-checked against the trainer's quantization. Before the
+syncs the trainer's weights move by 1% of each tensor's spread, so that the engines' checkpoint weights
+are stale and the bitwise checks see the syncs' bytes.
 """
 
 from __future__ import annotations
@@ -101,13 +108,22 @@ def _export_sampled(model, layout, bridge, padded_vocab: int) -> dict[str, torch
 
 
 def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, devices: list[str],
-             tp: int) -> dict:
+             tp: int, fp8: bool = False) -> dict:
     """Sampled engine tensors (experts included), rank by rank, against the trainer's export cut the way
     the engine holds it: SGLang's own hash of each on both sides. ``{name: {tp_rank: bool | reason}}``
     (experts: the layout that matched, ``"tp"`` or ``"padded"``, or False) plus ``all_equal`` over every
-    compared tensor."""
+    compared tensor. ``fp8``: the engine serves block FP8; the export is quantized as the FP8 sync does
+    (``quantize_checkpoint``) and each FP8 weight's ``weight_scale_inv`` is compared too."""
     from sglang.srt.managers.mm_utils import tensor_hash  # the engine's own hash function
 
+    from mrl.weight_sync.fp8 import quantize_checkpoint
+
+    names = sampled_names(bridge.num_layers)
+    if fp8:
+        hf = quantize_checkpoint(hf, dtype)
+        scales = {k.removesuffix("_scale_inv"): v for k, v in hf.items() if k.endswith("_scale_inv")}
+        names += [n + "_scale_inv" for n in names if n.endswith(("qkv_proj.weight", "o_proj.weight",
+                                                                 "w13_weight", "w2_weight"))]
     sums = _checksums(url)
     if len(sums) != tp:
         return {"error": f"{len(sums)} checksum ranks from an engine of tp={tp}"}
@@ -116,25 +132,27 @@ def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, 
               or bridge.hf_config.hidden_size // bridge.hf_config.num_attention_heads)
     out: dict = {}
     compared = equal = 0
-    for name in sampled_names(bridge.num_layers):
+    for name in names:
         out[name] = {}
+        src, base = (scales, name.removesuffix("_scale_inv")) if name.endswith("_scale_inv") else (hf, name)
         for r in range(tp):
             if name not in sums[r]:
                 out[name][r] = "absent from the engine"
                 continue
-            m = re.match(r"(model\.layers\.\d+)\.(mlp\.experts\.w(13|2)_weight)$", name)
+            m = re.match(r"(model\.layers\.\d+)\.(mlp\.experts\.w(13|2)_weight)$", base)
             if m:  # each candidate layout exact: the engine holds one of them byte for byte, or fails
-                cands = expert_layouts(hf, m.group(1), m.group(2), tp, r, kw["num_experts"])
+                cands = expert_layouts(src, m.group(1), m.group(2), tp, r, kw["num_experts"])
             else:
-                cands = {"tp": engine_shard(hf, name, tp, r, **kw)}
+                cands = {"tp": engine_shard(src, base, tp, r, **kw)}
             if cands["tp"] is None:
                 out[name][r] = "not derivable (vocabulary padding)"
                 continue
             # SGLang hashes GPU tensors with a triton kernel and CPU ones with sha256: hash where the engine
             # rank does (any GPU gives the same hash; this rank's own, so the kernel runs on its device)
             dev = compat.DEVICE if devices[r].startswith("cuda") else "cpu"
+            cast = (lambda t: t) if fp8 else (lambda t: t.to(dtype))  # FP8 weights and fp32 scales as sent
             hit = [k for k, t in cands.items()
-                   if f"{tensor_hash(t.to(dtype).to(dev).contiguous()):016x}" == sums[r][name]]
+                   if f"{tensor_hash(cast(t).to(dev).contiguous()):016x}" == sums[r][name]]
             out[name][r] = hit[0] if m and hit else bool(hit)  # experts: which layout matched
             compared += 1
             equal += bool(hit)
@@ -218,6 +236,12 @@ def main() -> int:
                          "when it was started with MRL_SYNC_STATS_DIR set to this directory), then one more sync "
                          "under torch.profiler on every trainer rank and engine TP rank; traces here, a summary "
                          "in the report")
+    ap.add_argument("--transport", default="distributed", choices=["distributed", "tensor"],
+                    help="tensor: CUDA IPC into an engine on the trainer's GPU (the raw baseline is then one "
+                         "device-to-device copy of the same bytes on that GPU)")
+    ap.add_argument("--fp8-engine", default=None,
+                    help="url@tp of an engine serving the block-FP8 export: each repetition also syncs into it "
+                         "(weights quantized on the trainer's GPU: weight_sync's FP8 path), bitwise-checked too")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -225,19 +249,35 @@ def main() -> int:
     layout, bridge = m.layout, m.bridge
     model = wrap_ddp(m.model, m.cfg)  # params live in megatron's DDP buffer, as in training
     url, _, tp = a.engine.partition("@")
-    engines = [EngineEndpoint(url, int(tp or 1))]
     sync_dtype = {"bf16": "bfloat16", "fp32": "float32"}[a.dtype]
-    transport, disk = make_transport(WeightTransport.distributed, model=model, layout=layout, bridge=bridge,
-                                     padded_vocab=m.padded_vocab, engines=engines,
-                                     bucket_bytes=int(a.bucket_mb * (1 << 20)), export_dir=None, config_src=a.hf,
-                                     dtype=sync_dtype)
-    syncer = EngineSync(transport, disk, layout, engines)
-    syncer.connect()
+
+    def channel(engine: str, fp8: bool = False):
+        e_url, _, e_tp = engine.partition("@")
+        engines = [EngineEndpoint(e_url, int(e_tp or 1))]
+        transport, disk = make_transport(WeightTransport(a.transport), model=model, layout=layout, bridge=bridge,
+                                         padded_vocab=m.padded_vocab, engines=engines,
+                                         bucket_bytes=int(a.bucket_mb * (1 << 20)), export_dir=None,
+                                         config_src=a.hf, dtype=sync_dtype, fp8=fp8)
+        syncer = EngineSync(transport, disk, layout, engines)
+        syncer.connect()
+        return transport, syncer
+
+    gen = torch.Generator(device=compat.DEVICE).manual_seed(0)  # same seed on every rank: replicas stay equal
+    with torch.no_grad():  # a training step's worth of change: the engines' checkpoint weights go stale
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            p.add_((noise * 0.01 * p.float().std()).to(p.dtype))
+    transport, syncer = channel(a.engine)
+    fp8_transport, fp8_syncer = channel(a.fp8_engine, fp8=True) if a.fp8_engine else (None, None)
     nbytes = transport.executor.plan.nbytes
     rank0 = layout.world_rank == 0
+    ipc = a.transport == "tensor"
 
     raw_pg = receivers = None
-    if rank0:
+    if rank0 and ipc:  # the engine's GPU is the trainer's: the floor is copying the bytes once on it
+        raw_buf = torch.empty(min(nbytes, 1 << 30), dtype=torch.uint8, device=compat.DEVICE)  # in chunks
+        raw_dst = torch.empty_like(raw_buf)
+    elif rank0:
         port = free_port()
         name = f"raw-{os.getpid()}"
         # one receiver per engine rank: the bytes every engine GPU receives in a sync
@@ -252,7 +292,12 @@ def main() -> int:
     def raw() -> float:
         dist.barrier()
         t = time.perf_counter()
-        if rank0:
+        if rank0 and ipc:
+            for at in range(0, nbytes, raw_buf.numel()):
+                n = min(raw_buf.numel(), nbytes - at)
+                raw_dst[:n].copy_(raw_buf[:n])
+            torch.cuda.synchronize()
+        elif rank0:
             dist.broadcast(raw_buf, src=0, group=raw_pg)
             if compat.HAS_CUDA:
                 torch.cuda.synchronize()
@@ -273,7 +318,23 @@ def main() -> int:
             phases.append(rep.phase_seconds)
         return time.perf_counter() - t, rep.push_seconds
 
+    fp8_s, fp8_push_s, fp8_bytes = [], [], []
+
+    def sync_fp8(v: int) -> None:
+        dist.barrier()
+        t = time.perf_counter()
+        rep = fp8_syncer.sync(str(v))
+        dist.barrier()
+        fp8_s.append(time.perf_counter() - t)
+        fp8_push_s.append(rep.push_seconds)
+        fp8_bytes.append(rep.bytes_sent)
+        if rep.failed_engines:
+            raise RuntimeError(f"FP8 sync {v} failed on {rep.failed_engines}")
+
     sync(1), raw()  # warm-up: the first NCCL broadcast on a group builds its communicator
+    if fp8_syncer:
+        sync_fp8(1)
+        fp8_s.clear(), fp8_push_s.clear()
     if a.compare_per_bucket:
         sync(1, per_bucket=True)
     phases.clear()
@@ -288,8 +349,10 @@ def main() -> int:
         s, p = sync(v)
         sync_s.append(s)
         push_s.append(p)
+        if fp8_syncer:  # bf16 and FP8 syncs alternate: the same host and GPU state for both
+            sync_fp8(v)
         raw_s.append(raw())
-    if rank0:
+    if rank0 and not ipc:
         for r in receivers:
             r.wait(timeout=120)
         destroy_sender_group(raw_pg)
@@ -309,12 +372,31 @@ def main() -> int:
     mine = next(x for x in box if x is not None)
     hf = _export_sampled(model, layout, bridge, m.padded_vocab) or {}
     syncer.close()
+    if fp8_syncer:
+        fp8_syncer.close()
     if rank0:
         engine_lp = _probe_logprobs(url, probe[0].tolist())
         try:
             bitwise = _bitwise(url, hf, bridge, getattr(torch, sync_dtype), a.engine_device.split(","), int(tp or 1))
         except Exception as e:  # the figures above stay useful without it
             bitwise = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        fp8 = None
+        if fp8_syncer:
+            f_url, _, f_tp = a.fp8_engine.partition("@")
+            try:
+                f_bitwise = _bitwise(f_url, hf, bridge, getattr(torch, sync_dtype), a.engine_device.split(","),
+                                     int(f_tp or 1), fp8=True)
+            except Exception as e:
+                f_bitwise = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            f_lp = _probe_logprobs(f_url, probe[0].tolist())
+            per_rep = [f / b for f, b in zip(fp8_s, sync_s)]
+            fp8 = {"bytes": fp8_bytes[-1], "sync_s": fp8_s, "push_s": fp8_push_s,
+                   "sync_median_s": statistics.median(fp8_s), "fp8_vs_bf16_sync_per_rep": per_rep,
+                   "fp8_vs_bf16_sync": statistics.median(per_rep), "fp8_vs_bf16_sync_min": min(per_rep),
+                   "fp8_vs_bf16_sync_max": max(per_rep),
+                   "sync_vs_raw": statistics.median(fp8_s) / statistics.median(raw_s),
+                   "probe_max_abs_logprob_diff_vs_bf16_trainer": max(abs(x - y) for x, y in zip(f_lp, mine)),
+                   "bitwise_sampled_tensors": f_bitwise}
         ratio = [s / r for s, r in zip(sync_s, raw_s)]
         report = {
             "bytes": nbytes, "sync_dtype": sync_dtype, "buckets": len(transport.executor.plan.buckets),
@@ -334,6 +416,9 @@ def main() -> int:
         }
         if profile is not None:
             report["profile"] = profile
+        if fp8 is not None:
+            report["fp8"] = fp8
+        report["transport"] = a.transport
         if pb_sync_s:
             report |= {"per_bucket_sync_s": pb_sync_s, "per_bucket_push_s": pb_push_s,
                        "per_bucket_sync_vs_raw": statistics.median(pb_sync_s) / statistics.median(raw_s),

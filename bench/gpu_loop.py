@@ -318,7 +318,10 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
             server_args: dict | None = None):
     """One SGLang server on ``gpu`` (its first GPU at ``--engine-tp`` > 1); ``routes``: route capture on
     (``--enable-return-routed-experts``), the only difference between the routes and the plain engine.
-    ``quantization``/``server_args``: what an FP8 engine or a start variant changes (``hf``: its checkpoint)."""
+    ``quantization``/``server_args``: what an FP8 engine or a start variant changes (``hf``: its checkpoint;
+    a ``kv_cache_dtype`` among the server args goes where ``rollout.kv_cache_dtype`` goes)."""
+    server_args = dict(server_args or {})
+    kv_cache_dtype = server_args.pop("kv_cache_dtype", None)
     from mrl.engine.cpu_mode import PYSHIM_DIR
     from mrl.engine.launcher import Engine
 
@@ -335,7 +338,8 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
                   max_total_tokens=8192 if a.cpu else a.max_total_tokens,
                   base_gpu_id=int(gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
                   dtype=None if a.cpu else "bfloat16", return_routed_experts=routes, quantization=quantization,
-                  server_args=({} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}) | (server_args or {}), env=env)
+                  kv_cache_dtype=kv_cache_dtype,
+                  server_args=({} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}) | server_args, env=env)
 
 
 def _wait_healthy(engine) -> float:
@@ -343,6 +347,20 @@ def _wait_healthy(engine) -> float:
     t = time.perf_counter()
     engine.wait_healthy(timeout=1800)
     return time.perf_counter() - t
+
+
+def _start_or_drop(engines: dict, name: str, report: dict) -> float | None:
+    """Seconds until engine ``name`` is healthy; an engine other than the routes one that does not start
+    (a start variant SGLang refuses) is stopped, dropped and its error reported, the others' figures kept."""
+    try:
+        return _wait_healthy(engines[name])
+    except Exception as e:
+        if name == "routes":
+            raise
+        report[f"{name}_engine_error"] = f"{type(e).__name__}: {e}"[:1000]
+        print(f"[gpu_loop] engine {name} did not start, left out: {report[f'{name}_engine_error'][:300]}", flush=True)
+        engines.pop(name).stop()
+        return None
 
 
 def headline(report: dict, name: str) -> str:
@@ -390,7 +408,8 @@ def _engine_gpus(a) -> list[str]:
     return [str(int(a.engine_gpu) + i) for i in range(a.engine_tp)]
 
 
-def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
+def sync_section(url, a, hf: str, out: str, engine_device: str, fp8_url: str | None = None) -> dict:
+    """``fp8_url``: the FP8 engine, synced in each repetition after the bf16 one (``--fp8-engine-gpu``)."""
     path = os.path.join(out, "sync.json")
     tg = a.trainer_gpus.split(",")
     env = dict(os.environ, PYTHONPATH=_pythonpath())
@@ -403,6 +422,7 @@ def sync_section(url, a, hf: str, out: str, engine_device: str) -> dict:
            "--engine-device", engine_device, "--reps", str(a.reps), "--out", path, "--bucket-mb", str(a.bucket_mb),
            *(["--compare-per-bucket"] if a.compare_per_bucket else []),
            *(["--profile-dir", _profile_dir(a)] if a.sync_profile else []),
+           "--transport", a.sync_transport, *(["--fp8-engine", f"{fp8_url}@{a.engine_tp}"] if fp8_url else []),
            *a.sync_layout.replace(",", " ").split()]
     subprocess.run(cmd, env=env, check=True, timeout=900)
     with open(path) as f:
@@ -468,6 +488,12 @@ def main() -> int:
                     help="rollout: also an engine started with these extra server args (routes captured), on "
                          "--variant-gpu, e.g. noprefill='{\"disable_prefill_cuda_graph\": true}': kind NAME "
                          "against on, its start phases from its log")
+    ap.add_argument("--fp8-variant", action="append", default=[], metavar="NAME=JSON",
+                    help="rollout: one more FP8 engine (the --fp8-engine-gpu export, on that GPU) with these "
+                         "server args, e.g. fp8cutlass='{\"moe_runner_backend\":\"cutlass\"}' or "
+                         "fp8kv='{\"kv_cache_dtype\":\"fp8_e4m3\"}'")
+    ap.add_argument("--sync-transport", default="distributed", choices=["distributed", "tensor"],
+                    help="sync: tensor = CUDA IPC into engines on the trainer's GPU (one GPU for all)")
     ap.add_argument("--variant-gpu", default=None, help="--variant engines' (first) GPU (default --engine-gpu)")
     ap.add_argument("--start-one-by-one", action="store_true",
                     help="start each engine once the one before is healthy (engines sharing one GPU)")
@@ -524,20 +550,27 @@ def main() -> int:
         name, _, args = v.partition("=")
         engines[name] = _engine(a, hf, f"{name}_engine", True, a.variant_gpu or a.engine_gpu,
                                 server_args=json.loads(args))
+    if a.fp8_variant and a.fp8_engine_gpu is None:
+        ap.error("--fp8-variant starts engines from the --fp8-engine-gpu export: give --fp8-engine-gpu")
+    for v in a.fp8_variant:
+        name, _, args = v.partition("=")
+        engines[name] = _engine(a, fp8_hf, f"{name}_engine", True, a.fp8_engine_gpu, quantization="fp8",
+                                server_args=json.loads(args))
     report = {"bench": "gpu_loop", "model": a.cpu_model if a.cpu else a.model, "layers": a.layers or bridge.num_layers,
               "hf": hf, "checkpoint_files": sorted(f for f in os.listdir(hf) if f.endswith(".safetensors")),
               "environment": environment(a.cpu), "args": vars(a), "fp8_export": fp8_export}
     with contextlib.ExitStack() as stack:
         if a.start_one_by_one:  # engines sharing a GPU: each sizes its KV cache by the memory free when it starts
             starts = {}
-            for k, e in engines.items():
+            for k, e in list(engines.items()):
                 stack.enter_context(e)
-                starts[k] = _wait_healthy(e)
+                starts[k] = _start_or_drop(engines, k, report)
         else:
             for e in engines.values():
                 stack.enter_context(e)  # started together, each one's seconds to healthy timed on its own
             with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
-                starts = dict(zip(engines, pool.map(_wait_healthy, engines.values())))
+                starts = dict(zip(engines, pool.map(lambda k: _start_or_drop(engines, k, report), list(engines))))
+        starts = {k: v for k, v in starts.items() if v is not None}
         report["engine_start_s"] = starts["routes"]
         report["engine_command"] = " ".join(engines["routes"].command()[1:])
         for k in engines.keys() - {"routes"}:
@@ -561,7 +594,8 @@ def main() -> int:
                         report["replay_fp8"] = replay_section(engines["fp8"].url, codec, bridge.vocab_size, a, hf,
                                                               os.path.join(a.out, "fp8"))
                 elif name == "sync":
-                    report["sync"] = sync_section(url, a, hf, a.out, engine_device)
+                    report["sync"] = sync_section(url, a, hf, a.out, engine_device,
+                                                  engines["fp8"].url if "fp8" in engines else None)
                 else:
                     raise ValueError(f"unknown section {name!r}")
             except Exception as e:  # one failing section must not cost the others' figures

@@ -39,7 +39,8 @@
 #   mismatch tests/gpu/mismatch_split.sh: the mismatch split by cause for an engine mrl launches and a plain SGLang
 #           server attached by URL (MISMATCH_STEPS steps each, default 60; MISMATCH_EXTRA: more overrides)
 #   fp8sync tests/gpu/fp8_sync.sh: an FP8 weight sync into an engine serving the run's block-FP8 export (2 GPUs:
-#           trainer on the first, engine on the second), engine tensors vs the trainer's quantization bit for bit
+#           trainer on the first, engine on the second, NCCL; one GPU: both on it, CUDA IPC), engine tensors vs
+#           the trainer's quantization bit for bit
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded

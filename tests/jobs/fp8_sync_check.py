@@ -4,8 +4,9 @@
         --hf MODEL --run-dir DIR --out DIR/fp8_sync.json
 
 Trainer (megatron, bf16, TP1) on GPU 0; an engine on GPU 1 started as ``rollout.quantization=fp8`` starts
-one: from the run's block-FP8 export (``mrl.engine.fp8_model``) with ``--quantization fp8 --dtype bfloat16``.
-The trainer's weights are perturbed (so the sync has something to change), synced over NCCL as FP8
+one: from the run's block-FP8 export (``mrl.engine.fp8_model``) with ``--quantization fp8 --dtype bfloat16``
+(``--engine-gpu 0 --transport tensor``: both on one GPU, the sync over CUDA IPC).
+The trainer's weights are perturbed (so the sync has something to change), synced over NCCL (or IPC) as FP8
 (``EngineSync`` over ``make_transport(..., fp8=True)``), then:
 
 - bitwise: the engine's sampled tensors (first and last layer in full, experts included, with their
@@ -83,6 +84,8 @@ def main() -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--engine-gpu", type=int, default=1)
+    ap.add_argument("--transport", default="distributed", choices=["distributed", "tensor"],
+                    help="tensor: CUDA IPC into an engine on the trainer's GPU (--engine-gpu 0: one GPU)")
     ap.add_argument("--probe-tol", type=float, default=0.1, help="max |logprob diff| vs the dequantized trainer")
     a = ap.parse_args()
     os.makedirs(a.run_dir, exist_ok=True)
@@ -92,7 +95,8 @@ def main() -> int:
     fp8_dir = ensure_fp8_model(a.hf, a.run_dir)
     report["export_seconds"] = time.monotonic() - t0
     engine = Engine(model_path=fp8_dir, cpu_mode=False, quantization="fp8", dtype="bfloat16",
-                    base_gpu_id=a.engine_gpu, mem_fraction_static=0.5, log_dir=os.path.join(a.run_dir, "engines"))
+                    base_gpu_id=a.engine_gpu, mem_fraction_static=0.3 if a.transport == "tensor" else 0.5,
+                    log_dir=os.path.join(a.run_dir, "engines"))
     engine.start()
     try:
         engine.wait_healthy(900)
@@ -104,14 +108,14 @@ def main() -> int:
             for p in m.model.parameters():
                 p.add_((torch.randn(p.shape, generator=g) * 0.01 * p.float().std().item()).to(p.device, p.dtype))
         transport, disk = make_transport(
-            WeightTransport.distributed, model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+            WeightTransport(a.transport), model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
             engines=[engine.endpoint], bucket_bytes=1 << 20, export_dir=os.path.join(a.run_dir, "weights"),
             config_src=a.hf, dtype="bfloat16", fp8=True)
         syncer = EngineSync(transport, disk, m.layout, [engine.endpoint])
         syncer.connect()
         rep = syncer.sync("1")
-        report["sync"] = {"seconds": rep.seconds, "bytes": rep.bytes_sent, "failed": rep.failed_engines,
-                          "repaired_from_disk": rep.repaired_from_disk}
+        report["sync"] = {"transport": a.transport, "seconds": rep.seconds, "bytes": rep.bytes_sent,
+                          "failed": rep.failed_engines, "repaired_from_disk": rep.repaired_from_disk}
         hf = export_hf(m.model, m.layout, m.bridge, m.padded_vocab)
         qhf = quantize_checkpoint(hf, torch.bfloat16)
         sums = engine_call(engine.url, lambda c: c.weight_checksums())[0]
