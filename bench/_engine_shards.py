@@ -98,3 +98,13 @@ def expert_layouts(hf: dict[str, torch.Tensor], prefix: str, kind: str, tp: int,
     if tp > 1:
         out["padded"] = fused(inter)
     return out
+
+
+def fp8_checker_view(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """What SGLang's weight checker hashes for a block-FP8 weight: not its e4m3 bytes (nor its
+    ``weight_scale_inv``, which it leaves out) but the two dequantized to bf16 with 128x128 blocks, by its
+    own ``block_quant_dequant``. ``q``/``scale_inv`` as the engine rank holds them (fused, stacked)."""
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+
+    return block_quant_dequant(q, scale_inv, [128, 128], torch.bfloat16)
+

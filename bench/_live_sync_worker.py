@@ -45,7 +45,7 @@ from mrl.megatron.parallel import destroy
 from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
 from mrl.engine.launcher import free_port
-from _engine_shards import engine_shard, expert_layouts, sampled_names
+from _engine_shards import engine_shard, expert_layouts, fp8_checker_view, sampled_names
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
 from mrl.engine.endpoint import EngineEndpoint
@@ -113,17 +113,16 @@ def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, 
     the engine holds it: SGLang's own hash of each on both sides. ``{name: {tp_rank: bool | reason}}``
     (experts: the layout that matched, ``"tp"`` or ``"padded"``, or False) plus ``all_equal`` over every
     compared tensor. ``fp8``: the engine serves block FP8; the export is quantized as the FP8 sync does
-    (``quantize_checkpoint``) and each FP8 weight's ``weight_scale_inv`` is compared too."""
+    (``quantize_checkpoint``) and each FP8 weight compared as SGLang's checker reports it, dequantized
+    with its scales (``fp8_checker_view``)."""
     from sglang.srt.managers.mm_utils import tensor_hash  # the engine's own hash function
 
     from mrl.weight_sync.fp8 import quantize_checkpoint
 
-    names = sampled_names(bridge.num_layers)
+    scales = {}
     if fp8:
         hf = quantize_checkpoint(hf, dtype)
         scales = {k.removesuffix("_scale_inv"): v for k, v in hf.items() if k.endswith("_scale_inv")}
-        names += [n + "_scale_inv" for n in names if n.endswith(("qkv_proj.weight", "o_proj.weight",
-                                                                 "w13_weight", "w2_weight"))]
     sums = _checksums(url)
     if len(sums) != tp:
         return {"error": f"{len(sums)} checksum ranks from an engine of tp={tp}"}
@@ -132,27 +131,32 @@ def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, 
               or bridge.hf_config.hidden_size // bridge.hf_config.num_attention_heads)
     out: dict = {}
     compared = equal = 0
-    for name in names:
+    for name in sampled_names(bridge.num_layers):
         out[name] = {}
-        src, base = (scales, name.removesuffix("_scale_inv")) if name.endswith("_scale_inv") else (hf, name)
         for r in range(tp):
             if name not in sums[r]:
                 out[name][r] = "absent from the engine"
                 continue
-            m = re.match(r"(model\.layers\.\d+)\.(mlp\.experts\.w(13|2)_weight)$", base)
-            if m:  # each candidate layout exact: the engine holds one of them byte for byte, or fails
-                cands = expert_layouts(src, m.group(1), m.group(2), tp, r, kw["num_experts"])
-            else:
-                cands = {"tp": engine_shard(src, base, tp, r, **kw)}
+            m = re.match(r"(model\.layers\.\d+)\.(mlp\.experts\.w(13|2)_weight)$", name)
+
+            def cut(src):  # every candidate layout exact: the engine holds one of them byte for byte, or fails
+                if m:
+                    return expert_layouts(src, m.group(1), m.group(2), tp, r, kw["num_experts"])
+                return {"tp": engine_shard(src, name, tp, r, **kw)}
+
+            cands = cut(hf)
             if cands["tp"] is None:
                 out[name][r] = "not derivable (vocabulary padding)"
                 continue
             # SGLang hashes GPU tensors with a triton kernel and CPU ones with sha256: hash where the engine
             # rank does (any GPU gives the same hash; this rank's own, so the kernel runs on its device)
             dev = compat.DEVICE if devices[r].startswith("cuda") else "cpu"
-            cast = (lambda t: t) if fp8 else (lambda t: t.to(dtype))  # FP8 weights and fp32 scales as sent
-            hit = [k for k, t in cands.items()
-                   if f"{tensor_hash(cast(t).to(dev).contiguous()):016x}" == sums[r][name]]
+            if cands["tp"].dtype == torch.float8_e4m3fn:
+                s = cut(scales)
+                cands = {k: fp8_checker_view(t.to(dev), s[k].to(dev)) for k, t in cands.items()}
+            else:
+                cands = {k: t.to(dtype).to(dev) for k, t in cands.items()}
+            hit = [k for k, t in cands.items() if f"{tensor_hash(t.contiguous()):016x}" == sums[r][name]]
             out[name][r] = hit[0] if m and hit else bool(hit)  # experts: which layout matched
             compared += 1
             equal += bool(hit)

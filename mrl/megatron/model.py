@@ -90,6 +90,15 @@ def fusions(*, cuda: bool, te: bool) -> dict[str, bool]:
     return kw
 
 
+def residual_add_fusion(kw: dict) -> bool:
+    """Whether megatron's fused bias-dropout-add has anything to fuse for a config's keyword arguments
+    (megatron's defaults where absent). Without a bias and without dropout it is one add, compiled by
+    torch.compile for every new sequence length and stride until dynamo's recompile limit, after which it
+    runs eagerly anyway: RL batches change length every step, so on a node without a warm inductor cache
+    the fused version costs the first steps that compile time and buys nothing."""
+    return bool(kw.get("add_bias_linear", True) or kw.get("hidden_dropout", 0.1))
+
+
 def use_grouped_gemm(kind: GroupedGemm) -> None:
     """Pick TE's grouped-GEMM kernel for this process. TE reads the variable at every grouped GEMM, so
     setting it before the first forward is enough; the config decides, whatever the environment held."""
@@ -105,6 +114,7 @@ def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: 
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32
     kw = dict(bridge.transformer_config_kwargs())
     kw.update(fusions(cuda=compat.HAS_CUDA, te=HAVE_TE))
+    kw["bias_dropout_fusion"] = kw["bias_dropout_fusion"] and residual_add_fusion(kw)
     kw.update(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

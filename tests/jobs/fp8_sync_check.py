@@ -9,10 +9,11 @@ one: from the run's block-FP8 export (``mrl.engine.fp8_model``) with ``--quantiz
 The trainer's weights are perturbed (so the sync has something to change), synced over NCCL (or IPC) as FP8
 (``EngineSync`` over ``make_transport(..., fp8=True)``), then:
 
-- bitwise: the engine's sampled tensors (first and last layer in full, experts included, with their
-  ``weight_scale_inv``; norms, router, embeddings, head) hash equal to the trainer's export quantized by
-  ``quantize_checkpoint``, cut the way a TP1 engine holds them (SGLang's ``/weights_checker`` checksums,
-  its own ``tensor_hash`` on both sides);
+- bitwise: the engine's sampled tensors (first and last layer in full, experts included; norms, router,
+  embeddings, head) hash equal to the trainer's export quantized by ``quantize_checkpoint``, cut the way a
+  TP1 engine holds them (SGLang's ``/weights_checker`` checksums, its own ``tensor_hash`` on both sides).
+  The checker reports an FP8 weight dequantized with its ``weight_scale_inv`` (and not the scale itself),
+  so both sides compare that bf16 view (``fp8_checker_view``): the weights as the engine computes with them;
 - probe logprobs: the engine's teacher-forced logprobs of a fixed random probe against the trainer's with
   the dequantized weights (quantization is the only difference left: bf16 noise and near-tie routing), and,
   for scale, against the bf16 trainer's.
@@ -77,7 +78,7 @@ def main() -> int:
     from mrl.models.checkpoint import save_hf
     from mrl.weight_sync.fp8 import quantize_checkpoint
     from mrl.weight_sync.sync import EngineSync, make_transport
-    from _engine_shards import sampled_names
+    from _engine_shards import fp8_checker_view, sampled_names
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
@@ -119,15 +120,14 @@ def main() -> int:
         hf = export_hf(m.model, m.layout, m.bridge, m.padded_vocab)
         qhf = quantize_checkpoint(hf, torch.bfloat16)
         sums = engine_call(engine.url, lambda c: c.weight_checksums())[0]
-        names = sampled_names(m.bridge.num_layers)
-        names += [n + "_scale_inv" for n in names if n.endswith(("qkv_proj.weight", "o_proj.weight",
-                                                                 "w13_weight", "w2_weight"))]
         bitwise = {}
-        for name in names:
+        for name in sampled_names(m.bridge.num_layers):
             if name not in sums:
                 bitwise[name] = "absent from the engine"
                 continue
             t = engine_tensors(qhf, name, m.bridge)
+            if t is not None and t.dtype == torch.float8_e4m3fn:  # as SGLang's checker reports it
+                t = fp8_checker_view(t.cuda(), engine_tensors(qhf, name + "_scale_inv", m.bridge).cuda())
             bitwise[name] = None if t is None else f"{tensor_hash(t.cuda().contiguous()):016x}" == sums[name]
         report["bitwise"] = bitwise
         report["bitwise_all_equal"] = all(v is True for v in bitwise.values() if v is not None)

@@ -168,3 +168,20 @@ def test_grouped_gemm_kernel_is_the_configs(monkeypatch, override, env):
     with pytest.raises(ConfigCompositionException) as e:
         compose(["train.grouped_gemm=cutlas"])
     assert "train.grouped_gemm" in str(e.value) + str(e.value.__cause__)
+
+
+def test_residual_add_fused_only_when_there_is_something_to_fuse(tmp_path):
+    """No bias and no dropout (every bridge's models): megatron's fused bias-dropout-add would be a
+    torch.compile'd add that recompiles for each new sequence length, so it is left off on GPUs too."""
+    from mrl.config.schema import TinyPreset
+    from mrl.megatron.model import residual_add_fusion
+    from mrl.models import get_bridge
+    from mrl.models.tiny import make_tiny_model
+
+    assert residual_add_fusion({})  # megatron's defaults: a bias and dropout 0.1
+    assert residual_add_fusion({"add_bias_linear": False, "hidden_dropout": 0.1})
+    assert residual_add_fusion({"add_bias_linear": True, "hidden_dropout": 0.0})
+    assert not residual_add_fusion({"add_bias_linear": False, "hidden_dropout": 0.0})
+    for preset in (TinyPreset.tiny_gpu, TinyPreset.deepseek_v3, TinyPreset.glm4_moe):
+        path = make_tiny_model(str(tmp_path / preset.value), preset)
+        assert not residual_add_fusion(get_bridge(path).transformer_config_kwargs()), preset

@@ -154,3 +154,24 @@ def test_sync_profile_summaries(tmp_path):
     lines = engine_load_lines(str(tmp_path))
     assert lines["replayed_as_copies"] == 2 and lines["load_weights"] == 1
     assert lines["load_weights_reasons"] == ["the load computes on loaded data (aten.mul) at m.py:3"]
+
+
+def test_fp8_checker_view_is_what_sglangs_weight_checker_hashes():
+    """SGLang's /weights_checker reports a block-FP8 weight dequantized with its scales, and not the scales:
+    the bitwise checks of FP8 engines compare that view (comparing e4m3 bytes could never match)."""
+    from _engine_shards import fp8_checker_view
+    from sglang.srt.utils.weight_checker import _postprocess_tensors
+
+    from mrl.quant.fp8 import quantize_block_fp8
+
+    name = "model.layers.0.mlp.experts.w2_weight"
+    w = torch.randn(4, 256, 384, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q, s = zip(*(quantize_block_fp8(e) for e in w))
+    q, s = torch.stack(q), torch.stack(s)
+    raw = {name: q, name.replace("weight", "weight_scale_inv"): s, "model.norm.weight": torch.ones(8)}
+    reported = {n: t for n, compared, t in _postprocess_tensors(raw, set()) if compared}
+    assert set(reported) == {name, "model.norm.weight"}  # the scales are left out
+    view = fp8_checker_view(q, s)
+    assert view.dtype == torch.bfloat16 and torch.equal(reported[name], view)
+    assert not torch.equal(view, fp8_checker_view(q, s * 2))  # the scales are in the view
+    assert (view.float() - w.float()).abs().max() < 0.1 * w.float().abs().max()
