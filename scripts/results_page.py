@@ -71,7 +71,8 @@ def meta(d: dict, fname: str) -> tuple[str, str, str]:
     if not hw:
         m = re.search(r"_(\d+)x(H\d+)", fname)
         hw = f"{m.group(1)}x {m.group(2)}" if m else ("CPU" if "cpu" in fname else "not recorded")
-    m = re.search(r"\b[0-9a-f]{7,40}\b", str(env.get("mrl_commit") or d.get("mrl_commit_note") or ""))
+    m = re.search(r"\b[0-9a-f]{7,40}\b", str(env.get("mrl_commit") or d.get("mrl_commit") or d.get("mrl_commit_note")
+                                             or ""))
     if not m:  # a report written by hand may name the commit it ran in its note
         m = re.search(r"(?:at commit|, commit|tree of commit) ([0-9a-f]{7,40})\b", str(d.get("note") or ""))
     return date, hw, m.group(m.lastindex or 0)[:7] if m else "not recorded"
@@ -174,8 +175,13 @@ def _sync(s):
     if not isinstance(s, dict) or "sync_median_s" not in s:
         return []
     where = f" (trainer ranks {s['trainer_ranks']}, engine TP {s['engine_tp']})" if "engine_tp" in s else ""
-    return [f"sync {s['sync_median_s']:.3f} s for {s['bytes'] / 1e9:.2f} GB, **{s['sync_vs_raw']:.1f}x a raw "
-            f"broadcast**{where}"]
+    raw = "a device copy of the bytes (CUDA IPC, one GPU)" if s.get("transport") == "tensor" else "a raw broadcast"
+    out = [f"sync {s['sync_median_s']:.3f} s for {s['bytes'] / 1e9:.2f} GB, **{s['sync_vs_raw']:.1f}x {raw}**{where}"]
+    f = s.get("fp8")
+    if isinstance(f, dict) and "sync_median_s" in f:
+        out.append(f"FP8 sync {f['sync_median_s']:.3f} s for {f['bytes'] / 1e9:.2f} GB: **{f['fp8_vs_bf16_sync']:.2f}x "
+                   f"the bf16 sync** ({f['fp8_vs_bf16_sync_min']:.2f}-{f['fp8_vs_bf16_sync_max']:.2f})")
+    return out
 
 
 def _replay(r):
@@ -220,6 +226,17 @@ def fp8_quant(d):
     if big:
         out.append(f"largest ({big['shape']}): triton {big['triton_s'] * 1e3:.2f} ms, "
                    f"torch {big['torch_s'] * 1e3:.2f} ms")
+    return out
+
+
+def learn_compare(d):
+    out = []
+    for run, r in d["summary"].items():
+        kl = (r.get("mismatch/numerics_kl") or {}).get("median")
+        sync = (r.get("sync_seconds") or {}).get("median")
+        out.append(f"{run}: reward {r['reward_first10_mean']:.2f} -> **{r['reward_last10_mean']:.2f}** (first/last 10 "
+                   f"steps), held out {r['eval_accuracy_first']} -> {r['eval_accuracy_final']}"
+                   + (f", numerics KL {kl:.1e}" if kl is not None else "") + (f", sync {sync:.3f} s" if sync else ""))
     return out
 
 
@@ -369,6 +386,7 @@ EXTRACTORS = {
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
     "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
     "preflight_timing": preflight_timing, "fp8_quant": fp8_quant, "loop_e2e_trainer_start": trainer_start,
+    "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare,
 }
 
 
@@ -413,8 +431,9 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
     ("rollouts with routes / without, batch 256", ">=", 0.95,
      "rollouts/2026-11-28_gpu_loop_rollout_sync_qwen3_30b_a3b_l12_2xH200.json",
      lambda d: get(d, "rollout.summary.batch256.on_vs_off_median"), "1x H200 engine, 30B slice, same engine"),
-    ("FP8 rollouts / bf16, batch 256", ">=", 1.3, "fp8/2026-11-28_gpu_loop_fp8_vs_bf16_qwen3_30b_a3b_l12_1xH200.json",
-     lambda d: d["fp8_vs_bf16_rollout"], "1x H200, 30B slice, both engines routes on"),
+    ("FP8 rollouts / bf16, batch 256", ">=", 1.3,
+     "fp8/2026-11-29_gpu_loop_fp8_variants_sync_qwen3_30b_a3b_l12_1xH200.json", lambda d: d["fp8_vs_bf16_rollout"],
+     "1x H200, 30B slice, both engines routes on, 4 repetitions (the run before: 1.24 of 3)"),
     ("rollouts with routes / a plain engine, batch 256", ">=", 0.95,
      "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json", lambda d: d["routes_on_vs_plain"],
      "2x H200, full 48-layer Qwen3-30B-A3B"),

@@ -96,6 +96,11 @@ class TrainConfig:
     away (``mrl.megatron.warm_up``): the first step's one-time kernel and allocator costs are paid while the
     engines boot. No trace in training. null = on with CUDA (a GPU's first step costs seconds more than the
     next ones), off on CPU."""
+    compile_cache_dir: Optional[str] = "${rollout.compile_cache_dir}"
+    """GPU trainer ranks: where torch inductor and triton keep what they compile (megatron's torch.compile'd
+    helpers compile again for new shapes during the first RL steps), so the next job's ranks find it
+    (``mrl.compile_cache``); the engines' directory by default. null: their defaults under /tmp. The
+    caller's ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win."""
     sampling_mask: bool = False
     """Keep Sampling Mask: train on the support the engine sampled from (rollout top_k / top_p / min_p):
     logprobs renormalized over it, rebuilt from the engine's top logprobs (``rollout.top_logprobs_num``)."""

@@ -12,10 +12,8 @@
 - placement: ``--base-gpu-id``; several engines on a node take consecutive blocks of ``tp * dp`` GPUs,
   after the GPUs of the trainer ranks started on the same node.
 - compile caches: SGLang compiles its piecewise prefill CUDA graphs with torch inductor and its MoE and
-  attention kernels with triton at every start. Both cache what they compile, inductor under /tmp by
-  default, which a cluster job or a container loses when it ends: a cold start of a 30B MoE engine spends
-  most of its time compiling. ``compile_cache_dir`` puts both caches where the next job finds them (a
-  caller's own ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win).
+  attention kernels with triton at every start; ``compile_cache_dir`` puts both caches where the next job
+  finds them (``mrl.compile_cache``).
 
 ``check_gpu_stack`` runs before an engine starts: a host with GPUs but without SGLang's GPU kernels
 gets one error naming what is missing and how to install it, instead of a server dying in start-up.
@@ -30,6 +28,7 @@ import os
 import subprocess
 import sys
 
+from mrl.compile_cache import cache_env
 from mrl.engine.patches import SHIM_DIR
 
 INSTALL_HINT = ("pip install 'sglang==0.5.14' (brings sglang-kernel 0.4.4 for CUDA 13 and torch 2.11.0); "
@@ -87,10 +86,8 @@ def check_gpu_stack() -> None:
 def gpu_env(base: dict[str, str] | None = None, compile_cache_dir: str | None = None) -> dict[str, str]:
     env = dict(base if base is not None else os.environ)
     env.setdefault("NCCL_CUMEM_ENABLE", "0")
-    if compile_cache_dir:
-        root = os.path.abspath(os.path.expanduser(compile_cache_dir))
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
-        env.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    for key, value in cache_env(compile_cache_dir).items():
+        env.setdefault(key, value)
     env["PYTHONPATH"] = SHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 from mrl.cluster.rundir import secure_run_dir
+from mrl.compile_cache import cache_env
 from mrl.config.load import load_resolved
 from mrl.console import route_library_output
 from mrl.engine.launcher import launch_job_engines
@@ -23,7 +24,11 @@ def main(config_path: str) -> int:
     secure_run_dir(cfg.run_dir)  # also on nodes where ``mrl train`` did not create it (Slurm)
     rank = int(os.environ.get("RANK", "0"))
     engines = launch_job_engines(cfg) if rank == 0 else []
-    import torch  # noqa: F401  importing torch gives its logger a console handler: the routing replaces it
+    import torch  # importing torch gives its logger a console handler: the routing replaces it
+
+    if torch.cuda.is_available():  # before anything compiles
+        for key, value in cache_env(cfg.train.compile_cache_dir).items():
+            os.environ.setdefault(key, value)
 
     route_library_output(cfg.run_dir, rank)
     from mrl.trainer.loop import main as run_loop  # after the routing: importing megatron warns

@@ -185,3 +185,14 @@ def test_residual_add_fused_only_when_there_is_something_to_fuse(tmp_path):
     for preset in (TinyPreset.tiny_gpu, TinyPreset.deepseek_v3, TinyPreset.glm4_moe):
         path = make_tiny_model(str(tmp_path / preset.value), preset)
         assert not residual_add_fusion(get_bridge(path).transformer_config_kwargs()), preset
+
+
+def test_trainer_compile_cache_follows_the_engines_unless_set(tmp_path):
+    from mrl.compile_cache import cache_env
+
+    assert compose([f"rollout.compile_cache_dir={tmp_path}/shared"]).train.compile_cache_dir == f"{tmp_path}/shared"
+    apart = compose([f"train.compile_cache_dir={tmp_path}/t"])
+    assert apart.train.compile_cache_dir == f"{tmp_path}/t" and apart.rollout.compile_cache_dir == "~/.cache/mrl/compile"
+    assert compose(["train.compile_cache_dir=null"]).train.compile_cache_dir is None and cache_env(None) == {}
+    assert cache_env(f"{tmp_path}/t") == {"TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/t/inductor",
+                                          "TRITON_CACHE_DIR": f"{tmp_path}/t/triton"}
