@@ -26,6 +26,8 @@ that is not pure copies (derived weights, conversions) keeps ``load_weights``; t
 happened, once per layout. The same patch lets one request carry every bucket of a sync
 (``BATCHED_BUCKETS_FORMAT``; announced in the answer to ``/init_weights_update_group``), so the engine
 posts its receives back to back instead of answering and waiting for the next request between buckets.
+CUDA IPC updates (``update_weights_from_tensor``) get the same loads for a bucket sent as one flat buffer
+(``FLAT_TENSOR_FORMAT``, announced in the answers to the per-tensor updates).
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ sync, in the senders' global order: the prefix is followed by the JSON list ``[[
 engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (this patch) read it;
 others get one request per bucket."""
 BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
+FLAT_TENSOR_FORMAT = "mrl_flat:"
+"""``load_format`` prefix of an ``/update_weights_from_tensor`` request (CUDA IPC) whose one tensor is a
+whole bucket's flat uint8 buffer, laid out as a ``flattened_bucket`` broadcast; the prefix is followed by
+the JSON ``{"key", "names", "dtypes", "shapes"}``. The engine loads it as a broadcast bucket (replayed
+copies from the second sync of a layout on) and answers once its copies are done, so the sender may
+refill the buffer. Only engines whose answers to ``/update_weights_from_tensor`` carry ``FLAT_TENSOR_MARK``
+(this patch) get it: SGLang itself fails on an unknown ``load_format``."""
+FLAT_TENSOR_MARK = "[mrl: flat tensor buckets]"
 
 SYNC_STATS_ENV = "MRL_SYNC_STATS_DIR"
 """A directory (benchmarks): each weight update appends one JSON line to ``tp{rank}.jsonl`` there, per bucket
@@ -127,6 +137,7 @@ def compact_routes(module) -> None:
 
 def replayed_load(module) -> None:
     runner = getattr(module, "ModelRunner", None)
+    _replayed_tensor_load(module, runner)
     update = getattr(runner, "update_weights_from_distributed", None)
     init = getattr(runner, "init_weights_update_group", None)
     if update is None or init is None or not hasattr(runner, "_update_bucketed_weights_from_distributed"):
@@ -163,6 +174,61 @@ def replayed_load(module) -> None:
     update_weights_from_distributed._mrl_replayed = True
     runner.update_weights_from_distributed = update_weights_from_distributed
     runner.init_weights_update_group = init_weights_update_group
+
+
+def _replayed_tensor_load(module, runner) -> None:
+    """``update_weights_from_tensor`` takes ``FLAT_TENSOR_FORMAT`` buckets and says so in its answers."""
+    update = getattr(runner, "update_weights_from_tensor", None)
+    unwrap = getattr(module, "_unwrap_tensor", None)  # SGLang's own: a rank's tensor of an IPC payload
+    if update is None or unwrap is None:
+        print(f"mrl: {module.__name__} has no tensor update to patch: CUDA IPC buckets load tensor by tensor",
+              file=sys.stderr, flush=True)
+        return
+    if getattr(update, "_mrl_replayed", False):
+        return
+
+    @functools.wraps(update)
+    def update_weights_from_tensor(self, named_tensors, load_format=None):
+        if load_format is None or not load_format.startswith(FLAT_TENSOR_FORMAT):
+            ok, message = update(self, named_tensors, load_format)
+            return ok, f"{message} {FLAT_TENSOR_MARK}" if ok else message
+        try:
+            with _observed(self) as stats:
+                return True, _load_flat(self, named_tensors, load_format[len(FLAT_TENSOR_FORMAT):], unwrap, stats)
+        except Exception as e:
+            return False, _partial(e)
+
+    update_weights_from_tensor._mrl_replayed = True
+    runner.update_weights_from_tensor = update_weights_from_tensor
+
+
+def _load_flat(runner, named_tensors, meta_json: str, unwrap, stats: _Stats) -> str:
+    """One ``FLAT_TENSOR_FORMAT`` bucket: the flat buffer checked against its layout, loaded by ``_load``,
+    the copies finished before the answer (the sender reuses the buffer for a later bucket)."""
+    import torch
+
+    from mrl.engine import replayed_load as rl
+
+    meta = json.loads(meta_json)
+    key, names, dtypes = str(meta["key"]), list(meta["names"]), list(meta["dtypes"])
+    shapes = [list(x) for x in meta["shapes"]]
+    if len(named_tensors) != 1 or not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"a flat bucket is one tensor with as many names, dtypes and shapes: got "
+                         f"{len(named_tensors)} tensors, {len(names)} names, {len(dtypes)} dtypes, "
+                         f"{len(shapes)} shapes")
+    device = torch.get_device_module(runner.device).current_device()
+    flat = unwrap(named_tensors[0][1], tp_rank=getattr(runner, "tp_rank", 0), device=device)
+    want = rl.bucket_nbytes(dtypes, shapes)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != want:
+        raise ValueError(f"flat bucket {key}: a uint8 buffer of {want} bytes expected, got {flat.dtype} "
+                         f"{tuple(flat.shape)}")
+    b = stats.start(key, dtypes, shapes)
+    stats.mark(b, "receive")
+    message = _load(runner, flat, names, dtypes, shapes, key, b)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    stats.mark(b, "load")
+    return message
 
 
 _BUCKETS_IN_FLIGHT = 3

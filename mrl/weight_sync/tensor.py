@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 from multiprocessing.reduction import ForkingPickler
 
@@ -18,7 +19,8 @@ from mrl.rollout.client import EngineClient
 from mrl.weight_sync.distributed import TORCH_DTYPES, DistributedWeightSync
 from mrl.weight_sync.fp8 import quantize_checkpoint
 from mrl.engine.endpoint import EngineEndpoint
-from mrl.weight_sync.transport import LoopThread, PushStats, Transport, run_on, union_failures
+from mrl.engine.patches import FLAT_TENSOR_FORMAT, FLAT_TENSOR_MARK
+from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank, run_on, union_failures
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -39,6 +41,14 @@ def pickle_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def flat_format(bucket) -> str:
+    """The ``load_format`` of ``bucket`` sent as one flat buffer: its layout, keyed by its index (the engine
+    replays the load it recorded for that key)."""
+    t = bucket.tensors
+    return FLAT_TENSOR_FORMAT + json.dumps(dict(key=f"ipc-{bucket.index}", names=[x.name for x in t],
+                                                dtypes=[x.dtype for x in t], shapes=[list(x.shape) for x in t]))
+
+
 def bucket_tensors(gathered, *, fp8_from: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
     """A gathered bucket's HF tensors as the engine loads them. ``fp8_from`` (the engines serve a block-FP8
     checkpoint): each FP8 target cast to this sync dtype, as the distributed transport stages it, and sent
@@ -55,7 +65,13 @@ def bucket_tensors(gathered, *, fp8_from: torch.dtype | None = None) -> list[tup
 
 class TensorTransport(Transport):
     """Colocated engines: senders gather each bucket (as the distributed transport does) and post
-    it as CUDA IPC handles. No collective with the engines, so any order of requests is safe."""
+    it as CUDA IPC handles. No collective with the engines, so any order of requests is safe.
+
+    Engines started by mrl announce in their answers that they take a bucket as one flat buffer
+    (``mrl.engine.patches.FLAT_TENSOR_FORMAT``): from the next sync on, each bucket goes as the distributed
+    transport's send buffer (the same copy plan, FP8 quantization included) and the engine loads it by
+    replayed copies instead of SGLang's per-tensor ``load_weights``. Other engines (attached by URL, or
+    started with ``MRL_REPLAYED_LOAD=0``) get the bucket's tensors one by one."""
 
     name = "tensor"
 
@@ -66,8 +82,29 @@ class TensorTransport(Transport):
         self.executor = executor
         self._io = LoopThread() if executor.is_sender else None
         self._clients = [EngineClient(e) for e in executor.engines] if executor.is_sender else []
+        self.flat_engines: set[str] = set()
+        """Engines whose answers announced flat buckets (``FLAT_TENSOR_MARK``)."""
 
     def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
+        ex = self.executor
+        mine = all(e.url in self.flat_engines for e in ex.engines) if ex.is_sender else True
+        if not any_rank(ex.layout, not mine):  # every rank takes the same path: both join the same gathers
+            return self._push_flat()
+        return self._push_tensors()
+
+    def _post(self, payload: str, load_format: str | None = None) -> dict[str, str]:
+        """One bucket to every engine (each TP rank its copy of the handles); {url: error}."""
+        ex = self.executor
+
+        async def call(c: EngineClient) -> None:
+            tp = next(e.tp for e in ex.engines if e.url == c.url)
+            message = await c.update_weights_from_tensor([payload] * tp, load_format=load_format)
+            if FLAT_TENSOR_MARK in (message or ""):
+                self.flat_engines.add(c.url)
+
+        return run_on(ex.engines, call, loop=self._io)
+
+    def _push_tensors(self) -> PushStats:
         ex = self.executor
         t0 = time.perf_counter()
         failed: dict[str, str] = {}
@@ -78,11 +115,30 @@ class TensorTransport(Transport):
                 continue
             named = bucket_tensors(gathered, fp8_from=TORCH_DTYPES[ex.dtype] if ex.fp8 else None)
             payload = serialize_named_tensors(named)  # tensors stay alive until every engine answered
-            for url, err in run_on(ex.engines, lambda c: c.update_weights_from_tensor(
-                    [payload] * next(e.tp for e in ex.engines if e.url == c.url)), loop=self._io).items():
+            for url, err in self._post(payload).items():
                 failed.setdefault(url, err)
             sent += 1
             nbytes += sum(t.numel() * t.element_size() for _, t in named)
+        return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
+                         failed_engines=union_failures(ex.layout, failed))
+
+    def _push_flat(self) -> PushStats:
+        """Each bucket as the copy plan fills it (``DistributedWeightSync.steps``), one flat buffer per
+        request, answered once the engine has copied it out: the buffer is then free for a later bucket."""
+        ex = self.executor
+        t0 = time.perf_counter()
+        failed: dict[str, str] = {}
+        sent = nbytes = 0
+        for step in ex.steps():
+            step.fill()  # every rank: the gathers it joins
+            if step.flat is None or failed:
+                continue
+            torch.cuda.current_stream().synchronize()  # the engines read the buffer on their own streams
+            for url, err in self._post(serialize_named_tensors([("bucket", step.flat)]),
+                                       flat_format(step.bucket)).items():
+                failed.setdefault(url, err)
+            sent += 1
+            nbytes += step.flat.numel()
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
                          failed_engines=union_failures(ex.layout, failed))
 

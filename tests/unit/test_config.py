@@ -192,7 +192,8 @@ def test_trainer_compile_cache_follows_the_engines_unless_set(tmp_path):
 
     assert compose([f"rollout.compile_cache_dir={tmp_path}/shared"]).train.compile_cache_dir == f"{tmp_path}/shared"
     apart = compose([f"train.compile_cache_dir={tmp_path}/t"])
-    assert apart.train.compile_cache_dir == f"{tmp_path}/t" and apart.rollout.compile_cache_dir == "~/.cache/mrl/compile"
+    assert apart.train.compile_cache_dir == f"{tmp_path}/t"
+    assert apart.rollout.compile_cache_dir == "~/.cache/mrl/compile"
     assert compose(["train.compile_cache_dir=null"]).train.compile_cache_dir is None and cache_env(None) == {}
     assert cache_env(f"{tmp_path}/t") == {"TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/t/inductor",
                                           "TRITON_CACHE_DIR": f"{tmp_path}/t/triton"}

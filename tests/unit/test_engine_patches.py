@@ -198,3 +198,67 @@ def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, t
     assert not (tmp_path / "profile_next.tp0").exists()
     ops = json.loads((tmp_path / "engine_tp0_ops.json").read_text())
     assert ops and (tmp_path / "engine_tp0_trace.json").exists()
+
+
+# -- CUDA IPC buckets as one flat buffer (patches.FLAT_TENSOR_FORMAT) ------------------------------------
+class _TensorRunner(_Runner):
+    tp_rank = 0
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None):
+        if load_format is not None:
+            raise NotImplementedError(f"Unknown load_format={load_format}")  # what SGLang does
+        self.model.load_weights(named_tensors)
+        return True, "Success"
+
+
+def _tensor_runner():
+    cls = type("ModelRunner", (_TensorRunner,), {})
+    unwrap = lambda tensor, tp_rank, device: tensor  # noqa: E731  SGLang's unwraps an IPC payload's rank
+    engine_patches.replayed_load(types.SimpleNamespace(__name__="fake", ModelRunner=cls, _unwrap_tensor=unwrap))
+    return cls()
+
+
+def _flat_format(key, names, dtypes, shapes):
+    import json
+
+    from mrl.engine.patches import FLAT_TENSOR_FORMAT
+
+    return FLAT_TENSOR_FORMAT + json.dumps(dict(key=key, names=names, dtypes=dtypes, shapes=shapes))
+
+
+def test_flat_ipc_buckets_load_by_replayed_copies_and_per_tensor_answers_announce_them(capsys):
+    from mrl.engine.patches import FLAT_TENSOR_MARK, REPLAYED_LOAD_MARK
+
+    runner = _tensor_runner()
+    ok, msg = runner.update_weights_from_tensor([("a", torch.ones(4))])  # SGLang's own path, marked
+    assert ok and msg.endswith(FLAT_TENSOR_MARK) and torch.equal(runner.model.a, torch.ones(4))
+    fmt = _flat_format("ipc-0", ["a", "b"], ["float32", "float32"], [[4], [2, 3]])
+    for i in range(3):  # recorded once, then replayed: the buffer's new bytes land every time
+        a, b = torch.arange(4.0) + i, torch.arange(6.0).reshape(2, 3) * (i + 2)
+        ok, msg = runner.update_weights_from_tensor([("bucket", _flat(a, b))], load_format=fmt)
+        assert ok, msg
+        assert torch.equal(runner.model.a, a) and torch.equal(runner.model.b, b)
+    assert "replayed" in msg and REPLAYED_LOAD_MARK in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tensors, shapes", [([("x", torch.zeros(10, dtype=torch.uint8))], [[4]]),  # wrong size
+                                              ([("x", torch.zeros(16, dtype=torch.uint8))] * 2, [[4]]),  # 2 tensors
+                                              ([("x", torch.zeros(4))], [[4]])])  # not a uint8 buffer
+def test_a_flat_bucket_that_does_not_match_its_layout_is_refused(tensors, shapes):
+    runner = _tensor_runner()
+    ok, msg = runner.update_weights_from_tensor(tensors, load_format=_flat_format("k", ["a"], ["float32"], shapes))
+    assert not ok and "partially updated" in msg, msg
+    assert torch.equal(runner.model.a, torch.zeros(4))
+
+
+def test_the_trainers_flat_bucket_format_loads_in_a_patched_engine():
+    """The wire between ``mrl.weight_sync.tensor.flat_format`` and the engine's patch."""
+    from mrl.weight_sync.planner import HFTensor
+    from mrl.weight_sync.tensor import flat_format
+
+    bucket = types.SimpleNamespace(index=3, tensors=[HFTensor("a", (4,), "float32"), HFTensor("b", (2, 3), "float32")])
+    a, b = torch.arange(4.0) - 1, torch.arange(6.0).reshape(2, 3) / 7
+    runner = _tensor_runner()
+    ok, msg = runner.update_weights_from_tensor([("bucket", _flat(a, b))], load_format=flat_format(bucket))
+    assert ok, msg
+    assert torch.equal(runner.model.a, a) and torch.equal(runner.model.b, b)

@@ -105,10 +105,11 @@ PROCESS_FOLDERS = {
     # the trainer ranks
     "trainer": ["loop", "controller", "state", "batch", "warm_start"],
 }
-ENGINE_SIDE_IMPORTS = ("mrl.engine", "mrl.process", "mrl.config", "mrl.quant")
+ENGINE_SIDE_IMPORTS = ("mrl.engine", "mrl.process", "mrl.config", "mrl.quant", "mrl.compile_cache")
 """All that ``mrl/engine`` may import of mrl: code loaded into SGLang's servers pulls in no trainer or
 rollout code. ``mrl.quant``: the block-FP8 export FP8 engines start from (torch, safetensors and the HF
-checkpoint reader only)."""
+checkpoint reader only); ``mrl.compile_cache``: the compile caches' environment, shared with the trainer
+ranks (``os`` only)."""
 MAX_LINES = 500
 
 
