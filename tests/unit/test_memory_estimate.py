@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ QWEN3_30B_A3B = dict(
     output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000.0,
     router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
     use_cache=True, use_sliding_window=False, vocab_size=151936)
+PRESET = os.path.join(REPO, "conf", "experiment", "qwen3_30b_a3b_8gpu.yaml")
 
 
 def _bridge_30b():
@@ -150,6 +152,31 @@ def test_estimate_imports_no_torch():
     assert out.stdout.strip() == "91.8"
 
 
+def test_the_8gpu_preset_places_the_trainer_and_engines_and_quotes_the_estimate():
+    from mrl.config.load import compose
+    from mrl.megatron.memory import model_state_bytes
+
+    cfg = compose(["+experiment=qwen3_30b_a3b_8gpu", "model.hf_path=/ckpt/Qwen3-30B-A3B"])
+    p, r = cfg.parallel, cfg.rollout
+    assert (p.tp, p.pp, p.ep, p.expert_tp, p.world_size) == (1, 1, 4, 1, 4)
+    assert (r.cpu_mode, r.num_engines, r.engine_tp, r.engine_dp, r.base_gpu_id) == (False, 2, 2, 1, 4)
+    engine_gpus = [r.base_gpu_id + i * r.engine_tp * r.engine_dp + k for i in range(r.num_engines)
+                   for k in range(r.engine_tp)]
+    assert engine_gpus == [4, 5, 6, 7] and not set(engine_gpus) & set(range(p.world_size))
+    assert cfg.model.dtype == DType.bf16 and cfg.train.optimizer_states_dtype == DType.bf16
+    b = _bridge_30b()
+    est = model_state_bytes(b, p, dtype=cfg.model.dtype, optimizer_states_dtype=cfg.train.optimizer_states_dtype,
+                            padded_vocab=b.padded_vocab(cfg.model.vocab_divisible_by, p.tp))
+    comment = open(PRESET).read()
+    quoted = re.search(r"([\d.]+) GiB with\s+# bf16 Adam states \(weights ([\d.]+) \+ grads ([\d.]+) \+ "
+                       r"optimizer ([\d.]+) GiB\)", comment)
+    assert quoted, "the preset's comment quotes the estimate"
+    assert [float(x) for x in quoted.groups()] == [round(est[f"{k}_gib"], 1)
+                                                  for k in ("total", "weights", "grads", "optimizer")]
+    assert est["total_gib"] + 40 < 139  # room for activations on an H200, which fp32 states would not leave
+    assert _estimate_30b(4, "fp32")["total_gib"] + 10 > 139
+
+
 def _model_dir(tmp_path) -> str:
     d = tmp_path / "qwen3_30b_a3b"
     d.mkdir()
@@ -161,8 +188,7 @@ def test_mrl_check_prints_the_model_states_line(tmp_path):
     """Pass or fail, ``mrl check`` prints the estimate on stdout (here it fails: no GPU, no tokenizer, no
     weights) and its failures alone on stderr."""
     mrl = os.path.join(os.path.dirname(sys.executable), "mrl")
-    p = subprocess.run([mrl, "check", "model=qwen3_30b_a3b", "parallel=tp1", "parallel.ep=4", "parallel.world_size=4",
-                        "rollout=gpu", "train.optimizer_states_dtype=bf16", f"model.hf_path={_model_dir(tmp_path)}",
+    p = subprocess.run([mrl, "check", "+experiment=qwen3_30b_a3b_8gpu", f"model.hf_path={_model_dir(tmp_path)}",
                         f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120, cwd=REPO,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.stdout.splitlines() == [
@@ -179,8 +205,8 @@ def test_no_line_where_the_estimate_would_not_hold(tmp_path):
     from mrl.preflight import LOCAL, model_state_note
 
     path = _model_dir(tmp_path)
-    assert model_state_note(compose([f"model.hf_path={path}", "parallel=ep2"]), LOCAL).startswith("model states")
-    assert model_state_note(compose([f"model.hf_path={path}", "parallel=ep2", "model.lora.rank=8"]), LOCAL) is None
+    assert model_state_note(compose([f"model.hf_path={path}", "parallel=ep4"]), LOCAL).startswith("model states")
+    assert model_state_note(compose([f"model.hf_path={path}", "parallel=ep4", "model.lora.rank=8"]), LOCAL) is None
     assert model_state_note(compose([f"model.hf_path={path}", "parallel.ep=3", "parallel.world_size=3"]),
                             LOCAL) is None  # 3 does not divide 128 experts
     assert model_state_note(compose([f"model.hf_path={tmp_path / 'none'}"]), LOCAL) is None
