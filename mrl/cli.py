@@ -109,9 +109,12 @@ def preflight(cfg: Config, where: str | None = None) -> int:
 def check(cfg: Config) -> int:
     """``mrl check``: the preflight of ``mrl train`` (``mrl launch`` for ``cluster=slurm``), nothing else."""
     from mrl.config.schema import ClusterKind
-    from mrl.preflight import LOCAL, SUBMIT
+    from mrl.preflight import LOCAL, SUBMIT, model_state_note
 
-    code = preflight(cfg, SUBMIT if cfg.cluster.kind == ClusterKind.slurm else LOCAL)
+    where = SUBMIT if cfg.cluster.kind == ClusterKind.slurm else LOCAL
+    code = preflight(cfg, where)
+    if note := model_state_note(cfg, where):  # informative, pass or fail: on stdout, the failures on stderr
+        print(f"[mrl] {note}", flush=True)
     if not code:
         print(f"[mrl] preflight passed: run_dir={cfg.run_dir}, model.hf_path={cfg.model.hf_path}", flush=True)
     return code

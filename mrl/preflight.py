@@ -72,20 +72,24 @@ def check_run_dir(cfg: Config, where: str) -> str | None:
     return None
 
 
-def check_layout(cfg: Config, where: str) -> str | None:
-    """The trainer's world size fits parallel.* (the model's own constraints are checked with the model)."""
+def trainer_world(cfg: Config, where: str) -> tuple[int, str]:
+    """The trainer's world size, and how it was found when not from ``parallel.*`` alone."""
     from mrl.config.schema import ClusterKind
 
     c = cfg.cluster
     if where == SUBMIT and c.kind == ClusterKind.slurm:
-        world, how = c.num_train_nodes * c.nproc_per_node, (
+        return c.num_train_nodes * c.nproc_per_node, (
             f" (trainer world size = cluster.num_train_nodes * cluster.nproc_per_node = "
             f"{c.num_train_nodes}*{c.nproc_per_node})")
-    elif (nodes := os.environ.get("PET_NNODES", "").split(":")[-1]).isdigit() and (
+    if (nodes := os.environ.get("PET_NNODES", "").split(":")[-1]).isdigit() and (
             per := os.environ.get("PET_NPROC_PER_NODE", "")).isdigit():  # a Slurm trainer node: torchrun's world
-        world, how = int(nodes) * int(per), f" (trainer world size = PET_NNODES * PET_NPROC_PER_NODE = {nodes}*{per})"
-    else:
-        world, how = cfg.parallel.local_world_size, ""
+        return int(nodes) * int(per), f" (trainer world size = PET_NNODES * PET_NPROC_PER_NODE = {nodes}*{per})"
+    return cfg.parallel.local_world_size, ""
+
+
+def check_layout(cfg: Config, where: str) -> str | None:
+    """The trainer's world size fits parallel.* (the model's own constraints are checked with the model)."""
+    world, how = trainer_world(cfg, where)
     try:
         cfg.parallel.check_world_size(world)
     except ValueError as e:
@@ -409,6 +413,31 @@ def check_fp8_shapes(cfg: Config, where: str) -> str | None:
                 f"rollout.engine_tp={r.engine_tp}, engine_ep={r.engine_ep}: {'; '.join(problems)} (another engine_tp "
                 "or engine_ep, or rollout.quantization=null)")
     return None
+
+
+def model_state_note(cfg: Config, where: str) -> str | None:
+    """``mrl check``'s informative line: the trainer's model states per rank for this layout, from config.json
+    alone (``mrl.megatron.memory``; no torch unless config.json leaves a key to transformers). None where
+    config.json cannot be read here, the run trains LoRA adapters (the estimate is for full fine-tuning), or
+    the layout cannot shard the model (the checks name that)."""
+    path = cfg.model.hf_path
+    if cfg.model.lora.enabled or _in_image(cfg, where) or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from mrl.megatron.memory import describe, model_state_bytes
+    from mrl.models import ConfigNeedsTransformers, get_bridge
+
+    try:
+        try:
+            bridge = get_bridge(path, json_config=True)
+        except ConfigNeedsTransformers:
+            bridge = get_bridge(path)
+        est = model_state_bytes(bridge, cfg.parallel, dtype=cfg.model.dtype,
+                                optimizer_states_dtype=cfg.train.optimizer_states_dtype,
+                                padded_vocab=bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp),
+                                world_size=trainer_world(cfg, where)[0])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # what check_model reports, if anything
+        return None
+    return describe(est, cfg.parallel)
 
 
 CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,

@@ -59,8 +59,8 @@ class TrainConfig:
     clip_grad: float = 1.0
     weight_decay: float = 0.0
     optimizer_states_dtype: DType = DType.fp32
-    """Adam moments (and master-weight storage). bf16: megatron's precision-aware optimizer, 8 bytes per
-    parameter less; needs Transformer Engine on GPUs."""
+    """Adam moments (and master-weight storage). bf16: megatron's precision-aware optimizer, 6 bytes per
+    bf16 parameter of the optimizer's shard instead of 12 (docs/memory.md); needs Transformer Engine on GPUs."""
     lr_warmup_steps: int = 0
     eval_every: int = 10
     """Greedy accuracy on the held-out split every N steps (0 = never)."""
