@@ -322,6 +322,8 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
     a ``kv_cache_dtype`` among the server args goes where ``rollout.kv_cache_dtype`` goes)."""
     server_args = dict(server_args or {})
     kv_cache_dtype = server_args.pop("kv_cache_dtype", None)
+    extra_path = server_args.pop("mrl_pythonpath", None)  # e.g. the stack's DeepGEMM, off the default path
+    extra_env = server_args.pop("mrl_env", {})
     from mrl.engine.cpu_mode import PYSHIM_DIR
     from mrl.engine.launcher import Engine
 
@@ -333,6 +335,11 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
         env[SYNC_STATS_ENV] = _profile_dir(a)
     if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU
         env["PYTHONPATH"] = ":".join([os.path.join(HERE, "_cpu_engine_shim"), PYSHIM_DIR, _pythonpath()])
+    elif extra_path:
+        from mrl.engine import gpu_mode
+
+        env["PYTHONPATH"] = f"{extra_path}:{gpu_mode.gpu_env()['PYTHONPATH']}"  # mrl's shim stays on it
+    env |= {str(k): str(v) for k, v in extra_env.items()}
     return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
                   max_running_requests=max(a.batches + [a.replay_samples]),
                   max_total_tokens=8192 if a.cpu else a.max_total_tokens,
@@ -491,7 +498,9 @@ def main() -> int:
     ap.add_argument("--fp8-variant", action="append", default=[], metavar="NAME=JSON",
                     help="rollout: one more FP8 engine (the --fp8-engine-gpu export, on that GPU) with these "
                          "server args, e.g. fp8cutlass='{\"moe_runner_backend\":\"cutlass\"}' or "
-                         "fp8kv='{\"kv_cache_dtype\":\"fp8_e4m3\"}'")
+                         "fp8kv='{\"kv_cache_dtype\":\"fp8_e4m3\"}'; two keys are not server args: "
+                         "mrl_pythonpath (prepended to the engine's PYTHONPATH, e.g. the stack's deepgemm "
+                         "folder) and mrl_env (more environment)")
     ap.add_argument("--sync-transport", default="distributed", choices=["distributed", "tensor"],
                     help="sync: tensor = CUDA IPC into engines on the trainer's GPU (one GPU for all)")
     ap.add_argument("--variant-gpu", default=None, help="--variant engines' (first) GPU (default --engine-gpu)")

@@ -3,6 +3,7 @@
 # torch 2.11.0+cu130 preinstalled) needs for mrl's GPU path, as parts small enough to send one per transfer:
 #   - SGLang 0.5.14 and the wheels the host image lacks (sglang-0.5.14-gpu-wheels.txt), plus sglang-kernel
 #     0.4.4 without its FA3 library (1.8 GB): engines then use the triton or flashinfer attention backend;
+#   - DeepGEMM (sgl-deep-gemm 0.1.3, SGLang's pin), for engines that ask for it only;
 #   - megatron-core and the pure-Python packages mrl imports (hydra-core, omegaconf, antlr4, einops);
 #   - Transformer Engine 2.20.2 (core library wheel for CUDA 13, meta wheel) unless NO_TE=1. Its torch
 #     extension must be built against the host's torch: pass a wheel built there as TE_TORCH_WHEEL, or the
@@ -29,6 +30,12 @@ dl "$D/k" sglang-kernel==0.4.4
 unzip -q -o "$D"/k/sglang_kernel-0.4.4-*.whl -d "$D/k/x" -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*'
 cp -r "$D"/k/x/sgl_kernel "$D"/k/x/triton_kernels "$D"/k/x/sglang_kernel-0.4.4.dist-info "$D/b/site_extra/"
 
+# SGLang pins DeepGEMM (sgl-deep-gemm) for its FP8 GEMMs; kept off the default path (install_stack.sh puts it in
+# TARGET/deepgemm): with it importable every FP8 engine would take DeepGEMM, whose kernels JIT-compile at start
+echo "[fetch] DeepGEMM (SGLang's pin)"
+mkdir -p "$D/b/deepgemm"
+dl "$D/b/deepgemm" sgl-deep-gemm==0.1.3
+
 echo "[fetch] megatron-core and mrl's pure-Python imports"
 dl "$D/b/wheels" megatron-core==0.19.2 hydra-core==1.3.2 omegaconf==2.3.0 einops
 "$PY" -m pip download -q --no-deps --no-binary :all: -d "$D/k/sdist" antlr4-python3-runtime==4.9.3
@@ -45,7 +52,7 @@ if [ "${NO_TE:-0}" != 1 ]; then
   fi
 fi
 
-tar cf "$D/bundle.tar" -C "$D/b" wheels site_extra te  # wheels are compressed already
+tar cf "$D/bundle.tar" -C "$D/b" wheels site_extra te deepgemm  # wheels are compressed already
 split -b "${PART_MB}m" "$D/bundle.tar" "$D/parts/part."
 sha256sum "$D/bundle.tar" | cut -d' ' -f1 > "$D/bundle.sha256"
 rm -rf "$D/k" "$D/b" "$D/bundle.tar"

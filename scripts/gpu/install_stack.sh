@@ -3,7 +3,8 @@
 # part.ab, ...) and install SGLang 0.5.14, megatron-core and Transformer Engine into TARGET, next to the
 # host's own torch. Afterwards: source TARGET/env.sh (PYTHONPATH, NCCL_CUMEM_ENABLE=0). Transformer Engine goes
 # to TARGET/te, on the path only with `source TARGET/env.sh te`: megatron picks its TE spec whenever TE imports,
-# so leaving it off the path runs the local spec on the same host.
+# so leaving it off the path runs the local spec on the same host. DeepGEMM goes to TARGET/deepgemm, on no path
+# (engines that should use it get it prepended: bench/gpu_loop.py's "mrl_pythonpath" server arg).
 # Usage: scripts/gpu/install_stack.sh STASH TARGET [SHA256]
 set -euo pipefail
 S=${1:?stash}; T=${2:?target}; want=${3:-}
@@ -31,6 +32,9 @@ if ls "$W"/te/*.whl >/dev/null 2>&1; then
       "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$W/te" .)
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$T/te" "$W"/te/*.whl
+fi
+if ls "$W"/deepgemm/*.whl >/dev/null 2>&1; then  # off the default path: an engine that wants it prepends it
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T/deepgemm" "$W"/deepgemm/*.whl
 fi
 cat > "$T/env.sh" <<EOF
 # source env.sh [te]: the stack on the path; with "te", Transformer Engine too
