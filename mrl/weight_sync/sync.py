@@ -318,8 +318,7 @@ def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Lay
                    config_src: str, dtype: str = "float32", timeout_s: float = 300.0,
                    group_prefix: str = "mrl", fp8: bool = False, **executor_kw) -> tuple[Transport, Transport]:
     """The configured transport and the disk transport that repairs it (the same object for disk). ``fp8``:
-    the engines serve block-FP8 weights (``rollout.quantization=fp8``); every transport but ``tensor`` sends
-    them so."""
+    the engines serve block-FP8 weights (``rollout.quantization=fp8``); every transport sends them so."""
     disk = DiskTransport(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab, engines=engines,
                          export_dir=export_dir, config_src=config_src, fp8_dtype=getattr(torch, dtype) if fp8 else None)
     if kind == WeightTransport.disk:

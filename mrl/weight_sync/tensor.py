@@ -81,7 +81,6 @@ class TensorTransport(Transport):
                                "on CPU tensors sent between processes; use transport=distributed or disk")
         self.executor = executor
         self._io = LoopThread() if executor.is_sender else None
-        self._clients = [EngineClient(e) for e in executor.engines] if executor.is_sender else []
         self.flat_engines: set[str] = set()
         """Engines whose answers announced flat buckets (``FLAT_TENSOR_MARK``)."""
 

@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
 # FP8 rollouts with bf16 training on 2 GPUs: the trainer (megatron, bf16) on the first GPU, an SGLang
 # engine started from the run's block-FP8 export (--quantization fp8 --dtype bfloat16) on the second; one FP8
-# weight sync over NCCL (one GPU visible: the engine beside the trainer, the sync over CUDA IPC), then the engine's sampled tensors (first and last layer, experts and their scales
-# included) against the trainer's quantization bit for bit, and the engine's probe logprobs against the
-# trainer's with the dequantized weights (tests/jobs/fp8_sync_check.py). Hopper only: on Blackwell SGLang
-# requantizes block scales for DeepGEMM at load, which a weight update does not redo (docs/fp8.md).
-# On the GPU machine (torch preinstalled, no megatron-core): carry the megatron-core cp312 wheel in .whl/.
+# weight sync over NCCL (one GPU visible: the engine beside the trainer, the sync over CUDA IPC), then the
+# engine's sampled tensors (first and last layer, experts included, each FP8 weight as SGLang's weight checker
+# reports it: dequantized with its scales) against the trainer's quantization bit for bit, and the engine's
+# probe logprobs against the trainer's with the dequantized weights (tests/jobs/fp8_sync_check.py). Hopper
+# only: on Blackwell SGLang requantizes block scales for DeepGEMM at load, which a weight update does not
+# redo (docs/fp8.md). Needs the whole GPU stack (SGLang's GPU kernels): scripts/gpu/install_stack.sh.
 #   bash tests/gpu/fp8_sync.sh [OUT_DIR]        -> OUT_DIR/fp8_sync.json, OUT_DIR/run/engines/*.log
 set -uo pipefail
 OUT=${1:-${OUT:-runs/gpu_fp8_sync}}
 mkdir -p "$OUT"
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
 # one GPU: the engine beside the trainer, the FP8 buckets over CUDA IPC (weight_sync.transport=tensor)

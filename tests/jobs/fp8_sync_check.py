@@ -34,19 +34,17 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))  # _engine_shards, _bench_common
 
 
 def dequantize(hf: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Full HF tensors as the engine computes with them: each FP8 target quantized and read back per block."""
-    from mrl.quant.fp8 import BLOCK_SIZE, quantize_block_fp8
+    """Full HF tensors as the engine computes with them: each FP8 target quantized and read back per block
+    (the view SGLang's weight checker reports, ``fp8_checker_view``)."""
+    from _engine_shards import fp8_checker_view
+
+    from mrl.quant.fp8 import quantize_block_fp8
     from mrl.quant.fp8_targets import is_fp8_target
 
     out = {}
     for name, t in hf.items():
-        if t.dim() == 2 and is_fp8_target(name):
-            q, s = quantize_block_fp8(t.to(dtype))
-            bn, bk = BLOCK_SIZE
-            full = s.repeat_interleave(bn, 0)[:t.shape[0]].repeat_interleave(bk, 1)[:, :t.shape[1]]
-            out[name] = (q.float() * full).to(dtype)
-        else:
-            out[name] = t
+        out[name] = fp8_checker_view(*quantize_block_fp8(t.to(dtype))).to(dtype) \
+            if t.dim() == 2 and is_fp8_target(name) else t
     return out
 
 
