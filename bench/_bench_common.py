@@ -28,7 +28,9 @@ SHAPES = {"gpu": GPU_PRESET, "bench490": GPU_PRESET,
           "qwen3_30b_a3b_l12": dict(GPU_PRESET, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                     moe_intermediate_size=768, num_hidden_layers=12, num_attention_heads=32,
                                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                    max_position_embeddings=40960)}
+                                    max_position_embeddings=40960),
+          # a CPU-sized MoE whose optimizer state is large enough to show host memory in a checkpoint save
+          "cpu_ckpt": dict(GPU_PRESET, num_hidden_layers=2)}
 
 
 def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
@@ -69,6 +71,8 @@ def torchrun(nproc: int, script: str, args: list[str], *, timeout: float | None 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(HERE, script), *args]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # workers that share tests/jobs' synthetic batches import them from the repository root
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), env.get("PYTHONPATH")) if p)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if r.returncode:
         print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
@@ -131,7 +135,7 @@ TOPICS = (
     ("weight_sync", "weight_sync"), ("lora_sync", "weight_sync"),
     ("replay_overhead", "keep_routing"), ("packing", "keep_routing"), ("routing_mismatch", "keep_routing"),
     ("sampling_mask_payload", "keep_routing"),
-    ("mrl_train", "learning"), ("parity", "parity"),
+    ("mrl_train", "learning"), ("parity", "parity"), ("checkpoint_save", "checkpoints"),
 )
 """Report name prefix -> its folder under ``bench/reports/`` (the first prefix that matches; a bench whose
 name matches none is refused: add it here, tests/unit/test_bench_reports.py checks every bench's name)."""

@@ -415,34 +415,74 @@ def check_fp8_shapes(cfg: Config, where: str) -> str | None:
     return None
 
 
-def model_state_note(cfg: Config, where: str) -> str | None:
-    """``mrl check``'s informative line: the trainer's model states per rank for this layout, from config.json
-    alone (``mrl.megatron.memory``; no torch unless config.json leaves a key to transformers). None where
-    config.json cannot be read here, the run trains LoRA adapters (the estimate is for full fine-tuning), or
-    the layout cannot shard the model (the checks name that)."""
+def _json_bridge(cfg: Config, where: str):
+    """The model's bridge from config.json, or None where it cannot be read here, the run trains LoRA
+    adapters (the estimates are for full fine-tuning) or config.json is not this host's to read."""
     path = cfg.model.hf_path
     if cfg.model.lora.enabled or _in_image(cfg, where) or not os.path.isfile(os.path.join(path, "config.json")):
         return None
-    from mrl.megatron.memory import describe, model_state_bytes
     from mrl.models import ConfigNeedsTransformers, get_bridge
 
     try:
         try:
-            bridge = get_bridge(path, json_config=True)
+            return get_bridge(path, json_config=True)
         except ConfigNeedsTransformers:
-            bridge = get_bridge(path)
+            return get_bridge(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # what check_model reports, if anything
+        return None
+
+
+def model_state_note(cfg: Config, where: str) -> str | None:
+    """``mrl check``'s informative line: the trainer's model states per rank for this layout, from config.json
+    alone (``mrl.megatron.memory``; no torch unless config.json leaves a key to transformers). None where
+    the bridge cannot be read (``_json_bridge``) or the layout cannot shard the model (the checks name that)."""
+    if (bridge := _json_bridge(cfg, where)) is None:
+        return None
+    from mrl.megatron.memory import describe, model_state_bytes
+
+    try:
         est = model_state_bytes(bridge, cfg.parallel, dtype=cfg.model.dtype,
                                 optimizer_states_dtype=cfg.train.optimizer_states_dtype,
                                 padded_vocab=bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp),
                                 world_size=trainer_world(cfg, where)[0])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # what check_model reports, if anything
+    except (ValueError, KeyError, TypeError):
         return None
     return describe(est, cfg.parallel)
 
 
+def check_checkpoint_space(cfg: Config, where: str) -> str | None:
+    """Every run saves a checkpoint at its end: the run directory's filesystem must have room for one
+    (a lower bound from config.json, ``mrl.megatron.memory.checkpoint_bytes``), or the run would fail there,
+    after all its steps. Checked where the run directory lives (``mrl launch``: on the nodes)."""
+    if where != LOCAL or (bridge := _json_bridge(cfg, where)) is None:
+        return None
+    import shutil
+
+    from mrl.megatron.memory import checkpoint_bytes
+
+    try:
+        params, need = checkpoint_bytes(bridge, dtype=cfg.model.dtype,
+                                        optimizer_states_dtype=cfg.train.optimizer_states_dtype,
+                                        padded_vocab=bridge.padded_vocab(cfg.model.vocab_divisible_by, 1),
+                                        optimizer_checkpoint=cfg.train.optimizer_checkpoint)
+    except (ValueError, KeyError, TypeError):
+        return None
+    where_ckpt = os.path.abspath(os.path.join(cfg.run_dir, "checkpoints"))
+    while not os.path.exists(where_ckpt):
+        where_ckpt = os.path.dirname(where_ckpt)
+    free = shutil.disk_usage(where_ckpt).free
+    if free >= need:
+        return None
+    gib = 1 << 30
+    return (f"run_dir={cfg.run_dir}: its filesystem has {free / gib:.1f} GiB free, and one checkpoint of this model "
+            f"takes at least {need / gib:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} and the "
+            f"optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every run "
+            "saves one at its end: put run_dir on a filesystem with room")
+
+
 CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
                             check_gpu_stack, check_ports, check_loggers)
-COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes)
+COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 
 
 def run_preflight(cfg: Config, where: str = LOCAL) -> list[str]:

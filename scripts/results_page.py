@@ -43,6 +43,8 @@ TOPICS = {  # folder -> (title, what its reports measure)
             "against its torch path (`tests/gpu/fp8_quant.sh`)."),
     "learning": ("Learning runs", "`mrl train` runs to the end: reward and held-out accuracy, step and sync time."),
     "parity": ("Parity", "HF <-> Megatron logits on GPUs (`tests/gpu/parity.sh`)."),
+    "checkpoints": ("Checkpoints", "Host memory and seconds of a trainer checkpoint save per optimizer format "
+                    "(`bench/checkpoint_save.py`)."),
 }
 
 
@@ -245,6 +247,16 @@ def fused_replay_check(d):
             f"{max((max(r['grad_input_max_abs'], r['grad_weight_max_abs']) for r in res.values()), default=0):.1e})"]
 
 
+def checkpoint_save(d):
+    out = []
+    for fmt, s in d["summary"].items():
+        lo, hi = s["peak_extra_gib_min_max"]
+        out.append(f"{fmt}: **+{s['peak_extra_gib']:.2f} GiB** host memory during the save ({lo:.2f}-{hi:.2f}; "
+                   f"{s['peak_extra_gib'] * 2**30 / d['params_per_rank']:.1f} bytes per parameter of a rank), "
+                   f"{s['save_s']:.1f} s, {s['checkpoint_gib']:.2f} GiB on disk")
+    return out
+
+
 def learn_compare(d):
     out = []
     for run, r in d["summary"].items():
@@ -403,7 +415,7 @@ EXTRACTORS = {
     "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
     "preflight_timing": preflight_timing, "fp8_quant": fp8_quant, "loop_e2e_trainer_start": trainer_start,
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
-    "fused_replay_check": fused_replay_check,
+    "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save,
 }
 
 

@@ -72,6 +72,12 @@ class TrainConfig:
     keep_checkpoints: int = 0
     """Keep the newest N complete checkpoints: older ones are deleted once a newer one is complete (its
     files synced to disk before its marker is written); 0 = keep every one."""
+    optimizer_checkpoint: str = "dp_reshardable"
+    """How checkpoints hold the optimizer state (megatron's DistributedOptimizer sharding types).
+    dp_reshardable: every rank writes its own shard, nothing gathered; resumes in the same TP/PP/EP/ETP/CP
+    layout (DP may change). fully_reshardable: resumes in any layout, but each save gathers every
+    model-parallel group's fp32 state into host memory on its DP rank 0, several copies of it while
+    saving (docs/training.md). A resume reads each checkpoint in its own format."""
     resume: bool = True
     """Resume from the newest checkpoint in run_dir/checkpoints if there is one."""
     stop_after: Optional[int] = None
@@ -135,11 +141,17 @@ class TrainConfig:
             fail("train.gc_interval", f"must be >= 0 (0 = Python's automatic collection), got {self.gc_interval}")
         if self.max_nonfinite_steps < 0:
             fail("train.max_nonfinite_steps", f"must be >= 0, got {self.max_nonfinite_steps}")
+        if self.optimizer_checkpoint not in OPTIMIZER_CHECKPOINT_FORMATS:
+            fail("train.optimizer_checkpoint", f"must be one of {', '.join(OPTIMIZER_CHECKPOINT_FORMATS)}, got "
+                 f"{self.optimizer_checkpoint!r}")
         if self.keep_checkpoints < 0:
             fail("train.keep_checkpoints", f"must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}")
         if self.pack_max_len is not None and self.pack_max_len < 2:
             fail("train.pack_max_len", f"must be >= 2 or null, got {self.pack_max_len}")
 
+
+OPTIMIZER_CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable")
+"""``train.optimizer_checkpoint``'s values (``mrl.megatron.checkpoint_format``)."""
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 """Experiment trackers ``logger`` may list (``mrl.loggers``)."""

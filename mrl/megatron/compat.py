@@ -341,6 +341,10 @@ def _patch_distopt_torch_adam() -> None:
         drops torch-Adam's tensor ``step`` (``:2390``) -> KeyError 'step'; missing keys now read as None.
     (b) ``optimizer/distrib_optimizer.py:1032`` gives every param ONE shared ``step`` tensor; torch Adam
         increments it once per param, so a resumed run uses wrong bias correction. Un-share after loading.
+    (d) ``:1225`` copies into the model's own params when they are the main params (fp32 models): the
+        dp_reshardable loader calls it outside ``no_grad`` and autograd refuses an in-place copy into a leaf.
+    (e) ``:1021`` gives the per-param ``step`` the checkpoint's count only when it rebuilds the state; the
+        dp_reshardable path keeps the placeholder state's count (1). Set from the saved param groups.
     ((c) the empty-state assert at ``:839`` is avoided by the checkpoint code calling
     ``_init_optimizer_states_with_dummy_values`` before loading.)"""
     from megatron.core.optimizer import distrib_optimizer as do
@@ -357,15 +361,19 @@ def _patch_distopt_torch_adam() -> None:
 
     def _set(self, model_param, tensors):
         shim.hits.add("optimizer/distrib_optimizer.py:1219")
-        return orig_set(self, model_param, _NoneForMissing(tensors))
+        with torch.no_grad():
+            return orig_set(self, model_param, _NoneForMissing(tensors))
 
     orig_load = do.DistributedOptimizer.load_state_dict
 
     def load_state_dict(self, state_dict):
         out = orig_load(self, state_dict)
         shim.hits.add("optimizer/distrib_optimizer.py:1032")
+        steps = {g["step"] for g in state_dict["optimizer"]["param_groups"] if "step" in g}
         for st in self.optimizer.state.values():
-            if torch.is_tensor(st.get("step")):
+            if len(steps) == 1 and "step" in st:  # (e) the checkpoint's count, whatever the loader left there
+                st["step"] = torch.tensor(float(next(iter(steps))))
+            elif torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].clone()
         return out
 

@@ -189,3 +189,17 @@ def describe(est: dict, parallel: ParallelConfig) -> str:
             f"fp32 grads, {est['optimizer_states_dtype']} Adam states; tp{parallel.tp} pp{parallel.pp} "
             f"ep{parallel.ep} etp{parallel.expert_tp} on {ranks} rank{'s' if ranks > 1 else ''}: dp{est['dp']} "
             f"edp{est['edp']}); activations and allocator slack not included (docs/memory.md)")
+
+
+def checkpoint_bytes(bridge: ModelBridge, *, dtype: DType, optimizer_states_dtype: DType, padded_vocab: int,
+                     optimizer_checkpoint: str) -> tuple[int, int]:
+    """(parameters, a lower bound on one trainer checkpoint's bytes on disk): every parameter once in the
+    model's dtype and the optimizer's state once, as the ranks hold it (``dp_reshardable``) or as megatron's
+    fully reshardable format writes it (fp32 master weights and both moments). Padding, metadata and the
+    RNG and loop files are left out, and so is a master copy the optimizer does not keep apart (fp32 models)."""
+    est = stage_model_states(bridge, ParallelConfig(), stage=0, world_size=1, dtype=dtype,
+                             optimizer_states_dtype=optimizer_states_dtype, padded_vocab=padded_vocab)
+    n = est["dense_params"] + est["expert_params"]
+    per = 12 if optimizer_checkpoint == "fully_reshardable" else optimizer_bytes_per_element(dtype,
+                                                                                           optimizer_states_dtype)
+    return n, n * ((2 if dtype == DType.bf16 else 4) + per)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from mrl.algo import compute_policy_loss
 from mrl._compat.te import HAVE_TE, optimizer_states_by_reference
 from mrl.config.schema import BadSupport, Config, DType
-from mrl.megatron import compat, mismatch
+from mrl.megatron import checkpoint_format, compat, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
 from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
@@ -397,32 +397,29 @@ class Policy:
         return {k: _mean([m[k] for m in box if k in m]) for k in keys}
 
     # -- checkpoints -----------------------------------------------------------------------------
-    # only this sharding type saves and reloads torch-Adam state, in any layout. Its default exchange
-    # all-gathers each fp32 state bucket through NCCL on every rank, which needs a bucket's worth of free
-    # GPU memory that a trainer sized to its GPU does not have; the memory-efficient exchange gathers on
-    # the host over gloo to DP rank 0 (megatron reads both alike when loading)
-    _CKPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
-                  "distrib_optim_fully_reshardable_mem_efficient": True}
-
-    def _model_sharded(self) -> dict:
+    # the optimizer state's layout: train.optimizer_checkpoint when saving, the checkpoint's own record
+    # when loading (mrl/megatron/checkpoint_format.py)
+    def _model_sharded(self, fmt: str) -> dict:
         """The model's sharded state dict; LoRA: the adapters only (the frozen base comes from model.hf_path)."""
-        sd = self.module.sharded_state_dict(metadata=self._CKPT_META)
+        sd = self.module.sharded_state_dict(metadata=checkpoint_format.metadata(fmt))
         return {k: v for k, v in sd.items() if is_adapter_key(k)} if self.lora is not None else sd
 
-    def _sharded(self, is_loading: bool) -> dict:
-        model_sd = self._model_sharded()
+    def _sharded(self, is_loading: bool, fmt: str) -> dict:
+        model_sd = self._model_sharded(fmt)
         if is_loading:  # a fresh torch-Adam state has no entries to load into (megatron asserts it is not empty)
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                     opt._init_optimizer_states_with_dummy_values()
         saving = contextlib.nullcontext() if is_loading else optimizer_states_by_reference(self.optimizer)
         with saving:  # TE's FusedAdam would copy every optimizer state to fp32 on the GPU first
-            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self._CKPT_META)
+            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                         metadata=checkpoint_format.metadata(fmt))
         return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
-        sd = self._sharded(False)
+        fmt = self.cfg.train.optimizer_checkpoint
+        sd = self._sharded(False, fmt)
         compat.checkpoint_writes_in_process()
         dist_checkpointing.save(sd, path)
         name, keys, pos, has_gauss, gauss = np.random.get_state()  # its key array as a tensor: weights_only loads it
@@ -432,6 +429,8 @@ class Policy:
         torch.save(rng, os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"))
         if self.reference is not None:
             self.reference.save(path, self.layout.world_rank)
+        if self.layout.world_rank == 0:
+            checkpoint_format.write_record(path, fmt, self.layout.config, self.layout.world_size)
         dist.barrier()
 
     def _check_checkpoint(self, path: str) -> None:
@@ -441,7 +440,7 @@ class Policy:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
         mine = {t.key: tuple(t.global_shape) if isinstance(t, ShardedTensor) else None  # factories: key only
-                for t in nested_values(self._model_sharded())
+                for t in nested_values(self._model_sharded(checkpoint_format.LEGACY))
                 if isinstance(t, (ShardedTensor, ShardedTensorFactory))}
         everyone = [None] * self.layout.world_size
         dist.all_gather_object(everyone, mine)
@@ -454,7 +453,8 @@ class Policy:
 
     def load(self, path: str) -> None:
         self._check_checkpoint(path)
-        state = dist_checkpointing.load(self._sharded(True), path)
+        state = dist_checkpointing.load(self._sharded(True, checkpoint_format.read_format(path, self.layout.config)),
+                                        path)
         if self.lora is None:
             self.module.load_state_dict(state["model"])
         else:

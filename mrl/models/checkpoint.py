@@ -180,6 +180,7 @@ def check_tokenizer(path: str, *, vocab_size: int, special_ids: dict[str, int | 
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")  # megatron's optimizer keys, chained ones prefixed
 
 
 def check_trainer_checkpoint(path: str, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...] | None],
@@ -188,7 +189,7 @@ def check_trainer_checkpoint(path: str, saved: dict[str, tuple[int, ...]], expec
     global shape, optimizer state excluded) must be the model's (``expected``: every rank's keys, shape None
     where megatron does not give one up front). Raise CheckpointError naming the checkpoint, the model and
     every missing, unexpected or mis-shaped tensor."""
-    saved = {k: v for k, v in saved.items() if not k.startswith("optimizer")}
+    saved = {k: v for k, v in saved.items() if not _OPTIMIZER.match(k)}
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
     bad = sorted(k for k in set(expected) & set(saved)

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=None, help="save here after --stop-after")
     ap.add_argument("--resume", default=None, help="load this checkpoint first")
     ap.add_argument("--dtype", default="fp32", help="model.dtype (bf16 on GPUs)")
+    ap.add_argument("--optimizer-checkpoint", default="dp_reshardable", help="train.optimizer_checkpoint")
     ap.add_argument("--out", required=True)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compare"]:
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     cfg = compose([f"model.hf_path={a.hf}", f"parallel={a.parallel}", "algo.lr=1e-3", f"model.dtype={a.dtype}",
-                   "train.micro_batch_size=4", "train.lr_warmup_steps=2", "train.steps=10"])
+                   "train.micro_batch_size=4", "train.lr_warmup_steps=2", "train.steps=10",
+                   f"train.optimizer_checkpoint={a.optimizer_checkpoint}"])
     layout = init_parallel(cfg.parallel, seed=cfg.seed)
     policy = Policy(cfg, layout, a.hf)
     start = 0

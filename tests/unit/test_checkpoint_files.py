@@ -39,3 +39,28 @@ def test_sync_tree_walks_files_and_directories(tmp_path):
 def test_negative_keep_is_refused():
     with pytest.raises(ValueError, match="train.keep_checkpoints"):
         TrainConfig(keep_checkpoints=-1)
+
+
+def test_optimizer_format_is_recorded_and_read_back(tmp_path):
+    from mrl.config.schema import ParallelConfig
+    from mrl.megatron import checkpoint_format as cf
+
+    ep2 = ParallelConfig(ep=2)
+    assert cf.read_format(str(tmp_path), ep2) == "fully_reshardable"  # written before the record existed
+    cf.write_record(str(tmp_path), "dp_reshardable", ep2, 2)
+    assert cf.read_format(str(tmp_path), ep2) == "dp_reshardable"
+    assert cf.read_format(str(tmp_path), ParallelConfig(ep=2, etp=1)) == "dp_reshardable"  # etp null = tp
+    with pytest.raises(cf.CheckpointError, match=r"tp 1 -> 2.*fully_reshardable"):
+        cf.read_format(str(tmp_path), ParallelConfig(tp=2, ep=2))  # another model-parallel layout
+    cf.write_record(str(tmp_path), "fully_reshardable", ep2, 2)
+    assert cf.read_format(str(tmp_path), ParallelConfig(tp=2)) == "fully_reshardable"  # any layout resumes it
+
+
+def test_optimizer_format_metadata_and_validation():
+    from mrl.megatron import checkpoint_format as cf
+
+    assert cf.metadata("dp_reshardable") == {"distrib_optim_sharding_type": "dp_reshardable",
+                                             "chained_optim_avoid_prefix": True}
+    assert cf.metadata("fully_reshardable")["distrib_optim_fully_reshardable_mem_efficient"] is True
+    with pytest.raises(ValueError, match="train.optimizer_checkpoint"):
+        TrainConfig(optimizer_checkpoint="fully_sharded_model_space")

@@ -210,3 +210,17 @@ def test_no_line_where_the_estimate_would_not_hold(tmp_path):
     assert model_state_note(compose([f"model.hf_path={path}", "parallel.ep=3", "parallel.world_size=3"]),
                             LOCAL) is None  # 3 does not divide 128 experts
     assert model_state_note(compose([f"model.hf_path={tmp_path / 'none'}"]), LOCAL) is None
+
+
+def test_checkpoint_bytes_of_qwen3_30b_a3b():
+    """One checkpoint's lower bound: bf16 weights + the optimizer state once (the figure docs/training.md's
+    fully reshardable save of the full model rests on: 12 fp32 bytes per parameter)."""
+    from mrl.megatron.memory import checkpoint_bytes
+
+    b = _bridge_30b()
+    kw = dict(dtype=DType.bf16, padded_vocab=b.padded_vocab(128, 1))
+    n, dp = checkpoint_bytes(b, optimizer_states_dtype=DType.bf16, optimizer_checkpoint="dp_reshardable", **kw)
+    assert n == 30_532_122_624
+    assert dp == n * (2 + 6)
+    assert checkpoint_bytes(b, optimizer_states_dtype=DType.bf16, optimizer_checkpoint="fully_reshardable",
+                            **kw)[1] == n * (2 + 12)

@@ -322,3 +322,35 @@ def test_mrl_launch_runs_the_preflight_before_writing_the_run_dir(tmp_path):
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.splitlines() == [f"[mrl] data.path={tmp_path}/nope.jsonl: no such file"], p.stderr[-3000:]
     assert not run_dir.exists()
+
+
+def test_a_run_dir_without_room_for_one_checkpoint_is_refused(tiny, tmp_path, monkeypatch):
+    """Every run saves at its end: a filesystem with less room than one checkpoint (a lower bound from
+    config.json) fails before anything starts, naming the free space, the need and train.optimizer_checkpoint;
+    with room, or for a LoRA run (adapters only), nothing is said."""
+    import shutil
+    from collections import namedtuple
+
+    from mrl.config.load import compose
+    from mrl.megatron.memory import checkpoint_bytes
+    from mrl.models import get_bridge
+    from mrl.preflight import check_checkpoint_space
+
+    cfg = compose([f"model.hf_path={tiny}", f"run_dir={tmp_path / 'run'}"])
+    b = get_bridge(tiny, json_config=True)
+    params, need = checkpoint_bytes(b, dtype=cfg.model.dtype, optimizer_states_dtype=cfg.train.optimizer_states_dtype,
+                                    padded_vocab=b.padded_vocab(cfg.model.vocab_divisible_by, 1),
+                                    optimizer_checkpoint="dp_reshardable")
+    assert need == params * (4 + 8)  # fp32 weights (their own master) + two fp32 moments
+    usage = namedtuple("usage", "total used free")
+    seen = []
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: seen.append(p) or usage(1 << 40, 0, need - 1))
+    msg = check_checkpoint_space(cfg, "local")
+    assert msg and f"run_dir={tmp_path / 'run'}" in msg and "train.optimizer_checkpoint=dp_reshardable" in msg
+    assert seen == [str(tmp_path)]  # the nearest directory that exists
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, need))
+    assert check_checkpoint_space(cfg, "local") is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 0))
+    assert check_checkpoint_space(compose([f"model.hf_path={tiny}", f"run_dir={tmp_path / 'run'}",
+                                           "model.lora.rank=4"]), "local") is None
+    assert check_checkpoint_space(cfg, "submit") is None  # checked on the nodes, where run_dir lives
