@@ -415,9 +415,11 @@ def check_fp8_shapes(cfg: Config, where: str) -> str | None:
     return None
 
 
-def _json_bridge(cfg: Config, where: str):
-    """The model's bridge from config.json, or None where it cannot be read here, the run trains LoRA
-    adapters (the estimates are for full fine-tuning) or config.json is not this host's to read."""
+def _from_bridge(cfg: Config, where: str, fn):
+    """``fn(bridge)`` for the model's bridge read from config.json (transformers' config where config.json
+    leaves a key to its defaults or type checks), or None where config.json cannot be read here, the run
+    trains LoRA adapters (the estimates are for full fine-tuning), or the model or layout is one the
+    checks name (check_model, check_layout)."""
     path = cfg.model.hf_path
     if cfg.model.lora.enabled or _in_image(cfg, where) or not os.path.isfile(os.path.join(path, "config.json")):
         return None
@@ -425,48 +427,45 @@ def _json_bridge(cfg: Config, where: str):
 
     try:
         try:
-            return get_bridge(path, json_config=True)
+            return fn(get_bridge(path, json_config=True))
         except ConfigNeedsTransformers:
-            return get_bridge(path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # what check_model reports, if anything
+            return fn(get_bridge(path))
+    except Exception:  # noqa: BLE001 -- transformers' own validation errors too: check_model names them
         return None
 
 
 def model_state_note(cfg: Config, where: str) -> str | None:
     """``mrl check``'s informative line: the trainer's model states per rank for this layout, from config.json
-    alone (``mrl.megatron.memory``; no torch unless config.json leaves a key to transformers). None where
-    the bridge cannot be read (``_json_bridge``) or the layout cannot shard the model (the checks name that)."""
-    if (bridge := _json_bridge(cfg, where)) is None:
-        return None
+    alone (``mrl.megatron.memory``; no torch unless config.json leaves a key to transformers)."""
     from mrl.megatron.memory import describe, model_state_bytes
 
-    try:
+    def note(bridge) -> str:
         est = model_state_bytes(bridge, cfg.parallel, dtype=cfg.model.dtype,
                                 optimizer_states_dtype=cfg.train.optimizer_states_dtype,
                                 padded_vocab=bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp),
                                 world_size=trainer_world(cfg, where)[0])
-    except (ValueError, KeyError, TypeError):
-        return None
-    return describe(est, cfg.parallel)
+        return describe(est, cfg.parallel)
+
+    return _from_bridge(cfg, where, note)
 
 
 def check_checkpoint_space(cfg: Config, where: str) -> str | None:
     """Every run saves a checkpoint at its end: the run directory's filesystem must have room for one
     (a lower bound from config.json, ``mrl.megatron.memory.checkpoint_bytes``), or the run would fail there,
     after all its steps. Checked where the run directory lives (``mrl launch``: on the nodes)."""
-    if where != LOCAL or (bridge := _json_bridge(cfg, where)) is None:
+    if where != LOCAL:
         return None
     import shutil
 
     from mrl.megatron.memory import checkpoint_bytes
 
-    try:
-        params, need = checkpoint_bytes(bridge, dtype=cfg.model.dtype,
-                                        optimizer_states_dtype=cfg.train.optimizer_states_dtype,
-                                        padded_vocab=bridge.padded_vocab(cfg.model.vocab_divisible_by, 1),
-                                        optimizer_checkpoint=cfg.train.optimizer_checkpoint)
-    except (ValueError, KeyError, TypeError):
+    need = _from_bridge(cfg, where, lambda bridge: checkpoint_bytes(
+        bridge, dtype=cfg.model.dtype, optimizer_states_dtype=cfg.train.optimizer_states_dtype,
+        padded_vocab=bridge.padded_vocab(cfg.model.vocab_divisible_by, 1),
+        optimizer_checkpoint=cfg.train.optimizer_checkpoint))
+    if need is None:
         return None
+    params, need = need
     where_ckpt = os.path.abspath(os.path.join(cfg.run_dir, "checkpoints"))
     while not os.path.exists(where_ckpt):
         where_ckpt = os.path.dirname(where_ckpt)

@@ -279,10 +279,17 @@ class Loop:
         if stop or (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
             path = os.path.join(checkpoint_dir(self.cfg), f"step_{self.step}")
             check_finite_weights(self.policy.module, f"checkpoint {path}")
+            rank0, t0 = self.layout.world_rank == 0, time.perf_counter()
+            if rank0:  # a large model's save takes minutes: say what the job is doing
+                print(f"[mrl] saving checkpoint {path} (optimizer state: {t.optimizer_checkpoint})", flush=True)
             self.policy.save(path)
             dist.barrier()  # every rank's shards written before rank 0 syncs them and marks the checkpoint
             self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
             dist.barrier()
+            if rank0:
+                size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+                print(f"[mrl] checkpoint step_{self.step} saved: {size / 2**30:.2f} GiB in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
         return stop
 
     def write_outputs(self) -> None:

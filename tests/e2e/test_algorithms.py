@@ -54,7 +54,7 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     engine's own (renormalized on that support) -- same weights, same routes. The run's outputs,
     checkpoints and in-place sync are checked on the same run."""
     run = tmp_path / "gspo"
-    _, rows = mrl_train(run, "algo=gspo", "data=lookup", "train.mode=sync", "train.steps=3",
+    p, rows = mrl_train(run, "algo=gspo", "data=lookup", "train.mode=sync", "train.steps=3",
                         "train.sft_warmup_steps=2", "train.prompts_per_step=4", "train.eval_every=2",
                         "train.save_every=2", "rollout.top_k=4", "train.sampling_mask=true",
                         "weight_sync.bucket_mb=0.25")  # small buckets: most go in place, straight from the DDP buffer
@@ -69,6 +69,10 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     for name in ("config.yaml", "curves.png", "summary.json", "checkpoints/step_2/loop_state.json",
                  "checkpoints/step_3/loop_state.json"):
         assert (run / name).exists(), name
+    # each save is announced and its size and time reported (minutes for a large model)
+    saved = [x for x in p.stdout.splitlines() if x.startswith("[mrl] checkpoint step_")]
+    assert [x.split()[2] for x in saved] == ["step_2", "step_3"] and all(" GiB in " in x for x in saved), saved
+    assert "(optimizer state: dp_reshardable)" in p.stdout
     assert os.listdir(run / "tb")
     # no Transformer Engine on CPU: the local spec ran, and the summary says so
     assert json.load(open(run / "summary.json"))["run"]["trainer_spec"] == "local"
