@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -182,6 +183,7 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
     out = {"exit_code": rc, "logged_at_s": {str(k): t - t_start for k, t in seen.items()}}
     if rc:  # the steps that ran are kept and summarised; the run counts as failed
         out["error_tail"] = open(os.path.join(a.out, "loop.log"), errors="replace").read().splitlines()[-30:]
+    out["checkpoint_saves"] = checkpoint_saves(open(os.path.join(a.out, "loop.log"), errors="replace").read())
     log_dir = os.path.join(run_dir, "engines")
     if os.path.isdir(log_dir):  # the engines' own logs outlive the run directory (the start phases' stamps)
         shutil.copytree(log_dir, os.path.join(a.out, "engine_logs"), dirs_exist_ok=True)
@@ -193,6 +195,14 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
     out["gpu_busy_fraction"] = sampler.busy(t_start + t0, t_start + t1)
     out["busy_series"] = [(round(t - t_start, 2), u) for t, u in sampler.samples]
     return out
+
+
+_SAVED = re.compile(r"^\[mrl\] checkpoint step_(\d+) saved: ([\d.e+-]+) GiB in ([\d.e+-]+) s", re.M)
+
+
+def checkpoint_saves(log: str) -> list[dict]:
+    """The checkpoints ``mrl train`` reported saving (its console lines): step, GiB on disk, seconds."""
+    return [{"step": int(m[1]), "gib": float(m[2]), "seconds": float(m[3])} for m in _SAVED.finditer(log)]
 
 
 PHASES = ("wait_seconds", "train_seconds", "drain_seconds", "sync_seconds", "step_seconds")

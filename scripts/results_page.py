@@ -153,6 +153,8 @@ def loop_e2e(d):
         out.append(f"sync {100 * loop['sync_share_of_step']:.1f}% of a step; time to first step {ttfs}")
     if d.get("routes_on_vs_plain") is not None:
         out.append(f"routes on vs a plain engine {d['routes_on_vs_plain']:.3f} (full 48-layer model, batch 256)")
+    for c in loop.get("checkpoint_saves") or []:
+        out.append(f"checkpoint step_{c['step']}: {c['gib']:.3g} GiB saved in {c['seconds']:.3g} s")
     return out
 
 

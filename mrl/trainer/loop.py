@@ -288,8 +288,8 @@ class Loop:
             dist.barrier()
             if rank0:
                 size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-                print(f"[mrl] checkpoint step_{self.step} saved: {size / 2**30:.2f} GiB in "
-                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                print(f"[mrl] checkpoint step_{self.step} saved: {size / 2**30:.3g} GiB in "
+                      f"{time.perf_counter() - t0:.3g} s", flush=True)
         return stop
 
     def write_outputs(self) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
-from tests.e2e.test_train_loop import mrl_train
+from tests.e2e.test_train_loop import REPO, mrl_train
 
 
 def test_dapo_overlap_with_kl_to_reference_syncing_every_second_step(tmp_path):
@@ -72,6 +73,11 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     # each save is announced and its size and time reported (minutes for a large model)
     saved = [x for x in p.stdout.splitlines() if x.startswith("[mrl] checkpoint step_")]
     assert [x.split()[2] for x in saved] == ["step_2", "step_3"] and all(" GiB in " in x for x in saved), saved
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import loop_e2e  # the GPU bench reads these lines into its report
+
+    assert [c["step"] for c in loop_e2e.checkpoint_saves(p.stdout)] == [2, 3]
+    assert all(c["gib"] > 0 and c["seconds"] > 0 for c in loop_e2e.checkpoint_saves(p.stdout))
     assert "(optimizer state: dp_reshardable)" in p.stdout
     assert os.listdir(run / "tb")
     # no Transformer Engine on CPU: the local spec ran, and the summary says so
