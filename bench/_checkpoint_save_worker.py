@@ -12,6 +12,7 @@ import psutil
 from mrl.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy
+from mrl.trainer.state import tree_bytes
 from tests.jobs.resume_check import synthetic_batch
 
 ap = argparse.ArgumentParser()
@@ -46,7 +47,7 @@ policy.save(a.ckpt)
 save_s = time.perf_counter() - t0
 stop.set()
 t.join()
-size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(a.ckpt) for f in fs)
+size = tree_bytes(a.ckpt)
 with open(f"{a.out}.rank{layout.world_rank}", "w") as f:
     json.dump({"format": a.format, "rank": layout.world_rank, "save_s": save_s, "rss_before_gib": base / 2**30,
                "peak_extra_gib": max(peak[0] - base, 0) / 2**30, "checkpoint_gib": size / 2**30,

@@ -46,6 +46,14 @@ def _in_image(cfg: Config, where: str) -> bool:
     return where == SUBMIT and cfg.cluster.container != ContainerKind.none
 
 
+def _existing_ancestor(path: str) -> str:
+    """The nearest directory at or above ``path`` that exists (what a new run directory is made in)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def check_run_dir(cfg: Config, where: str) -> str | None:
     """An existing run directory must be this user's, private and writable; a new one must be creatable."""
     from mrl.cluster.rundir import UnsafeRunDir
@@ -62,9 +70,7 @@ def check_run_dir(cfg: Config, where: str) -> str | None:
         if not os.access(path, os.W_OK | os.X_OK):
             return f"run_dir={path}: not writable by this user"
         return None
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = _existing_ancestor(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(parent):
         return f"run_dir={path}: cannot be created: {parent} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -466,10 +472,7 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
     if need is None:
         return None
     params, need = need
-    where_ckpt = os.path.abspath(os.path.join(cfg.run_dir, "checkpoints"))
-    while not os.path.exists(where_ckpt):
-        where_ckpt = os.path.dirname(where_ckpt)
-    free = shutil.disk_usage(where_ckpt).free
+    free = shutil.disk_usage(_existing_ancestor(os.path.join(cfg.run_dir, "checkpoints"))).free
     if free >= need:
         return None
     gib = 1 << 30

@@ -433,14 +433,14 @@ class Policy:
             checkpoint_format.write_record(path, fmt, self.layout.config, self.layout.world_size)
         dist.barrier()
 
-    def _check_checkpoint(self, path: str) -> None:
+    def _check_checkpoint(self, path: str, fmt: str) -> None:
         """Fail with the mismatched tensors, not megatron's first shape error, when ``path`` was written for
         another model (collective: every rank's keys are compared with the checkpoint's)."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
         mine = {t.key: tuple(t.global_shape) if isinstance(t, ShardedTensor) else None  # factories: key only
-                for t in nested_values(self._model_sharded(checkpoint_format.LEGACY))
+                for t in nested_values(self._model_sharded(fmt))
                 if isinstance(t, (ShardedTensor, ShardedTensorFactory))}
         everyone = [None] * self.layout.world_size
         dist.all_gather_object(everyone, mine)
@@ -452,9 +452,9 @@ class Policy:
         check_trainer_checkpoint(path, saved, expected, model=self.cfg.model.hf_path)
 
     def load(self, path: str) -> None:
-        self._check_checkpoint(path)
-        state = dist_checkpointing.load(self._sharded(True, checkpoint_format.read_format(path, self.layout.config)),
-                                        path)
+        fmt = checkpoint_format.read_format(path, self.layout.config)  # refuses a layout it cannot serve
+        self._check_checkpoint(path, fmt)
+        state = dist_checkpointing.load(self._sharded(True, fmt), path)
         if self.lora is None:
             self.module.load_state_dict(state["model"])
         else:

@@ -44,7 +44,7 @@ from mrl.megatron.warm_up import warm_up
 from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.trainer.controller import Controller, OtherRank, RankDuties, restarts_engines
-from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state
+from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state, tree_bytes
 from mrl.trainer.warm_start import sft_warmup
 from mrl.weight_sync.channel import WeightChannel
 from mrl.weight_sync.lora import AdapterChannel
@@ -287,8 +287,7 @@ class Loop:
             self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
             dist.barrier()
             if rank0:
-                size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-                print(f"[mrl] checkpoint step_{self.step} saved: {size / 2**30:.3g} GiB in "
+                print(f"[mrl] checkpoint step_{self.step} saved: {tree_bytes(path) / 2**30:.3g} GiB in "
                       f"{time.perf_counter() - t0:.3g} s", flush=True)
         return stop
 

@@ -119,6 +119,11 @@ def latest_checkpoint(cfg: Config) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
+def tree_bytes(path: str) -> int:
+    """The bytes of every file under ``path`` (a checkpoint's size on disk)."""
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
+
+
 def sync_tree(path: str, *, files: bool = True) -> None:
     """fsync every file under ``path`` (written by any rank: the page cache is the inode's), then the
     directories, so their entries are durable too."""
