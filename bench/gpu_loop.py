@@ -194,8 +194,17 @@ def spy_summary(raw_path: str, top: int = 25) -> dict:
             p["total"][f] = p["total"].get(f, 0) + int(n)
     return {name: {"samples": p["samples"],
                    "self_top": sorted(p["self"].items(), key=lambda kv: -kv[1])[:top],
-                   "total_top": sorted(p["total"].items(), key=lambda kv: -kv[1])[:top]}
+                   "total_top": sorted(p["total"].items(), key=lambda kv: -kv[1])[:top],
+                   # SGLang's overlapped scheduler blocks here on the GPU's copy-done event of the step it
+                   # launched before: a large share means the GPU sets the pace, near zero its host loop does
+                   "waits_on_gpu": sum(v for f, v in p["self"].items() if f.startswith("Event.synchronize"))
+                   / max(p["samples"], 1)}
             for name, p in sorted(procs.items(), key=lambda kv: -kv[1]["samples"])}
+
+
+def scheduler_gpu_wait(summary: dict) -> float | None:
+    """The scheduler's share of samples spent waiting for the GPU (see ``spy_summary``)."""
+    return next((v["waits_on_gpu"] for k, v in summary.items() if "scheduler" in k), None)
 
 
 # the kinds of rollout run: (engine, routes requested). "on"/"off": the routes engine with and without
@@ -215,34 +224,59 @@ def _ratios(runs: list[dict], batch: int, num: str, den: str) -> dict:
     return {"median": statistics.median(per_rep), "min": min(per_rep), "max": max(per_rep), "per_rep": per_rep}
 
 
-def rollout_section(urls: dict[str, str], codec, vocab, a, engine_pid: int | None = None) -> dict:
+def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] | None = None) -> dict:
     """``urls``: {"routes": the engine with route capture, "plain": one without (optional), others: engines
-    compared with the routes engine, routes on (FP8 weights, other server args)}."""
+    compared with the routes engine, routes on (FP8 weights, other server args)}; ``pids``: their server
+    processes, for ``--py-spy`` (each kind sampled during its first run of the largest batch)."""
     extra = [k for k in urls if k not in ("routes", "plain")]
     kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls] + extra
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
-           "runs": []}
+           "runs": [], "dropped": {}}
+
+    def drop(kind: str, e: Exception) -> None:
+        """An engine compared with the routes one (an FP8 kernel variant) that fails a request loses its
+        kind, not the section: the other kinds' figures stand, the error goes in the report."""
+        if kind in ("routes", "off", "on", "plain"):  # the baselines of every ratio
+            raise e
+        res["dropped"][kind] = f"{type(e).__name__}: {e}"[:1500]
+        kinds.remove(kind)
+        print(f"[rollout] {kind} dropped: {res['dropped'][kind][:300]}", flush=True)
+
     for name, url in urls.items():  # warm-up (first requests, graphs)
-        asyncio.run(_workload(url, codec if name != "plain" else None, 8, a.prompt_len, 16, vocab, seed=0))
+        try:
+            asyncio.run(_workload(url, codec if name != "plain" else None, 8, a.prompt_len, 16, vocab, seed=0))
+        except Exception as e:
+            drop(name, e)
     for rep in range(a.reps):
         for batch in a.batches:
             # the order turns with each repetition: no kind always runs first after a batch size change
             for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
                 engine, routes = _kind(kind)
                 spy = None
-                if engine == "routes" and rep == 0 and batch == max(a.batches):
-                    spy_out = os.path.join(a.out, f"py_spy_batch{batch}_routes_{kind}.txt")
-                    spy = _py_spy(a, engine_pid, spy_out)
-                _, tps, dt, dec = asyncio.run(_workload(urls[engine], codec if routes else None, batch, a.prompt_len,
-                                                        a.new, vocab, seed=rep))
+                if rep == 0 and batch == max(a.batches) and (pids or {}).get(engine):
+                    spy_out = os.path.join(a.out, f"py_spy_batch{batch}_{engine}_{kind}.txt")
+                    spy = _py_spy(a, pids[engine], spy_out)
+                try:
+                    _, tps, dt, dec = asyncio.run(_workload(urls[engine], codec if routes else None, batch,
+                                                            a.prompt_len, a.new, vocab, seed=rep))
+                except Exception as e:
+                    drop(kind, e)
+                    continue
                 res["runs"].append({"rep": rep, "batch": batch, "kind": kind, "engine": engine, "routes": routes,
                                     "tokens_per_s": tps, "seconds": dt, "client_decode_s": dec})
                 print(f"[rollout] rep {rep} batch {batch} {kind}: {tps:.0f} tokens/s", flush=True)
                 if spy is not None:
                     _, err = spy.communicate(timeout=a.py_spy + 60)
-                    key = f"py_spy_batch{batch}_routes_{kind}"
+                    key = f"py_spy_batch{batch}_{engine}_{kind}"
                     res[key] = (spy_summary(spy_out) if spy.returncode == 0 and os.path.exists(spy_out)
                                 else {"error": f"py-spy exited {spy.returncode}: {err[-1500:]}"})
+                    if "error" not in res[key]:
+                        res.setdefault("scheduler_waits_on_gpu", {})[f"batch{batch}_{kind}"] = \
+                            scheduler_gpu_wait(res[key])
+    # a dropped kind's earlier runs stay in the report, out of the ratios (their repetitions are incomplete)
+    res["dropped_runs"] = [r for r in res["runs"] if r["kind"] not in kinds]
+    res["runs"] = [r for r in res["runs"] if r["kind"] in kinds]
+    extra = [k for k in extra if k in kinds]
     summary = {}
     for batch in a.batches:
         med = {k: statistics.median(r["tokens_per_s"] for r in res["runs"] if r["batch"] == batch and r["kind"] == k)
@@ -526,10 +560,14 @@ def main() -> int:
                          "first repetition's largest batch, routes off and on (where the routes' cost sits)")
     ap.add_argument("--py-spy-bin", default=shutil.which("py-spy") or "py-spy")
     ap.add_argument("--ckpt-root", default=None, help="where the random checkpoint is made or found (default: --out)")
+    ap.add_argument("--remove-checkpoints", action="store_true",
+                    help="delete the random checkpoint and its FP8 export when the run ends")
     ap.add_argument("--load-weights", action="store_true",
                     help="the engine loads every weight bucket through the model's load_weights (MRL_REPLAYED_LOAD=0): "
                          "the baseline for mrl's replayed loads")
     a = ap.parse_args()
+    if a.py_spy and not shutil.which(a.py_spy_bin):
+        ap.error(f"--py-spy: no py-spy at {a.py_spy_bin!r} (give --py-spy-bin)")
     os.makedirs(a.out, exist_ok=True)
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
@@ -592,7 +630,8 @@ def main() -> int:
             try:
                 if name == "rollout":
                     report["rollout"] = rollout_section({k: e.url for k, e in engines.items()}, codec,
-                                                        bridge.vocab_size, a, engines["routes"].proc.pid)
+                                                        bridge.vocab_size, a,
+                                                        {k: e.proc.pid for k, e in engines.items()})
                     for k, v in starts.items():
                         report["rollout"][f"{k}_engine_start_s"] = v
                     for k in engines.keys() - {"routes", "fp8"}:
@@ -616,6 +655,9 @@ def main() -> int:
         report["engine_log_timeline"] = engine_timeline(os.path.join(a.out, "engines"))
         with open(os.path.join(a.out, "gpu_loop.json"), "w") as f:
             json.dump(report, f, indent=1)
+    if a.remove_checkpoints:  # scratch weights: the next run on a small disk makes its own
+        for path in (hf, hf.rstrip("/") + "_fp8run"):  # the second: _fp8_checkpoint's export, if made
+            shutil.rmtree(path, ignore_errors=True)
     shown = [n for n in a.sections.split(",")] + (["replay_fp8"] if "replay_fp8" in report else [])
     print("\n".join(headline(report, name) for name in shown), flush=True)
     return 0 if not any("error" in report.get(s, {}) for s in a.sections.split(",")) else 1

@@ -175,3 +175,74 @@ def test_fp8_checker_view_is_what_sglangs_weight_checker_hashes():
     assert view.dtype == torch.bfloat16 and torch.equal(reported[name], view)
     assert not torch.equal(view, fp8_checker_view(q, s * 2))  # the scales are in the view
     assert (view.float() - w.float()).abs().max() < 0.1 * w.float().abs().max()
+
+
+def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, monkeypatch):
+    """A compared engine (an FP8 kernel variant) failing its requests loses its kind, with the error in the
+    report; the routes engine's kinds and a working variant keep their per-repetition ratios."""
+    import types
+
+    import gpu_loop
+
+    served = []
+
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+        served.append((url, batch))
+        if url == "http://bad" and batch > 8:  # passes its warm-up, fails the first timed request
+            raise RuntimeError("engine died: CUDA error in the variant's MoE kernel")
+        speed = {"http://routes": 1000.0, "http://good": 1250.0}.get(url, 900.0)
+        return [], speed * (0.9 if codec is None else 1.0), 1.0, 0.0
+
+    async def payload(url, codec, prompt_len, new, vocab):
+        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
+
+    monkeypatch.setattr(gpu_loop, "_workload", workload)
+    monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
+    a = types.SimpleNamespace(batches=[16, 32], prompt_len=4, new=4, reps=3, out=str(tmp_path), py_spy=0)
+    res = gpu_loop.rollout_section({"routes": "http://routes", "good": "http://good", "bad": "http://bad"},
+                                   object(), 64, a)
+    assert res["kinds"] == ["off", "on", "good"]
+    assert "engine died" in res["dropped"]["bad"]
+    assert all(r["kind"] != "bad" for r in res["runs"])
+    s = res["summary"]["batch32"]
+    assert s["good_vs_on_median"] == 1.25 and len(s["good_vs_on_per_rep"]) == 3
+    assert abs(s["on_vs_off_median"] - 1 / 0.9) < 1e-9
+    assert "bad_median" not in s
+    assert ("http://bad", 16) in served  # it was tried, then never again after it failed
+    assert sum(u == "http://bad" for u, _ in served) == 2  # warm-up + the one failing request
+
+
+def test_rollout_section_does_not_drop_the_routes_engine(tmp_path, monkeypatch):
+    """The routes engine is the baseline of every ratio: its failure fails the section."""
+    import types
+
+    import gpu_loop
+    import pytest
+
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+        raise RuntimeError("routes engine down")
+
+    monkeypatch.setattr(gpu_loop, "_workload", workload)
+    a = types.SimpleNamespace(batches=[16], prompt_len=4, new=4, reps=1, out=str(tmp_path), py_spy=0)
+    with pytest.raises(RuntimeError, match="routes engine down"):
+        gpu_loop.rollout_section({"routes": "http://routes", "good": "http://good"}, object(), 64, a)
+
+
+def test_spy_summary_measures_how_long_the_scheduler_waits_for_the_gpu(tmp_path):
+    """py-spy's raw output (collapsed stacks under the process frames, a count per stack) -> the share of
+    the scheduler's samples blocked on the GPU's event, per process."""
+    import gpu_loop
+
+    sched = 'process 10:"python3 -m sglang.launch_server";process 12:"sglang::scheduler";event_loop_overlap (s.py:1)'
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        f"{sched};process_batch_result (b.py:9);Event.synchronize (torch/cuda/streams.py:254) 30\n"
+        f"{sched};run_batch (s.py:5);sampling_from_probs_torch (sampler.py:656) 50\n"
+        f"{sched};recv_requests (s.py:7);Socket.recv_pyobj (zmq/sugar/socket.py:1033) 20\n"
+        'process 10:"python3 -m sglang.launch_server";Runner.run (asyncio/runners.py:118) 40\n')
+    s = gpu_loop.spy_summary(str(raw))
+    sched_name = next(k for k in s if "scheduler" in k)
+    assert s[sched_name]["samples"] == 100
+    assert abs(gpu_loop.scheduler_gpu_wait(s) - 0.30) < 1e-12
+    server = next(k for k in s if "scheduler" not in k)
+    assert s[server]["waits_on_gpu"] == 0.0 and s[server]["samples"] == 40
