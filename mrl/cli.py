@@ -7,6 +7,8 @@
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
     mrl export-fp8 SRC DST [--ignore M]   write the block-FP8 (e4m3, 128x128) checkpoint of a bf16/fp32 one
+    mrl tune-moe HF_DIR OUT [--dtype D]   tune SGLang's fused-MoE kernel for the model on this GPU
+                                          (rollout.moe_kernel_configs=OUT)
 
 Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
 ``mrl train`` and ``mrl launch`` run the preflight (mrl/preflight.py) first: a bad input ends them with exit
@@ -235,10 +237,14 @@ def main() -> None:
         from mrl.quant.export import main as export_fp8
 
         sys.exit(export_fp8(rest))
+    if cmd == "tune-moe":
+        from mrl.engine.moe_tuning import main as tune_moe
+
+        sys.exit(tune_moe(rest))
     if cmd == "launch":
         sys.exit(launch(rest))
     if cmd not in COMMANDS:
-        others = ['export-fp8', 'launch', 'make-tiny-model']
+        others = ['export-fp8', 'launch', 'make-tiny-model', 'tune-moe']
         print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + others}", file=sys.stderr)
         sys.exit(2)
     sys.argv = [f"mrl {cmd}", *rest]

@@ -213,6 +213,9 @@ def check_gpu_stack(cfg: Config, where: str) -> str | None:
     if not glob.glob("/dev/nvidia[0-9]*"):
         return ("rollout.cpu_mode=false: this host has no NVIDIA GPU (no /dev/nvidia<N> device); run on a GPU "
                 "node, or use rollout=cpu")
+    tuned = cfg.rollout.moe_kernel_configs
+    if tuned and not os.path.isdir(os.path.join(os.path.expanduser(tuned), "configs")):
+        return _named("rollout.moe_kernel_configs", tuned, "no configs/ folder there (`mrl tune-moe HF_DIR OUT`)")
     return None
 
 

@@ -151,6 +151,10 @@ class RolloutConfig:
     kernels), so the next run's engines start warm; put it on storage the nodes share and keep. null:
     their defaults (inductor's under /tmp). The caller's ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``
     win."""
+    moe_kernel_configs: Optional[str] = None
+    """GPU engines: a folder of tile-size tables for SGLang's triton fused-MoE kernel tuned on this GPU
+    and triton (``mrl tune-moe``, ``mrl.engine.moe_tuning``); null: SGLang's own tables, which may be
+    another triton version's. SGLang's tables stay in use for every shape the folder does not cover."""
     kv_cache_dtype: Optional[str] = None
     """Engines' KV cache (SGLang ``--kv-cache-dtype``): null = the engine's dtype; ``fp8_e4m3``, ``fp8_e5m2``
     (both without calibrated scales: SGLang uses 1.0), ``bfloat16``. Independent of ``quantization``; CPU
@@ -252,6 +256,10 @@ class RolloutConfig:
                   "which SGLang's fp8 method refuses); use GPU engines (rollout=gpu) or null")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _fail("rollout.kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.moe_kernel_configs is not None:
+            if self.cpu_mode:
+                _fail("rollout.moe_kernel_configs", "tunes SGLang's triton fused-MoE kernel of GPU engines; CPU "
+                      "engines do not run it: set it to null")
 
 
 _ENGINE_DTYPES = {DType.fp32: "float32", DType.bf16: "bfloat16"}

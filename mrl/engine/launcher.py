@@ -150,6 +150,9 @@ class Engine:
     """``--kv-cache-dtype`` (null: the engine's dtype), CPU and GPU."""
     compile_cache_dir: str | None = None
     """GPU: where inductor's and triton's caches live (``gpu_mode.gpu_env``); null: their defaults."""
+    moe_kernel_configs: str | None = None
+    """GPU: tuned fused-MoE tables (``mrl tune-moe``), merged with SGLang's own into a folder beside the
+    log (``moe_tuning.merged_config_dir``) that ``SGLANG_MOE_CONFIG_DIR`` names; null: SGLang's own."""
     quantization: str | None = None
     """GPU: ``--quantization`` (``fp8``: ``model_path`` must be a block-FP8 checkpoint, ``mrl export-fp8``)."""
     host: str = "127.0.0.1"
@@ -264,6 +267,11 @@ class Engine:
         else:
             gpu_mode.check_gpu_stack()
             env = gpu_mode.gpu_env(compile_cache_dir=self.compile_cache_dir)
+            if self.moe_kernel_configs:
+                from mrl.engine.moe_tuning import merged_config_dir
+
+                env["SGLANG_MOE_CONFIG_DIR"] = merged_config_dir(
+                    os.path.expanduser(self.moe_kernel_configs), os.path.join(self.log_dir, f"{self.name}_moe_configs"))
         patches.engine_env(env)
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
@@ -422,7 +430,7 @@ def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | 
                    base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
                    attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
                    kv_cache_dtype=r.kv_cache_dtype, quantization=r.quantization, cpu_threads=r.cpu_threads, lora=lora,
-                   compile_cache_dir=r.compile_cache_dir,
+                   compile_cache_dir=r.compile_cache_dir, moe_kernel_configs=r.moe_kernel_configs,
                    cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
             for i, n in enumerate(names)]
 
