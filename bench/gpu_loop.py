@@ -353,9 +353,12 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
     """One SGLang server on ``gpu`` (its first GPU at ``--engine-tp`` > 1); ``routes``: route capture on
     (``--enable-return-routed-experts``), the only difference between the routes and the plain engine.
     ``quantization``/``server_args``: what an FP8 engine or a start variant changes (``hf``: its checkpoint;
-    a ``kv_cache_dtype`` among the server args goes where ``rollout.kv_cache_dtype`` goes)."""
+    a ``kv_cache_dtype``, ``attention_backend`` or ``moe_kernel_configs`` among the server args goes to
+    the engine's own field, as the rollout config's would)."""
     server_args = dict(server_args or {})
     kv_cache_dtype = server_args.pop("kv_cache_dtype", None)
+    attention_backend = server_args.pop("attention_backend", None)  # mrl's own flag, not a second one
+    moe_kernel_configs = server_args.pop("moe_kernel_configs", None)  # `mrl tune-moe` tables
     extra_path = server_args.pop("mrl_pythonpath", None)  # e.g. the stack's DeepGEMM, off the default path
     extra_env = server_args.pop("mrl_env", {})
     from mrl.engine.cpu_mode import PYSHIM_DIR
@@ -379,7 +382,8 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
                   max_total_tokens=8192 if a.cpu else a.max_total_tokens,
                   base_gpu_id=int(gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
                   dtype=None if a.cpu else "bfloat16", return_routed_experts=routes, quantization=quantization,
-                  kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
+                  moe_kernel_configs=moe_kernel_configs,
                   server_args=({} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}) | server_args, env=env)
 
 

@@ -246,3 +246,21 @@ def test_spy_summary_measures_how_long_the_scheduler_waits_for_the_gpu(tmp_path)
     assert abs(gpu_loop.scheduler_gpu_wait(s) - 0.30) < 1e-12
     server = next(k for k in s if "scheduler" not in k)
     assert s[server]["waits_on_gpu"] == 0.0 and s[server]["samples"] == 40
+
+
+def test_an_engine_variant_sets_the_attention_backend_once(tmp_path):
+    """A start variant's attention backend replaces mrl's choice instead of adding a second flag; tuned
+    fused-MoE tables go to the engine's own field."""
+    import types
+
+    import gpu_loop
+
+    a = types.SimpleNamespace(routes_int32=False, load_weights=False, sync_profile=False, cpu=False, out=str(tmp_path),
+                              batches=[64, 256], replay_samples=32, max_total_tokens=262144, mem_fraction=0.85,
+                              engine_tp=1)
+    e = gpu_loop._engine(a, str(tmp_path), "fi_engine", True, "0",
+                         server_args={"attention_backend": "flashinfer", "moe_kernel_configs": str(tmp_path)})
+    cmd = e.command()
+    assert e.moe_kernel_configs == str(tmp_path) and not any("moe-kernel" in c for c in cmd)  # an env, not a flag
+    assert cmd.count("--attention-backend") == 1
+    assert cmd[cmd.index("--attention-backend") + 1] == "flashinfer"
