@@ -228,6 +228,18 @@ def gpu_loop(d):
     return out
 
 
+def moe_kernel_tune(d):
+    out = []
+    for dtype, table in sorted((get(d, "tuning.tables") or {}).items()):
+        rows = sorted(table["timings"].items(), key=lambda kv: int(kv[0]))
+        out.append(f"{dtype} fused MoE a layer: " + ", ".join(
+            f"{m} tokens {t['best_s'] * 1e6:.0f} us (SGLang's choice {t['sglang_over_tuned']:.2f}x)" for m, t in rows))
+    for m in ("64", "256", "1024"):
+        if f"fp8_vs_bf16_moe_kernel_{m}" in d:
+            out.append(f"**FP8 kernel / bf16 at {m} tokens {d[f'fp8_vs_bf16_moe_kernel_{m}']:.2f}x**")
+    return out
+
+
 def fp8_quant(d):
     cases = d.get("cases", {})
     equal = sum(c["codes_equal"] and c["scales_equal"] for c in cases.values())
@@ -423,7 +435,7 @@ EXTRACTORS = {
     "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
     "preflight_timing": preflight_timing, "fp8_quant": fp8_quant, "loop_e2e_trainer_start": trainer_start,
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
-    "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save,
+    "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
 }
 
 
