@@ -394,14 +394,14 @@ def _check_bridge(cfg: Config, path: str, json_config: bool) -> str | None:
 
 def check_fp8_shapes(cfg: Config, where: str) -> str | None:
     """``rollout.quantization=fp8``: SGLang's block-FP8 layers load this model at ``rollout.engine_tp`` x
-    ``engine_ep`` (whole 128-blocks per engine rank: ``sglang_shape_problems``). The model's config.json, or
-    the tiny preset's config when ``make_tiny_if_missing`` will write it."""
+    ``engine_ep`` (whole 128-blocks per engine rank: ``sglang_shape_problems``; the model's config.json, or the
+    tiny preset's when ``make_tiny_if_missing`` will write it), and ``fp8_ignore`` splits no fused group."""
     r = cfg.rollout
     if r.quantization != "fp8" or _in_image(cfg, where):
         return None
     import transformers
 
-    from mrl.quant.fp8_targets import sglang_shape_problems
+    from mrl.quant.fp8_targets import ignore_problem, sglang_shape_problems
 
     path = cfg.model.hf_path
     if not os.path.isfile(os.path.join(path, "config.json")) and not cfg.model.make_tiny_if_missing:
@@ -421,7 +421,9 @@ def check_fp8_shapes(cfg: Config, where: str) -> str | None:
         return (f"rollout.quantization=fp8: SGLang's block-FP8 layers cannot load model.hf_path={path} at "
                 f"rollout.engine_tp={r.engine_tp}, engine_ep={r.engine_ep}: {'; '.join(problems)} (another engine_tp "
                 "or engine_ep, or rollout.quantization=null)")
-    return None
+    # a q/k/v, gate/up or experts group that rollout.fp8_ignore splits (the export would refuse it)
+    return ignore_problem(path, r.fp8_ignore) if r.fp8_ignore and os.path.isfile(os.path.join(path, "config.json")) \
+        else None
 
 
 def _from_bridge(cfg: Config, where: str, fn):

@@ -151,6 +151,12 @@ class RolloutConfig:
     kernels), so the next run's engines start warm; put it on storage the nodes share and keep. null:
     their defaults (inductor's under /tmp). The caller's ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``
     win."""
+    fp8_ignore: list[str] = field(default_factory=list)
+    """``quantization=fp8``: modules kept in ``engine_dtype`` on top of the rule (norms, router, embeddings and
+    head always are), as dotted paths matched on whole components like SGLang's ``modules_to_not_convert``,
+    e.g. ``[model.layers.0, model.layers.47]`` (first and last layers) or ``[self_attn]`` (every attention
+    projection). The run's export and every weight sync follow it. SGLang fuses q/k/v, gate/up and a layer's
+    experts: each such group is kept whole or not at all (the export refuses a split one)."""
     moe_kernel_configs: Optional[str] = None
     """GPU engines: a folder of tile-size tables for SGLang's triton fused-MoE kernel tuned on this GPU
     and triton (``mrl tune-moe``, ``mrl.engine.moe_tuning``); null: SGLang's own tables, which may be
@@ -256,6 +262,13 @@ class RolloutConfig:
                   "which SGLang's fp8 method refuses); use GPU engines (rollout=gpu) or null")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _fail("rollout.kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.fp8_ignore and self.quantization != "fp8":
+            _fail("rollout.fp8_ignore", f"={list(self.fp8_ignore)} keeps modules out of FP8, but "
+                  f"rollout.quantization={self.quantization}: set quantization=fp8 or leave the list empty")
+        bad = [m for m in self.fp8_ignore if not isinstance(m, str) or not m.strip(". ") or any(c.isspace() for c in m)]
+        if bad:
+            _fail("rollout.fp8_ignore", f"entries must be dotted module paths (e.g. model.layers.0.self_attn), "
+                  f"got {bad}")
         if self.moe_kernel_configs is not None:
             if self.cpu_mode:
                 _fail("rollout.moe_kernel_configs", "tunes SGLang's triton fused-MoE kernel of GPU engines; CPU "

@@ -9,7 +9,8 @@ resumed job, a restarted engine, ``mrl engine`` on a cluster engine node) reuses
 Completeness: the export is written into ``fp8_model.partial`` and renamed to ``fp8_model`` only after its
 last file, the marker ``mrl_fp8_export.json`` (the source and its fingerprint), is written: a directory of
 that name is whole. A partial export left by a killed job is removed and redone; an export of another source
-(``model.hf_path`` changed between two starts of the run) is redone too. Concurrent starts (engine nodes of
+(``model.hf_path`` changed between two starts of the run), or with other modules kept in high precision
+(``rollout.fp8_ignore``), is redone too. Concurrent starts (engine nodes of
 one run sharing its directory) take a lock file, so one exports and the others reuse its result.
 """
 
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 
 from mrl.quant.export import WEIGHT_FILES, export_fp8
 
@@ -40,14 +42,14 @@ def source_fingerprint(src: str) -> dict:
     return {"source": os.path.abspath(src), "config_sha256": config, "weight_files": files}
 
 
-def complete_export(dst: str, src: str) -> bool:
-    """``dst`` is a whole export of ``src`` as it is now."""
+def complete_export(dst: str, src: str, ignored: Sequence[str] = ()) -> bool:
+    """``dst`` is a whole export of ``src`` as it is now, with the same modules kept in high precision."""
     try:
         with open(os.path.join(dst, MARKER)) as f:
             marker = json.load(f)
     except (OSError, ValueError):
         return False
-    return marker.get("fingerprint") == source_fingerprint(src)
+    return marker.get("fingerprint") == source_fingerprint(src) and marker.get("ignored", []) == sorted(ignored)
 
 
 @contextlib.contextmanager
@@ -60,27 +62,30 @@ def _locked(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_fp8_model(src: str, run_dir: str, *, device: str | None = None, log=print) -> str:
-    """The block-FP8 checkpoint of ``src`` in ``run_dir`` (module docstring): reused when whole and of
-    ``src``, else (re)written. Returns its path."""
+def ensure_fp8_model(src: str, run_dir: str, *, ignored: Sequence[str] = (), device: str | None = None,
+                     log=print) -> str:
+    """The block-FP8 checkpoint of ``src`` in ``run_dir`` (module docstring), ``ignored``'s modules in high
+    precision (``rollout.fp8_ignore``): reused when whole, of ``src`` and of the same ``ignored``, else
+    (re)written. Returns its path."""
     dst = fp8_model_dir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     with _locked(dst + ".lock"):
-        if complete_export(dst, src):
+        if complete_export(dst, src, ignored):
             log(f"[mrl] FP8 engines: reusing the block-FP8 export {dst}")
             return dst
         if os.path.exists(dst):  # another source's, or a marker that does not parse: not ours to reuse
-            log(f"[mrl] FP8 engines: {dst} is not a whole export of {src}; exporting again")
+            log(f"[mrl] FP8 engines: {dst} is not a whole export of {src} with these ignored modules; exporting again")
             shutil.rmtree(dst)
         tmp = dst + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)  # a killed job's partial export
-        summary = export_fp8(src, tmp, device=device, log=log)
+        summary = export_fp8(src, tmp, ignored=ignored, device=device, log=log)
         if device is not None and device.startswith("cuda"):
             import torch
 
             torch.cuda.empty_cache()
         with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"fingerprint": source_fingerprint(src), "summary": summary}, f, indent=2)
+            json.dump({"fingerprint": source_fingerprint(src), "ignored": sorted(ignored), "summary": summary}, f,
+                      indent=2)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, dst)
@@ -91,7 +96,8 @@ def engine_model_path(cfg) -> str:
     """Where the run's engines load their weights from: ``model.hf_path``, or its block-FP8 export for
     ``rollout.quantization=fp8``."""
     if cfg.rollout.quantization == "fp8":
-        return ensure_fp8_model(cfg.model.hf_path, cfg.run_dir, device=_export_device())
+        return ensure_fp8_model(cfg.model.hf_path, cfg.run_dir, ignored=tuple(cfg.rollout.fp8_ignore),
+                                device=_export_device())
     return cfg.model.hf_path
 
 

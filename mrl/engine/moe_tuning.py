@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 FP8_BLOCK = (128, 128)
 # token counts a table covers: SGLang uses the entry nearest to a batch's token count
-DEFAULT_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
+TOKEN_COUNTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
 
 # tile sizes that make sense for MoE GEMMs on Hopper; the quick space is the decode-relevant subset
 _SPACE = {
@@ -265,7 +265,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"],
                     help="expert weights: bf16, block-FP8 (rollout.quantization=fp8), or both")
     ap.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel size (splits the experts' N)")
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKEN_COUNTS))
     ap.add_argument("--space", choices=sorted(_SPACE), default="quick")
     ap.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
                     help="replace the space's values of a parameter, e.g. BLOCK_SIZE_M=16,32 num_stages=3")

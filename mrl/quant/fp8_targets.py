@@ -83,6 +83,18 @@ def check_fused_groups(names: Iterable[str], ignored: Sequence[str] = ()) -> Non
                              "or none")
 
 
+def ignore_problem(hf_dir: str, ignored: Sequence[str]) -> str | None:
+    """``check_fused_groups`` of the checkpoint in ``hf_dir`` (its tensor names, from the safetensors
+    headers), as one line naming ``rollout.fp8_ignore``, or None."""
+    from mrl.models.checkpoint import HFCheckpoint
+
+    try:
+        check_fused_groups(HFCheckpoint(hf_dir).shapes, ignored)
+    except ValueError as e:
+        return f"rollout.fp8_ignore={list(ignored)}: {e}"
+    return None
+
+
 def modules_to_not_convert(names: Iterable[str], ignored: Sequence[str] = ()) -> list[str]:
     """Linear-shaped modules of the checkpoint left in high precision, for ``quantization_config``: ``lm_head``,
     the routers and what ``ignored`` names. SGLang would not quantize the first two anyway; transformers'

@@ -203,7 +203,7 @@ class Loop:
             export_dir=ws.export_dir or os.path.join(self.cfg.run_dir, "weights"), config_src=self.hf_path,
             timeout_s=ws.timeout_s, group_prefix=broadcast_object(f"mrl-{os.urandom(4).hex()}"),
             dtype=self.cfg.rollout.engine_dtype, master_address=ws.master_address,
-            fp8=self.cfg.rollout.quantization == "fp8")
+            fp8=self.cfg.rollout.quantization == "fp8", fp8_ignore=tuple(self.cfg.rollout.fp8_ignore))
 
     def _adapter_channel(self, engines: list[EngineEndpoint]) -> AdapterChannel:
         """LoRA: versions go to the engines as adapters, over HTTP whatever ``weight_sync.transport`` (``disk``

@@ -29,12 +29,13 @@ class DiskTransport(Transport):
 
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], export_dir: str | None, config_src: str, keep: int = 2,
-                 fp8_dtype: torch.dtype | None = None):
+                 fp8_dtype: torch.dtype | None = None, fp8_ignore: tuple[str, ...] = ()):
         """``fp8_dtype``: the engines serve a block-FP8 checkpoint (``rollout.quantization=fp8``), so each export
-        is one, its targets cast to this dtype (the sync dtype) and quantized (``quantize_checkpoint``)."""
+        is one, its targets (but ``fp8_ignore``'s modules) cast to this dtype (the sync dtype) and quantized
+        (``quantize_checkpoint``)."""
         self.model, self.layout, self.bridge, self.vp = model, layout, bridge, padded_vocab
         self.engines, self.config_src, self.keep = engines, config_src, keep
-        self.fp8_dtype = fp8_dtype
+        self.fp8_dtype, self.fp8_ignore = fp8_dtype, tuple(fp8_ignore)
         self.export_dir = export_dir or tempfile.mkdtemp(prefix="mrl_weights_")
         self.last_path: str | None = None
 
@@ -46,8 +47,8 @@ class DiskTransport(Transport):
         path = os.path.join(self.export_dir, f"v{version}")
         extra = None
         if self.fp8_dtype is not None:
-            extra = {"quantization_config": quantization_config(sorted(tensors))}
-            tensors = quantize_checkpoint(tensors, self.fp8_dtype)
+            extra = {"quantization_config": quantization_config(sorted(tensors), self.fp8_ignore)}
+            tensors = quantize_checkpoint(tensors, self.fp8_dtype, ignored=self.fp8_ignore)
         save_hf(tensors, path, config_src=self.config_src, engine_config=extra)
         self.last_path = path
         olds = sorted((d for d in os.listdir(self.export_dir) if d.startswith("v") and d != f"v{version}"),

@@ -63,18 +63,20 @@ class DistributedWeightSync:
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
                  master_address: str | None = None, group_prefix: str = "mrl", timeout_s: float = 300.0,
-                 chunk_bytes: int = 0, fp8: bool = False):
+                 chunk_bytes: int = 0, fp8: bool = False, fp8_ignore: tuple[str, ...] = ()):
         """``fp8``: the engines serve a block-FP8 checkpoint (``rollout.quantization=fp8``): its targets go as
-        e4m3 weights with fp32 scales, quantized by the senders from ``dtype`` (``mrl.weight_sync.fp8``)."""
+        e4m3 weights with fp32 scales, quantized by the senders from ``dtype`` (``mrl.weight_sync.fp8``), but
+        the modules ``fp8_ignore`` keeps in high precision (``rollout.fp8_ignore``, as the export)."""
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
-        self.fp8 = fp8
+        self.fp8, self.fp8_ignore = fp8, tuple(fp8_ignore)
         self.chunk_bytes = chunk_bytes  # shard transfers split into chunks of this size (copy_plan.build_steps)
         self.master_address = master_address
         self.maps = maps_by_name(bridge, padded_vocab)
         self.local = {lp.global_name: lp for lp in local_params(model, layout)}
         self._planning = dict(maps=bridge.param_maps(padded_vocab), layout=trainer_layout(layout, bridge.num_layers),
                               num_layers=bridge.num_layers, num_experts=bridge.num_experts, bucket_bytes=bucket_bytes,
-                              dtype=dtype, tied=bridge.tied_embeddings, group_prefix=group_prefix, fp8=fp8)
+                              dtype=dtype, tied=bridge.tied_embeddings, group_prefix=group_prefix, fp8=fp8,
+                              fp8_ignore=self.fp8_ignore)
         self._replan(plan_sync(**self._planning))
         me = layout.world_rank
         self.group_name = self.plan.groups.get(me)

@@ -73,6 +73,11 @@ class BucketQuantizer:
     def __init__(self, bucket: Bucket, staging: torch.Tensor, flat: torch.Tensor, dtype: str,
                  backend: str = "auto"):
         self.tensors = staged_bucket(bucket, dtype).tensors
+        # the plan says which targets go in FP8 (rollout.fp8_ignore keeps some in high precision): the
+        # rule's targets it sends as they are are the ones this quantizer leaves alone
+        planned = {e.name for e in bucket.tensors if e.dtype == FP8_DTYPE}
+        self.ignored = tuple(t.name.removesuffix(".weight") for t in self.tensors
+                             if is_fp8_target(t.name) and t.name not in planned)
         self.views, at = [], 0
         for t in self.tensors:
             n = 1
@@ -80,24 +85,25 @@ class BucketQuantizer:
                 n *= d
             self.views.append(staging[at:at + n].view(t.shape))
             at += n
-        entries = [e for t in self.tensors for e in fp8_entries(t)]
+        entries = [e for t in self.tensors for e in fp8_entries(t, self.ignored)]
         if entries != bucket.tensors:
             raise ValueError(f"bucket {bucket.index} of sender {bucket.sender}: its planned FP8 entries are not what "
                              "quantizing its tensors gives (the plan and the sender disagree on the FP8 targets)")
         self.flat, self.backend = flat, backend
 
     def __call__(self) -> None:
-        quantize_bucket(self.tensors, self.views, flat=self.flat, backend=self.backend)
+        quantize_bucket(self.tensors, self.views, ignored=self.ignored, flat=self.flat, backend=self.backend)
 
 
-def quantize_checkpoint(tensors: dict[str, torch.Tensor], dtype: torch.dtype, backend: str = "auto"
-                        ) -> dict[str, torch.Tensor]:
+def quantize_checkpoint(tensors: dict[str, torch.Tensor], dtype: torch.dtype, backend: str = "auto",
+                        ignored: Sequence[str] = ()) -> dict[str, torch.Tensor]:
     """HF-named full tensors as the block-FP8 checkpoint of them (the disk transport's export to FP8
-    engines): each target cast to ``dtype`` (the sync dtype, as the distributed path quantizes it) and
-    quantized, followed by its ``weight_scale_inv``; the other tensors as they are."""
+    engines): each target (but the modules ``ignored`` keeps in high precision) cast to ``dtype`` (the sync
+    dtype, as the distributed path quantizes it) and quantized, followed by its ``weight_scale_inv``; the
+    other tensors as they are."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if t.dim() == 2 and is_fp8_target(name):
+        if t.dim() == 2 and is_fp8_target(name, ignored):
             out[name], out[scale_inv_name(name)] = quantize_block_fp8(t.to(dtype), backend=backend)
         else:
             out[name] = t

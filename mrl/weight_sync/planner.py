@@ -154,8 +154,10 @@ def layer_stage(layer: int, num_layers: int, pp: int, stage_layers: tuple[int, .
 
 
 def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
-                dtype: str = "float32", tied: bool = False, fp8: bool = False) -> list[PlannedParam]:
-    """Every param to send, with its sender and HF tensors; ``fp8``: the block-FP8 targets as (e4m3 weight,
+                dtype: str = "float32", tied: bool = False, fp8: bool = False,
+                fp8_ignore: tuple[str, ...] = ()) -> list[PlannedParam]:
+    """Every param to send, with its sender and HF tensors; ``fp8``: the block-FP8 targets (but the modules
+    ``fp8_ignore`` keeps in high precision, as the engines' export does) as (e4m3 weight,
     fp32 scales) pairs, for engines started from a block-FP8 checkpoint."""
     # imported here: mrl.weight_sync.fp8 builds on this module's types
     from mrl.weight_sync.fp8 import fp8_param
@@ -186,7 +188,7 @@ def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int,
         tensors = tuple(HFTensor(n, (rows,) + ((pm.num_cols,) if pm.num_cols else ()), dtype)
                         for n, rows in shapes.items())
         p = PlannedParam(pm.mcore_name, stage, expert, sender, tensors)
-        out.append(fp8_param(p) if fp8 else p)
+        out.append(fp8_param(p, fp8_ignore) if fp8 else p)
     return out
 
 
@@ -209,7 +211,7 @@ def _inplace_runs(params: list[PlannedParam], placements: dict[str, Placement], 
 def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, num_experts: int,
               bucket_bytes: int, dtype: str = "float32", tied: bool = False, group_prefix: str = "mrl",
               placements: dict[str, Placement] | None = None, min_inplace_bytes: int | None = None,
-              fp8: bool = False) -> SyncPlan:
+              fp8: bool = False, fp8_ignore: tuple[str, ...] = ()) -> SyncPlan:
     """Ordered buckets per sender; bucket i of every sender can be streamed concurrently.
     ``placements``: every sender's params that can go out in place (module docstring). Runs shorter
     than ``min_inplace_bytes`` (default: a quarter bucket) are copied: each bucket costs a request and
@@ -218,7 +220,7 @@ def plan_sync(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int, n
     if bucket_bytes <= 0:
         raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_bytes} bytes")
     params = plan_params(maps, layout, num_layers=num_layers, num_experts=num_experts, dtype=dtype, tied=tied,
-                         fp8=fp8)
+                         fp8=fp8, fp8_ignore=fp8_ignore)
     senders = sorted({p.sender for p in params})
     groups = {r: f"{group_prefix}-r{r}" for r in senders}
     buckets: list[Bucket] = []

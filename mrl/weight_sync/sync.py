@@ -316,16 +316,19 @@ class EngineSync(WeightChannel):
 def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge,
                    padded_vocab: int, engines: list[EngineEndpoint], bucket_bytes: int, export_dir: str | None,
                    config_src: str, dtype: str = "float32", timeout_s: float = 300.0,
-                   group_prefix: str = "mrl", fp8: bool = False, **executor_kw) -> tuple[Transport, Transport]:
+                   group_prefix: str = "mrl", fp8: bool = False, fp8_ignore: tuple[str, ...] = (),
+                   **executor_kw) -> tuple[Transport, Transport]:
     """The configured transport and the disk transport that repairs it (the same object for disk). ``fp8``:
-    the engines serve block-FP8 weights (``rollout.quantization=fp8``); every transport sends them so."""
+    the engines serve block-FP8 weights (``rollout.quantization=fp8``), with ``fp8_ignore``'s modules in
+    high precision (``rollout.fp8_ignore``); every transport sends them so."""
     disk = DiskTransport(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab, engines=engines,
-                         export_dir=export_dir, config_src=config_src, fp8_dtype=getattr(torch, dtype) if fp8 else None)
+                         export_dir=export_dir, config_src=config_src, fp8_dtype=getattr(torch, dtype) if fp8 else None,
+                         fp8_ignore=fp8_ignore)
     if kind == WeightTransport.disk:
         return disk, disk
     ex = DistributedWeightSync(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab,
                                engines=engines, bucket_bytes=bucket_bytes, dtype=dtype, timeout_s=timeout_s,
-                               group_prefix=group_prefix, fp8=fp8, **executor_kw)
+                               group_prefix=group_prefix, fp8=fp8, fp8_ignore=fp8_ignore, **executor_kw)
     if kind == WeightTransport.tensor:
         return TensorTransport(ex), disk
     return DistributedTransport(ex), disk

@@ -49,7 +49,8 @@ def flat_format(bucket) -> str:
                                                 dtypes=[x.dtype for x in t], shapes=[list(x.shape) for x in t]))
 
 
-def bucket_tensors(gathered, *, fp8_from: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+def bucket_tensors(gathered, *, fp8_from: torch.dtype | None = None,
+                   fp8_ignore: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
     """A gathered bucket's HF tensors as the engine loads them. ``fp8_from`` (the engines serve a block-FP8
     checkpoint): each FP8 target cast to this sync dtype, as the distributed transport stages it, and sent
     as its e4m3 weight followed by its ``weight_scale_inv``, the names and layout of a block-FP8
@@ -58,7 +59,7 @@ def bucket_tensors(gathered, *, fp8_from: torch.dtype | None = None) -> list[tup
     for _, pm, full in gathered:
         parts = split_full(pm, full)
         if fp8_from is not None:
-            parts = quantize_checkpoint(parts, fp8_from)
+            parts = quantize_checkpoint(parts, fp8_from, ignored=fp8_ignore)
         named += [(name, t.contiguous()) for name, t in parts.items()]
     return named
 
@@ -112,7 +113,8 @@ class TensorTransport(Transport):
             gathered = ex.gather_bucket(bucket)
             if gathered is None:
                 continue
-            named = bucket_tensors(gathered, fp8_from=TORCH_DTYPES[ex.dtype] if ex.fp8 else None)
+            named = bucket_tensors(gathered, fp8_from=TORCH_DTYPES[ex.dtype] if ex.fp8 else None,
+                                   fp8_ignore=ex.fp8_ignore)
             payload = serialize_named_tensors(named)  # tensors stay alive until every engine answered
             for url, err in self._post(payload).items():
                 failed.setdefault(url, err)
