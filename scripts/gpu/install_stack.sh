@@ -5,6 +5,8 @@
 # to TARGET/te, on the path only with `source TARGET/env.sh te`: megatron picks its TE spec whenever TE imports,
 # so leaving it off the path runs the local spec on the same host. DeepGEMM goes to TARGET/deepgemm, on no path
 # (engines that should use it get it prepended: bench/gpu_loop.py's "mrl_pythonpath" server arg).
+# FA3 (SGLang's default attention on Hopper, left out of the bundle for its size) is added when STASH also
+# holds the parts of fetch_fa3.sh (fa3.aa, fa3.ab, ...; their sha256 as FA3_SHA256): engines then pick it.
 # Usage: scripts/gpu/install_stack.sh STASH TARGET [SHA256]
 set -euo pipefail
 S=${1:?stash}; T=${2:?target}; want=${3:-}
@@ -32,6 +34,15 @@ if ls "$W"/te/*.whl >/dev/null 2>&1; then
       "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$W/te" .)
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$T/te" "$W"/te/*.whl
+fi
+if ls "$S"/fa3.* >/dev/null 2>&1; then  # FA3's library, xz-compressed: into sgl_kernel, where mrl looks for it
+  cat "$S"/fa3.* > "$W/fa3.xz"
+  if [ -n "${FA3_SHA256:-}" ] && [ "$(sha256sum "$W/fa3.xz" | cut -d' ' -f1)" != "$FA3_SHA256" ]; then
+    echo "install_stack.sh: the FA3 parts' sha256 differs from FA3_SHA256: a part is missing or damaged" >&2
+    exit 1
+  fi
+  xz -dc -T0 "$W/fa3.xz" > "$T/sgl_kernel/flash_ops.abi3.so"
+  echo "[install] FA3 attention library added"
 fi
 if ls "$W"/deepgemm/*.whl >/dev/null 2>&1; then  # off the default path: an engine that wants it prepends it
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T/deepgemm" "$W"/deepgemm/*.whl

@@ -8,6 +8,7 @@
 # only: on Blackwell SGLang requantizes block scales for DeepGEMM at load, which a weight update does not
 # redo (docs/fp8.md). Needs the whole GPU stack (SGLang's GPU kernels): scripts/gpu/install_stack.sh.
 #   bash tests/gpu/fp8_sync.sh [OUT_DIR]        -> OUT_DIR/fp8_sync.json, OUT_DIR/run/engines/*.log
+#   FP8_IGNORE="model.layers.0" bash tests/gpu/fp8_sync.sh ...   (rollout.fp8_ignore: those modules stay bf16)
 set -uo pipefail
 OUT=${1:-${OUT:-runs/gpu_fp8_sync}}
 mkdir -p "$OUT"
@@ -19,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 M=/tmp/mrl_models
 python3 -m mrl make-tiny-model $M/tiny_gpu --preset tiny_gpu >/dev/null || exit 1
 python3 -m torch.distributed.run --standalone --nproc-per-node=1 -m tests.jobs.fp8_sync_check --hf $M/tiny_gpu \
-  --run-dir "$OUT/run" --out "$OUT/fp8_sync.json" "${ONE_GPU[@]}" 2>&1 | tee "$OUT/fp8_sync.log" | tail -30
+  --run-dir "$OUT/run" --out "$OUT/fp8_sync.json" "${ONE_GPU[@]}" ${FP8_IGNORE:+--fp8-ignore $FP8_IGNORE} 2>&1 | tee "$OUT/fp8_sync.log" | tail -30
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "FAIL fp8_sync (rc $rc); engine log:"; tail -20 "$OUT"/run/engines/*.log; }
 exit "$rc"

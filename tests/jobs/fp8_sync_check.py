@@ -33,9 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # _engine_shards, _bench_common: the engine layouts
 
 
-def dequantize(hf: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Full HF tensors as the engine computes with them: each FP8 target quantized and read back per block
-    (the view SGLang's weight checker reports, ``fp8_checker_view``)."""
+def dequantize(hf: dict[str, torch.Tensor], dtype: torch.dtype, ignored=()) -> dict[str, torch.Tensor]:
+    """Full HF tensors as the engine computes with them: each FP8 target (but ``ignored``'s modules)
+    quantized and read back per block (the view SGLang's weight checker reports, ``fp8_checker_view``)."""
     from _engine_shards import fp8_checker_view
 
     from mrl.quant.fp8 import quantize_block_fp8
@@ -44,7 +44,7 @@ def dequantize(hf: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
     out = {}
     for name, t in hf.items():
         out[name] = fp8_checker_view(*quantize_block_fp8(t.to(dtype))).to(dtype) \
-            if t.dim() == 2 and is_fp8_target(name) else t
+            if t.dim() == 2 and is_fp8_target(name, ignored) else t
     return out
 
 
@@ -86,12 +86,16 @@ def main() -> int:
     ap.add_argument("--transport", default="distributed", choices=["distributed", "tensor"],
                     help="tensor: CUDA IPC into an engine on the trainer's GPU (--engine-gpu 0: one GPU)")
     ap.add_argument("--probe-tol", type=float, default=0.1, help="max |logprob diff| vs the dequantized trainer")
+    ap.add_argument("--fp8-ignore", nargs="*", default=[], metavar="MODULE",
+                    help="rollout.fp8_ignore: modules the export and the sync keep in bf16")
     a = ap.parse_args()
     os.makedirs(a.run_dir, exist_ok=True)
     ensure_run_secrets(a.run_dir)
     report: dict = {}
     t0 = time.monotonic()
-    fp8_dir = ensure_fp8_model(a.hf, a.run_dir)
+    ignored = tuple(a.fp8_ignore)
+    report["fp8_ignore"] = list(ignored)
+    fp8_dir = ensure_fp8_model(a.hf, a.run_dir, ignored=ignored)
     report["export_seconds"] = time.monotonic() - t0
     engine = Engine(model_path=fp8_dir, cpu_mode=False, quantization="fp8", dtype="bfloat16",
                     base_gpu_id=a.engine_gpu, mem_fraction_static=0.3 if a.transport == "tensor" else 0.5,
@@ -109,14 +113,14 @@ def main() -> int:
         transport, disk = make_transport(
             WeightTransport(a.transport), model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
             engines=[engine.endpoint], bucket_bytes=1 << 20, export_dir=os.path.join(a.run_dir, "weights"),
-            config_src=a.hf, dtype="bfloat16", fp8=True)
+            config_src=a.hf, dtype="bfloat16", fp8=True, fp8_ignore=ignored)
         syncer = EngineSync(transport, disk, m.layout, [engine.endpoint])
         syncer.connect()
         rep = syncer.sync("1")
         report["sync"] = {"transport": a.transport, "seconds": rep.seconds, "bytes": rep.bytes_sent,
                           "failed": rep.failed_engines, "repaired_from_disk": rep.repaired_from_disk}
         hf = export_hf(m.model, m.layout, m.bridge, m.padded_vocab)
-        qhf = quantize_checkpoint(hf, torch.bfloat16)
+        qhf = quantize_checkpoint(hf, torch.bfloat16, ignored=ignored)
         sums = engine_call(engine.url, lambda c: c.weight_checksums())[0]
         bitwise = {}
         for name in sampled_names(m.bridge.num_layers):
@@ -141,7 +145,7 @@ def main() -> int:
         m.model.eval()
         bf16 = token_logprobs(forward_logits(m.model, m.layout, probe.cuda()), probe.cuda(), m.bridge.vocab_size)[0]
         deq_dir = os.path.join(a.run_dir, "dequantized")
-        save_hf(dequantize(hf, torch.bfloat16), deq_dir, config_src=a.hf)
+        save_hf(dequantize(hf, torch.bfloat16, ignored), deq_dir, config_src=a.hf)
         destroy()
         d = load_model(argparse.Namespace(**{**vars(layout_args), "hf": deq_dir}))
         d.model.eval()
