@@ -41,7 +41,8 @@ if ls "$S"/fa3.* >/dev/null 2>&1; then  # FA3's library, xz-compressed: into sgl
     echo "install_stack.sh: the FA3 parts' sha256 differs from FA3_SHA256: a part is missing or damaged" >&2
     exit 1
   fi
-  xz -dc -T0 "$W/fa3.xz" > "$T/sgl_kernel/flash_ops.abi3.so"
+  "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"), 1 << 24)' \
+    "$W/fa3.xz" "$T/sgl_kernel/flash_ops.abi3.so"  # python's lzma: the image may lack xz
   echo "[install] FA3 attention library added"
 fi
 if ls "$W"/deepgemm/*.whl >/dev/null 2>&1; then  # off the default path: an engine that wants it prepends it
