@@ -50,7 +50,7 @@ def _transport(monkeypatch, answers: dict[str, str]):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setattr(tensor, "serialize_named_tensors", lambda named: named)  # CPU: the tensors themselves
-    monkeypatch.setattr(tensor, "bucket_tensors", lambda gathered, fp8_from=None: gathered)
+    monkeypatch.setattr(tensor, "bucket_tensors", lambda gathered, fp8_from=None, fp8_ignore=(): gathered)
     posts = []
 
     def run_on(engines, call, loop=None):
@@ -73,7 +73,7 @@ def _transport(monkeypatch, answers: dict[str, str]):
     flat = torch.arange(4.0).view(torch.uint8)
     ex = types.SimpleNamespace(layout=types.SimpleNamespace(world_size=1, world_rank=0), is_sender=True,
                                engines=[EngineEndpoint(u) for u in answers], order=[bucket], dtype="float32",
-                               fp8=False, gather_bucket=lambda b: [("a", torch.arange(4.0))],
+                               fp8=False, fp8_ignore=(), gather_bucket=lambda b: [("a", torch.arange(4.0))],
                                steps=lambda: [_Step(bucket, flat)])
     t = tensor.TensorTransport(ex)
     t._io = None
