@@ -2,11 +2,10 @@
 
 SGLang picks the kernel's tile sizes from a table per (experts, intermediate size, dtype, block shape, GPU
 name) in a folder per triton version, and when the running triton has no table it takes another version's
-table or its built-in default. Tile sizes tuned under one triton version can be far from the best under
-another, and a block-FP8 table whose tile is taller than the tokens each expert receives in decode pads
-every expert's rows. ``mrl tune-moe`` times the kernel for the model's expert shapes over a search space on
-this GPU, under this triton, and writes the best configuration per token count in SGLang's own file format
-and folder layout; ``rollout.moe_kernel_configs`` points the engines at such a folder
+table or its built-in default, and tiles tuned under one triton version need not be the best under
+another. ``mrl tune-moe`` times the kernel for the model's expert shapes over a search space on this GPU,
+under this triton, against SGLang's own choice, and writes the best configuration per token count in
+SGLang's own file format and folder layout; ``rollout.moe_kernel_configs`` points the engines at such a folder
 (``merged_config_dir``: SGLang's own tables stay visible for every shape the folder does not cover).
 
     mrl tune-moe HF_DIR OUT [--dtype bf16|fp8] [--tp N] [--tokens 1 8 ... ] [--space full|quick]
