@@ -273,6 +273,8 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                     if "error" not in res[key]:
                         res.setdefault("scheduler_waits_on_gpu", {})[f"batch{batch}_{kind}"] = \
                             scheduler_gpu_wait(res[key])
+    if a.engine_profile:
+        res["engine_profile"] = engine_profiles(urls, kinds, codec, vocab, a)
     # a dropped kind's earlier runs stay in the report, out of the ratios (their repetitions are incomplete)
     res["dropped_runs"] = [r for r in res["runs"] if r["kind"] not in kinds]
     res["runs"] = [r for r in res["runs"] if r["kind"] in kinds]
@@ -302,6 +304,34 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
     print(f"[rollout] routes payload: {res['payload']['bytes_per_token']:.0f} base64 bytes per token, "
           f"{res['payload']['bytes_per_expert_id']} byte(s) per expert id", flush=True)
     return res
+
+
+def engine_profiles(urls: dict[str, str], kinds: list[str], codec, vocab: int, a) -> dict:
+    """One more run of the largest batch per kind (routes requested; not among the timed repetitions: the
+    profiler slows it), SGLang's profiler on ``--engine-profile`` forward steps from ``--engine-profile-delay``
+    seconds in (decode steps, after the prefills); each trace summed by kernel category
+    (``_engine_profile``)."""
+    from _engine_profile import start_after, summarize_trace, wait_for_trace
+
+    out: dict = {}
+    for kind in (k for k in kinds if k != "off"):
+        engine, routes = _kind(kind)
+        where = os.path.join(os.path.abspath(a.out), "engine_profile", kind)
+        os.makedirs(where, exist_ok=True)
+
+        async def profiled():
+            return (await asyncio.gather(
+                _workload(urls[engine], codec if routes else None, max(a.batches), a.prompt_len, a.new, vocab,
+                          seed=10_000),
+                start_after(urls[engine], where, a.engine_profile, a.engine_profile_delay, a.cpu)))[0]
+
+        try:
+            asyncio.run(profiled())
+            out[kind] = summarize_trace(wait_for_trace(where), a.engine_profile) | {"trace": where}
+        except Exception as e:  # a profile is extra evidence: its failure costs no figure
+            out[kind] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+        print(f"[rollout] engine profile {kind}: {json.dumps(out[kind])[:400]}", flush=True)
+    return out
 
 
 # -- Keep Routing ----------------------------------------------------------------------------------
@@ -563,6 +593,11 @@ def main() -> int:
                     help="rollout: sample the engine's processes with py-spy for this many seconds during the "
                          "first repetition's largest batch, routes off and on (where the routes' cost sits)")
     ap.add_argument("--py-spy-bin", default=shutil.which("py-spy") or "py-spy")
+    ap.add_argument("--engine-profile", type=int, default=0, metavar="STEPS",
+                    help="rollout: after the timed runs, one more of the largest batch per kind with SGLang's "
+                         "profiler on this many forward steps, kernel time summed by category (0: off)")
+    ap.add_argument("--engine-profile-delay", type=float, default=1.5,
+                    help="seconds into that run before the profiled steps (past the prefills)")
     ap.add_argument("--ckpt-root", default=None, help="where the random checkpoint is made or found (default: --out)")
     ap.add_argument("--remove-checkpoints", action="store_true",
                     help="delete the random checkpoint and its FP8 export when the run ends")

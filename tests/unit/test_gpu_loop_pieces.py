@@ -198,7 +198,8 @@ def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, 
 
     monkeypatch.setattr(gpu_loop, "_workload", workload)
     monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
-    a = types.SimpleNamespace(batches=[16, 32], prompt_len=4, new=4, reps=3, out=str(tmp_path), py_spy=0)
+    a = types.SimpleNamespace(batches=[16, 32], prompt_len=4, new=4, reps=3, out=str(tmp_path), py_spy=0,
+                              engine_profile=0)
     res = gpu_loop.rollout_section({"routes": "http://routes", "good": "http://good", "bad": "http://bad"},
                                    object(), 64, a)
     assert res["kinds"] == ["off", "on", "good"]
@@ -223,7 +224,8 @@ def test_rollout_section_does_not_drop_the_routes_engine(tmp_path, monkeypatch):
         raise RuntimeError("routes engine down")
 
     monkeypatch.setattr(gpu_loop, "_workload", workload)
-    a = types.SimpleNamespace(batches=[16], prompt_len=4, new=4, reps=1, out=str(tmp_path), py_spy=0)
+    a = types.SimpleNamespace(batches=[16], prompt_len=4, new=4, reps=1, out=str(tmp_path), py_spy=0,
+                              engine_profile=0)
     with pytest.raises(RuntimeError, match="routes engine down"):
         gpu_loop.rollout_section({"routes": "http://routes", "good": "http://good"}, object(), 64, a)
 
@@ -264,3 +266,39 @@ def test_an_engine_variant_sets_the_attention_backend_once(tmp_path):
     assert e.moe_kernel_configs == str(tmp_path) and not any("moe-kernel" in c for c in cmd)  # an env, not a flag
     assert cmd.count("--attention-backend") == 1
     assert cmd[cmd.index("--attention-backend") + 1] == "flashinfer"
+
+
+def test_engine_profile_sums_kernels_by_what_they_compute(tmp_path):
+    """A chrome trace as torch's profiler writes it (gzip): kernel time per category and per step, the GPU's
+    busy share of the kernels' span, the top kernels; a CPU trace falls back to its operators."""
+    import gzip
+    import json
+
+    from _engine_profile import kernel_category, summarize_trace
+
+    assert kernel_category("fused_moe_kernel") == "moe"
+    assert kernel_category("_fwd_kernel_stage1 decode_attention") == "attention"
+    assert kernel_category("nvjet_tst_128x64_64x6") == "gemm"
+    assert kernel_category("top_k_top_p_sampling_from_probs") == "sampling"
+    assert kernel_category("rmsnorm_kernel") == "other"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": 0.0, "dur": 400.0},
+        {"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": 1000.0, "dur": 400.0},
+        {"ph": "X", "cat": "kernel", "name": "decode_attention_fwd", "ts": 500.0, "dur": 200.0},
+        {"ph": "X", "cat": "kernel", "name": "rmsnorm_kernel", "ts": 800.0, "dur": 100.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::matmul", "ts": 0.0, "dur": 5000.0},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 10.0},
+    ]
+    path = tmp_path / "x-TP-0.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize_trace(str(path), steps=2)
+    assert s["events"] == "kernels" and s["count"] == 4
+    assert s["ms_per_step"] == {"moe": 0.4, "attention": 0.1, "other": 0.05}
+    assert abs(s["share"]["moe"] - 800 / 1100) < 1e-12
+    assert abs(s["busy"] - 1100 / 1400) < 1e-12
+    assert s["top"][0] == ("fused_moe_kernel", 0.4)
+    cpu = tmp_path / "cpu.trace.json"
+    cpu.write_text(json.dumps({"traceEvents": events[4:]}))
+    c = summarize_trace(str(cpu), steps=1)
+    assert c["events"] == "cpu_ops" and c["count"] == 1 and c["ms_per_step"] == {"gemm": 5.0}
