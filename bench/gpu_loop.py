@@ -61,6 +61,11 @@ from _bench_common import engine_timeline  # noqa: E402
 from _random_checkpoint import SHAPES, make_checkpoint  # noqa: E402
 
 
+def _fp8_run_dir(hf: str) -> str:
+    """The run directory next to ``hf`` that holds its block-FP8 export (``_fp8_checkpoint``)."""
+    return hf.rstrip("/") + "_fp8run"
+
+
 def _fp8_checkpoint(hf: str, a) -> tuple[str, dict]:
     """The block-FP8 export of ``hf`` as a run makes it (``mrl.engine.fp8_model``: once, then reused),
     in a run directory next to ``hf``, and what it took."""
@@ -72,7 +77,7 @@ def _fp8_checkpoint(hf: str, a) -> tuple[str, dict]:
     if problems:  # SGLang would refuse the export at load, after minutes of start
         raise SystemExit(f"--fp8-engine-gpu: {hf} cannot be served in block FP8: {'; '.join(problems)}")
     t = time.perf_counter()
-    dst = ensure_fp8_model(hf, hf.rstrip("/") + "_fp8run", device=None if a.cpu else "cuda", log=lambda *x: None)
+    dst = ensure_fp8_model(hf, _fp8_run_dir(hf), device=None if a.cpu else "cuda", log=lambda *x: None)
     with open(os.path.join(dst, MARKER)) as f:
         return dst, {"seconds": time.perf_counter() - t, **json.load(f)}
 
@@ -695,7 +700,7 @@ def main() -> int:
         with open(os.path.join(a.out, "gpu_loop.json"), "w") as f:
             json.dump(report, f, indent=1)
     if a.remove_checkpoints:  # scratch weights: the next run on a small disk makes its own
-        for path in (hf, hf.rstrip("/") + "_fp8run"):  # the second: _fp8_checkpoint's export, if made
+        for path in (hf, _fp8_run_dir(hf)):
             shutil.rmtree(path, ignore_errors=True)
     shown = [n for n in a.sections.split(",")] + (["replay_fp8"] if "replay_fp8" in report else [])
     print("\n".join(headline(report, name) for name in shown), flush=True)

@@ -82,12 +82,12 @@ class MoeShape:
                    top_k=int(c.num_experts_per_tok))
 
 
-def table_name(shape: MoeShape, device_name: str, fp8: bool) -> str:
-    """SGLang's file name for the table of ``shape`` on ``device_name`` (its
-    ``fused_moe_triton_config.get_config_file_name``; ``tests/unit/test_moe_tuning.py`` checks it is equal)."""
-    dtype = ",dtype=fp8_w8a8" if fp8 else ""
-    block = f",block_shape={list(FP8_BLOCK)}" if fp8 else ""
-    return f"E={shape.experts},N={shape.intermediate},device_name={device_name.replace(' ', '_')}{dtype}{block}.json"
+def table_name(shape: MoeShape, fp8: bool) -> str:
+    """The file SGLang looks up for ``shape`` on this GPU: its own ``get_config_file_name``."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils import get_config_file_name
+
+    return get_config_file_name(shape.experts, shape.intermediate, "fp8_w8a8" if fp8 else None,
+                                list(FP8_BLOCK) if fp8 else None)
 
 
 def tune(tokens: Iterable[int], configs: list[dict], time_fn: Callable[[int, dict], float],
@@ -294,7 +294,7 @@ def main(argv: list[str]) -> int:
         time_fn, baseline = gpu_timer(shape, fp8), sglang_choice(shape, fp8)
         table, timings = tune(a.tokens, configs, time_fn, log=lambda s: print(s, flush=True))
         against_sglang(table, timings, time_fn, baseline, log=lambda s: print(s, flush=True))
-        path = write_table(a.out, triton.__version__, table_name(shape, device, fp8), table)
+        path = write_table(a.out, triton.__version__, table_name(shape, fp8), table)
         summary["tables"][dtype] = {"path": path, "seconds": time.perf_counter() - t, "timings": timings}
         print(f"[tune-moe] {dtype}: wrote {path} in {time.perf_counter() - t:.0f} s", flush=True)
         with open(os.path.join(a.out, "tuning.json"), "w") as f:

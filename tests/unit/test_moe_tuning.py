@@ -55,15 +55,6 @@ def test_sglangs_own_choice_is_timed_and_kept_where_it_wins():
     assert timings[256]["best_s"] == 1.0 and timings[8]["sglang_config"] == {"BLOCK_SIZE_M": 16}
 
 
-def test_table_name_is_sglangs(monkeypatch):
-    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as cfgmod
-
-    monkeypatch.setattr(cfgmod, "get_device_name", lambda: "NVIDIA H200")
-    assert mt.table_name(SHAPE, "NVIDIA H200", fp8=False) == cfgmod.get_config_file_name(128, 768, None, [0, 0])
-    assert mt.table_name(SHAPE, "NVIDIA H200", fp8=True) == cfgmod.get_config_file_name(
-        128, 768, "fp8_w8a8", list(mt.FP8_BLOCK))
-
-
 def test_sglang_reads_the_tuned_table_from_the_merged_folder(tmp_path, monkeypatch):
     """The tuned table is found under the running triton's version; SGLang's own tables for every other
     shape and version stay where its lookup expects them."""
@@ -77,7 +68,8 @@ def test_sglang_reads_the_tuned_table_from_the_merged_folder(tmp_path, monkeypat
              256: {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
                    "num_stages": 4}}
     tuned = tmp_path / "tuned"
-    path = mt.write_table(str(tuned), triton.__version__, mt.table_name(SHAPE, "NVIDIA H200", fp8=True), table)
+    path = mt.write_table(str(tuned), triton.__version__, mt.table_name(SHAPE, fp8=True), table)
+    assert os.path.basename(path) == "E=128,N=768,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128].json"
     assert os.path.basename(os.path.dirname(path)) == "triton_" + triton.__version__.replace(".", "_")
     merged = mt.merged_config_dir(str(tuned), str(tmp_path / "merged"))
 
