@@ -255,17 +255,14 @@ class Engine:
             cmd += ["--config", self.secrets.path]  # the keys file: --api-key, --admin-api-key
         return cmd + server_args_to_cli(self.server_args)
 
-    def start(self) -> "Engine":
-        if self.proc is not None:
-            raise RuntimeError(f"{self.name} already started")
-        if self.secrets is None:
-            self.secrets = ensure_run_secrets()
-        os.makedirs(self.log_dir, exist_ok=True)
+    def environment(self) -> dict[str, str]:
+        """The server's environment before the caller's ``env`` and the start's own variables: CPU or GPU
+        mode's, with mrl's SGLang patches; on GPUs with tuned fused-MoE tables, a folder of them merged
+        with SGLang's own beside the log (``SGLANG_MOE_CONFIG_DIR``)."""
         if self.cpu_mode:
             env = cpu_mode.cpu_env(self.tp, cpus=self.cpus, batched_attention=self.cpu_batched_attention,
                                    threads=self.cpu_threads)
         else:
-            gpu_mode.check_gpu_stack()
             env = gpu_mode.gpu_env(compile_cache_dir=self.compile_cache_dir)
             if self.moe_kernel_configs:
                 from mrl.engine.moe_tuning import merged_config_dir
@@ -273,6 +270,17 @@ class Engine:
                 env["SGLANG_MOE_CONFIG_DIR"] = merged_config_dir(
                     os.path.expanduser(self.moe_kernel_configs), os.path.join(self.log_dir, f"{self.name}_moe_configs"))
         patches.engine_env(env)
+        return env
+
+    def start(self) -> "Engine":
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        if self.secrets is None:
+            self.secrets = ensure_run_secrets()
+        os.makedirs(self.log_dir, exist_ok=True)
+        if not self.cpu_mode:
+            gpu_mode.check_gpu_stack()
+        env = self.environment()
         # started from a trainer rank: torchrun's rendezvous variables would make the server's own
         # torch.distributed init join the trainer's store and hang there
         for k in [k for k in env if k in _TORCHRUN_VARS or k.startswith(("TORCHELASTIC_", "PET_"))]:
