@@ -1,7 +1,11 @@
 """SGLang GPU mode: what an unmodified SGLang server needs to run on a node's GPUs.
 
-- attention backend: FA3 when SGLang's kernel package ships it (``sgl_kernel/flash_ops*.so``), else
-  triton (no JIT step at start-up, unlike flashinfer). A bundle for a network-less host may leave FA3 out.
+- attention backend: triton unless ``rollout.attention_backend`` names another. SGLang itself takes FA3 on
+  Hopper, but SGLang 0.5.14's FA3 path crashed at start on an H200 (an illegal memory access in FA3's
+  split-KV combine kernel while the piecewise prefill CUDA graphs were captured; docs/gpu.md), while FA3's
+  kernels alone match torch's attention (``tests/gpu/fa3_check.py``). triton has no JIT step at start-up,
+  unlike flashinfer. ``fa3`` is refused where SGLang's kernel package lacks it (a network-less bundle may
+  leave its 1.8 GB out).
 - sampling backend: ``pytorch`` whenever Keep Sampling Mask rebuilds the engine's sampling support,
   since ``mrl.routing.sampling_mask`` reproduces that sampler (temperature, top-k, then top-p / min-p on
   the renormalised probabilities); flashinfer's fused sampler is kept otherwise.
@@ -52,8 +56,13 @@ def has_fa3() -> bool:
     return bool(d and glob.glob(os.path.join(d, "flash_ops*.so")))
 
 
-def attention_backend() -> str:
-    return "fa3" if has_fa3() else "triton"
+def attention_backend(asked: str | None = None) -> str:
+    """The ``--attention-backend`` of a GPU engine: ``asked`` (``rollout.attention_backend``) or triton."""
+    if asked == "fa3" and not has_fa3():
+        raise GPUStackError("rollout.attention_backend=fa3, but SGLang's kernel package has no FA3 library "
+                            "(sgl_kernel/flash_ops*.so): install the full sglang-kernel wheel, or add "
+                            "scripts/gpu/fetch_fa3.sh's parts to the offline stack")
+    return asked or "triton"
 
 
 def check_gpu_packages() -> None:

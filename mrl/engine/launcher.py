@@ -141,7 +141,7 @@ class Engine:
     mem_fraction_static: float | None = None
     """GPU: share of each GPU's memory for weights and KV cache (null: SGLang's own choice)."""
     attention_backend: str | None = None
-    """GPU: null = FA3 where SGLang's kernels ship it, else triton (``gpu_mode.attention_backend``)."""
+    """GPU: null = triton (``gpu_mode.attention_backend``: SGLang 0.5.14's FA3 path crashed at start)."""
     sampling_backend: str | None = None
     """GPU: SGLang ``--sampling-backend`` (null: SGLang's default, flashinfer)."""
     dtype: str | None = None
@@ -238,7 +238,7 @@ class Engine:
             cmd += cpu_mode.CPU_SERVER_ARGS
         else:
             cmd += ["--base-gpu-id", str(self.base_gpu_id),
-                    "--attention-backend", self.attention_backend or gpu_mode.attention_backend()]
+                    "--attention-backend", gpu_mode.attention_backend(self.attention_backend)]
             if self.mem_fraction_static is not None:
                 cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
             if self.sampling_backend:

@@ -101,9 +101,14 @@ def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path
         assert c[c.index("--mem-fraction-static") + 1] == "0.6" and "--max-total-tokens" not in c
         assert c[c.index("--dtype") + 1] == "bfloat16"  # the trainer's model.dtype
         assert "--sampling-backend" not in c
-    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: True)
+    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: True)  # FA3 installed: still triton unless asked for
     fixed = engines_from_config(_rollout(base_gpu_id=1).rollout, "/m", log_dir=str(tmp_path))[0].command()
-    assert fixed[fixed.index("--base-gpu-id") + 1] == "1" and fixed[fixed.index("--attention-backend") + 1] == "fa3"
+    assert fixed[fixed.index("--base-gpu-id") + 1] == "1" and fixed[fixed.index("--attention-backend") + 1] == "triton"
+    asked = engines_from_config(_rollout(attention_backend="fa3").rollout, "/m", log_dir=str(tmp_path))[0]
+    assert asked.command()[asked.command().index("--attention-backend") + 1] == "fa3"
+    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
+    with pytest.raises(gpu_mode.GPUStackError, match="attention_backend=fa3.*flash_ops"):
+        asked.command()
 
 
 def test_gpu_engines_sample_with_the_backend_the_mask_rebuilds():

@@ -70,7 +70,6 @@ def test_another_source_is_exported_again(ckpt_dir, tmp_path, counted):
 def test_job_engines_start_from_the_export(ckpt_dir, tmp_path, monkeypatch, counted):
     from mrl.engine import gpu_mode, launcher
 
-    monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
     monkeypatch.setattr(launcher.Engine, "start", lambda self: self)
     run = tmp_path / "run"
     cfg = compose(["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "rollout.num_engines=2",
