@@ -24,6 +24,9 @@ from _bench_common import GcTimes, HostLead, allocator_counts, gc_mode, profile_
 
 ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--no-router-fusion", action="store_true", help="as mrl runs (replay needs the unfused router)")
+ap.add_argument("--ce-fusion", choices=["off", "native", "te"], default="native",
+                help="megatron's cross-entropy fusion (cross_entropy_loss_fusion, cross_entropy_fusion_impl): "
+                     "native is the one Megatron-LM's argument checks accept")
 ap.add_argument("--phases", action="store_true", help="after the timing, two more steps with the schedule "
                 "(forward + backward) and the optimizer step each timed between device syncs")
 ap.add_argument("--profile", default=None, help="DIR: two more steps under the torch profiler (as the mrl side)")
@@ -65,7 +68,9 @@ dense = set(hf.get("mlp_only_layers") or [])
 step = hf.get("decoder_sparse_step", 1)
 fused = dict(apply_rope_fusion=te, bias_activation_fusion=te, bias_dropout_fusion=te, masked_softmax_fusion=te,
              moe_permute_fusion=te, moe_router_fusion=te and not a.no_router_fusion, persist_layer_norm=False,
-             gradient_accumulation_fusion=False)  # needs apex's CUDA extension (absent)
+             gradient_accumulation_fusion=False,  # needs apex's CUDA extension (absent)
+             cross_entropy_loss_fusion=a.ce_fusion != "off",
+             cross_entropy_fusion_impl="te" if a.ce_fusion == "te" else "native")
 dtype = torch.bfloat16 if cuda else torch.float32
 cfg = TransformerConfig(
     num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],

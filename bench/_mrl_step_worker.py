@@ -20,6 +20,7 @@ import torch
 from _bench_common import (GcTimes, HostLead, allocator_counts, gc_mode, profile_steps, record_routes,
                            step_worker_args, timed)
 from mrl.config.schema import Config, DType, GroupedGemm, ModelConfig, ParallelConfig, TrainConfig
+from mrl._compat.te import parallel_cross_entropy
 from mrl.megatron import compat
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
@@ -29,6 +30,8 @@ ap = step_worker_args(argparse.ArgumentParser())
 ap.add_argument("--packing", choices=["on", "off"], default="on")
 ap.add_argument("--fused-router-replay", choices=["on", "off"], default="off",
                 help="train.fused_router_replay: replay through TE's fused router kernels")
+ap.add_argument("--fused-logprob", choices=["on", "off"], default="on",
+                help="train.fused_logprob: token logprobs with TE's fused cross-entropy kernel")
 ap.add_argument("--profile", default=None)
 ap.add_argument("--phases", action="store_true",
                 help="after the timing, two more steps with each phase of rl_step timed between device syncs")
@@ -47,7 +50,8 @@ cfg = Config(model=ModelConfig(hf_path=a.hf, dtype=DType.bf16 if compat.HAS_CUDA
              train=TrainConfig(micro_batch_size=a.micro_batch_size, replay=True, packing=a.packing == "on",
                                optimizer_states_dtype=DType(a.optimizer_states),
                                grouped_gemm=GROUPED_GEMM,
-                               fused_router_replay=a.fused_router_replay == "on"))
+                               fused_router_replay=a.fused_router_replay == "on",
+                               fused_logprob=a.fused_logprob == "on"))
 layout = init_parallel(pcfg, seed=cfg.seed)
 policy = Policy(cfg, layout, a.hf)
 codec, V = policy.codec, policy.bridge.vocab_size
@@ -187,6 +191,7 @@ if layout.world_rank == 0:
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None,
                "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
                "fused_router_replay": cfg.train.fused_router_replay,
+               "fused_logprob": cfg.train.fused_logprob and parallel_cross_entropy() is not None,
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},

@@ -161,6 +161,10 @@ def main() -> None:
     ap.add_argument("--fused-router-replay", choices=["on", "off"], default="off",
                     help="mrl side: routing replay through TE's fused router kernels (train.fused_router_replay; "
                          "GPU with Transformer Engine only)")
+    ap.add_argument("--fused-logprob", choices=["on", "off"], default="on",
+                    help="mrl side: token logprobs with TE's fused cross-entropy kernel (train.fused_logprob)")
+    ap.add_argument("--ce-fusion", choices=["off", "native", "te"], default="native",
+                    help="the baseline's cross-entropy fusion (megatron's cross_entropy_loss_fusion and its impl)")
     ap.add_argument("--grouped-gemm", choices=["cublas", "cutlass"], default="cublas",
                     help="TE's grouped GEMM on Hopper, both sides: one cuBLAS GEMM per expert (TE's default) or "
                          "one CUTLASS grouped kernel for all of them (NVTE_USE_CUTLASS_GROUPED_GEMM=1)")
@@ -208,13 +212,14 @@ def main() -> None:
                 if side == "megatron":
                     nofuse = ["--no-router-fusion"] if a.router_fusion == "off" else []
                     prof = a.profile and r == 0 and not runs
-                    args = [*common, *extra, "--out", out, *nofuse, *(["--phases"] if a.phases else []),
+                    args = [*common, *extra, "--out", out, *nofuse, "--ce-fusion", a.ce_fusion,
+                            *(["--phases"] if a.phases else []),
                             *(["--profile", os.path.join(tmp, "profile")] if prof else [])]
                     torchrun(nproc, "_megatron_step_worker.py", args)
                 else:
                     prof = a.profile and r == 0 and len(runs) == 1
                     args = [*common, *extra, "--packing", a.packing, "--out", out,
-                            "--fused-router-replay", a.fused_router_replay,
+                            "--fused-router-replay", a.fused_router_replay, "--fused-logprob", a.fused_logprob,
                             *(["--profile", os.path.join(tmp, "profile")] if prof else []),
                             *(["--phases"] if a.phases else [])]
                     torchrun(nproc, "_mrl_step_worker.py", args)
@@ -269,7 +274,8 @@ def main() -> None:
           "seq": a.seq, "micro_batches": a.micro_batches,
           "micro_batch_size": a.micro_batch_size, "reps": a.reps, "warmup": a.warmup, "rounds": a.rounds,
           "optimizer_states": a.optimizer_states, "packing": a.packing, "router_fusion": a.router_fusion,
-          "fused_router_replay": a.fused_router_replay, "host_lead": a.host_lead,
+          "fused_router_replay": a.fused_router_replay, "fused_logprob": a.fused_logprob, "ce_fusion": a.ce_fusion,
+          "host_lead": a.host_lead,
           "statistic": "median of per-pair ratios (ABBA)",
           "grouped_gemm": a.grouped_gemm, "gc": a.gc, "checkpoint_s": checkpoint_s,
           "model_flops_per_token": flops_tok, "peak_bf16_tflops": peak,

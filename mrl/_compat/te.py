@@ -12,6 +12,20 @@ except Exception:  # ImportError, or a TE build that does not match the CUDA/tor
     HAVE_TE = False
 
 
+def parallel_cross_entropy():
+    """TE's fused cross entropy (``transformer_engine.pytorch.parallel_cross_entropy``: triton kernels, one
+    pass over bf16 logits in fp32 arithmetic, the TP shards' statistics all-gathered), or None without TE
+    or where TE's version lacks ``overwrite_input`` (the gradient written into the logits' own buffer)."""
+    if not HAVE_TE:
+        return None
+    import inspect
+
+    from transformer_engine.pytorch import cross_entropy
+
+    fn = getattr(cross_entropy, "parallel_cross_entropy", None)
+    return fn if fn is not None and "overwrite_input" in inspect.signature(fn).parameters else None
+
+
 def trainer_spec() -> str:
     """The megatron layer spec this process trains with (the run's summary.json records it)."""
     return "transformer_engine" if HAVE_TE else "local"

@@ -88,6 +88,11 @@ class TrainConfig:
     """Replay through Transformer Engine's fused router kernels (the engine's experts masked in, TE's
     fused top-k and score kernels) instead of megatron's unfused replay path; same values. GPU with
     TE only (refused elsewhere); no auxiliary losses or token dropping. Off until measured on GPUs."""
+    fused_logprob: bool = True
+    """Token logprobs with Transformer Engine's fused cross-entropy kernel on GPUs with TE (one pass over
+    the bf16 logits, the gradient written into their buffer) instead of mrl's fp32 path, which keeps an
+    fp32 copy of the logits for backward; same values up to fp32 rounding. Vocabulary shards with
+    padding columns (TP where the padded vocabulary differs) and CPU runs take the fp32 path."""
     bad_routes: BadRoutes = BadRoutes.error
     """A sample whose routes are missing or mis-sized: never trained with wrong routing."""
     packing: bool = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mrl._compat.te import parallel_cross_entropy
 from mrl.megatron.parallel import GroupInfo, Layout
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -88,11 +89,30 @@ class _VocabParallelLogprob(torch.autograd.Function):
         return g.to(ctx.in_dtype), None, None, None, None
 
 
+_IGNORE = -100  # a target TE's kernel skips: the last position predicts nothing
+
+
+def _fused_cross_entropy(logits: torch.Tensor):
+    """TE's fused cross entropy where it runs (CUDA tensors, TE installed), else None."""
+    return parallel_cross_entropy() if logits.is_cuda else None
+
+
 def vocab_parallel_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int,
-                                  tp: GroupInfo) -> torch.Tensor:
+                                  tp: GroupInfo, fused: bool = True) -> torch.Tensor:
     """``token_logprobs`` from this TP rank's vocab-parallel logits ``[B, S, V_padded / tp]`` (the model's
     output without ``runtime_gather_output``): log p(input_ids[:, t+1] | <= t), [B, S-1], over the real
-    vocabulary only; equal to ``token_logprobs`` of the gathered logits up to fp32 rounding."""
+    vocabulary only; equal to ``token_logprobs`` of the gathered logits up to fp32 rounding.
+
+    ``fused`` on a GPU with Transformer Engine and unpadded vocabulary shards: TE's fused cross entropy on
+    the whole ``logits`` (the last position's target ignored), which reads the bf16 logits once and, in
+    backward, writes the gradient into their buffer, where the fp32 path below keeps an fp32 copy of
+    them (4 bytes a logit) for backward and passes over it several times. ``logits`` must not be read
+    after backward starts. Padding columns would enter TE's softmax: those shards take the fp32 path."""
     group = tp.group if tp.size > 1 else None
+    ce = _fused_cross_entropy(logits) if fused else None
+    if ce is not None and logits.shape[-1] * tp.size == vocab_size and logits.is_contiguous():
+        target = torch.roll(input_ids, -1, dims=1).long()
+        target[:, -1] = _IGNORE
+        return ce(logits, target, 0.0, False, group, _IGNORE, overwrite_input=True)[:, :-1].neg()
     return _VocabParallelLogprob.apply(logits[:, :-1], input_ids[:, 1:], tp.rank * logits.shape[-1], vocab_size,
                                        group)

@@ -116,6 +116,7 @@ class Policy:
         if compat.HAS_CUDA and not HAVE_TE:
             warnings.warn(LOCAL_SPEC_ON_GPU)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.fused_logprob = cfg.train.fused_logprob
         self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 else None
         """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
         self.collector = StepCollector(freeze=t.gc_freeze, interval=t.gc_interval)
@@ -252,7 +253,7 @@ class Policy:
             with self.reference.swapped_in(self.module):
                 ref = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                        forward_only=True, driver=driver, support=self.support_spec,
-                                       temperature=self.temperature)
+                                       temperature=self.temperature, fused_logprob=self.fused_logprob)
             for mb, o in zip(mbs, ref):
                 mb.data["ref"] = o["logprobs"]
 
@@ -272,7 +273,8 @@ class Policy:
         self.optimizer.zero_grad()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                 loss_fn=loss_fn, driver=driver, loss_scale=float(self.layout.dp.size),
-                                support=self.support_spec, temperature=self.temperature)
+                                support=self.support_spec, temperature=self.temperature,
+                                fused_logprob=self.fused_logprob)
         stepped = self._step_if_finite(outs)
         if stepped is None:  # no update, no scheduler step (as megatron skips an overflow)
             return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
@@ -302,7 +304,7 @@ class Policy:
         self.record.recorded.clear()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
                                 forward_only=True, driver=self.record, support=self.support_spec,
-                                temperature=self.temperature)
+                                temperature=self.temperature, fused_logprob=self.fused_logprob)
         rates = []
         for mb, rec in zip(mbs, self.record.recorded):
             want = self.record.slice.tokens(mb.routes)  # [T_local, L_local, K] in router order
@@ -347,7 +349,7 @@ class Policy:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size, loss_fn=loss_fn,
-                                loss_scale=float(self.layout.dp.size))
+                                loss_scale=float(self.layout.dp.size), fused_logprob=self.fused_logprob)
         if self._step_if_finite(outs) is None:
             return float("nan")
         return self._reduce({"nll": _mean([float(o["nll"]) for o in outs])} if outs else {}).get("nll", 0.0)

@@ -65,7 +65,8 @@ def _model_inputs(mb: MicroBatch) -> dict[str, Any]:
 
 
 def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: SupportSpec | None,
-              temperature: float = 1.0, tp: GroupInfo | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              temperature: float = 1.0, tp: GroupInfo | None = None,
+              fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-sample logprobs [n, T-1] and, under a sampling support, where the token lies outside it.
     ``logits``: vocab-parallel over ``tp`` (None: full), gathered when the micro-batch has a support.
     ``temperature``: the engine samples (and reports logprobs) from softmax(logits / T)."""
@@ -73,7 +74,7 @@ def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: Su
     outside = None
     if mb.support is None:
         lp = vocab_parallel_token_logprobs(logits if temperature == 1.0 else logits / temperature, ids, vocab_size,
-                                           tp or GroupInfo(None, 0, 1))
+                                           tp or GroupInfo(None, 0, 1), fused=fused)
     else:
         if support is None:
             raise ValueError("micro-batch carries a sampling support but forward_backward got no SupportSpec")
@@ -88,7 +89,8 @@ def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: Su
 def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatch], *, vocab_size: int,
                      loss_fn: LossFn | None = None, driver: ReplayDriver | None = None,
                      forward_only: bool = False, loss_scale: float = 1.0,
-                     support: SupportSpec | None = None, temperature: float = 1.0) -> list[dict[str, Any]]:
+                     support: SupportSpec | None = None, temperature: float = 1.0,
+                     fused_logprob: bool = True) -> list[dict[str, Any]]:
     """One pass over ``mbs`` (megatron's 1F1B schedule when PP > 1). Returns, on the last stage, one
     dict per micro-batch: ``logprobs`` [n, T-1] (detached, one row per sample) plus the loss_fn metrics;
     [] elsewhere.
@@ -97,7 +99,8 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
     micro-batches is undone here, so callers pass globally normalized losses. With ``support`` and
     ``on_outside="drop"``, tokens outside their support are taken out of ``data["mask"]`` before
     ``loss_fn`` sees it (metric ``outside_support_tokens``). ``temperature``: logprobs of softmax(logits / T),
-    the distribution the engine sampled from (a sampling support carries its own)."""
+    the distribution the engine sampled from (a sampling support carries its own). ``fused_logprob``:
+    ``train.fused_logprob`` (``vocab_parallel_token_logprobs``)."""
     if temperature <= 0:
         raise ValueError(f"temperature {temperature}: RL samples need a temperature > 0")
     if layout.config.cp > 1:
@@ -120,7 +123,7 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
             out = driver.after_forward(out)
 
         def loss_func(logits):
-            lp, outside = _logprobs(logits, mb, vocab_size, support, temperature, layout.tp)
+            lp, outside = _logprobs(logits, mb, vocab_size, support, temperature, layout.tp, fused_logprob)
             extra: dict[str, Any] = {}
             batch = mb
             if outside is not None:

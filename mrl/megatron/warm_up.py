@@ -50,7 +50,8 @@ def warm_up(policy) -> None:
     policy.model.zero_grad_buffer()
     try:
         forward_backward(policy.model, layout, mbs[:1], vocab_size=vocab, loss_fn=loss_fn,
-                         loss_scale=float(layout.dp.size), temperature=policy.temperature)
+                         loss_scale=float(layout.dp.size), temperature=policy.temperature,
+                         fused_logprob=policy.fused_logprob)
     finally:
         with torch.no_grad():
             for name, b in policy.module.named_buffers():
