@@ -240,6 +240,14 @@ def moe_kernel_tune(d):
     return out
 
 
+def logprob_kernel(d):
+    m, peak = d["median_s"], d["peak_gib_over_logits"]
+    return [f"{'x'.join(map(str, d['shape']))} bf16 logits, forward + backward: **TE fused {m['fused'] * 1e3:.2f} ms, "
+            f"fp32 path {m['fp32'] * 1e3:.2f} ms ({d['fp32_vs_fused_time']:.1f}x)**",
+            f"memory over the logits: fused {peak['fused']:.3f} GiB, fp32 {peak['fp32']:.1f} GiB",
+            f"max |logprob diff| {d['lp_max_abs_diff']:.1e}, max |grad diff| {d['grad_max_abs_diff']:.1e}"]
+
+
 def fp8_quant(d):
     cases = d.get("cases", {})
     equal = sum(c["codes_equal"] and c["scales_equal"] for c in cases.values())
@@ -436,6 +444,7 @@ EXTRACTORS = {
     "preflight_timing": preflight_timing, "fp8_quant": fp8_quant, "loop_e2e_trainer_start": trainer_start,
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
+    "logprob_kernel": logprob_kernel,
 }
 
 
