@@ -191,7 +191,9 @@ if layout.world_rank == 0:
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if compat.HAS_CUDA else None,
                "spec": "transformer_engine" if policy.tcfg.moe_grouped_gemm else "local",
                "fused_router_replay": cfg.train.fused_router_replay,
-               "fused_logprob": cfg.train.fused_logprob and parallel_cross_entropy() is not None,
+               # TE's kernel where it ran: TE present and no padding columns in the vocabulary shards
+               "fused_logprob": bool(cfg.train.fused_logprob and parallel_cross_entropy() is not None
+                                     and policy.bridge.padded_vocab(cfg.model.vocab_divisible_by, a.tp) == V),
                "fusions": {k: getattr(policy.tcfg, k) for k in ("apply_rope_fusion", "bias_activation_fusion",
                                                                  "moe_permute_fusion", "moe_router_fusion",
                                                                  "gradient_accumulation_fusion")},
