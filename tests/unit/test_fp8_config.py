@@ -47,9 +47,7 @@ def test_refusals_name_the_field(overrides, message):
         compose(overrides)
 
 
-def test_fp8_gpu_engines_are_accepted_and_get_the_flags(monkeypatch):
-    from mrl.engine import gpu_mode
-
+def test_fp8_gpu_engines_are_accepted_and_get_the_flags():
     cfg = compose(["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8"])
     (engine,) = engines_from_config(cfg.rollout, "/run/fp8_model", log_dir="/tmp", names=["e0"])
     cmd = engine.command()

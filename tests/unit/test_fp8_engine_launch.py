@@ -68,7 +68,7 @@ def test_another_source_is_exported_again(ckpt_dir, tmp_path, counted):
 
 
 def test_job_engines_start_from_the_export(ckpt_dir, tmp_path, monkeypatch, counted):
-    from mrl.engine import gpu_mode, launcher
+    from mrl.engine import launcher
 
     monkeypatch.setattr(launcher.Engine, "start", lambda self: self)
     run = tmp_path / "run"
