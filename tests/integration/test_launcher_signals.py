@@ -29,9 +29,17 @@ except Terminated as e:
 """
 
 
+def _default_sigint() -> None:
+    # A suite started as a background job of a non-interactive shell (`make test &`) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: the launcher would rightly ignore the
+    # SIGINT this test sends. A user's launcher in a terminal has the default disposition; so does this one.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=_default_sigint)
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("ready.*"))) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
