@@ -1,6 +1,7 @@
 """Transformer Engine: optional (GPU only). ``HAVE_TE`` tells whether megatron's TE spec can be used."""
 
 import contextlib
+import functools
 import types
 
 try:  # TE is never required; CPU boxes and CI do not have it
@@ -12,6 +13,7 @@ except Exception:  # ImportError, or a TE build that does not match the CUDA/tor
     HAVE_TE = False
 
 
+@functools.cache  # looked up once: every micro-batch's loss asks
 def parallel_cross_entropy():
     """TE's fused cross entropy (``transformer_engine.pytorch.parallel_cross_entropy``: triton kernels, one
     pass over bf16 logits in fp32 arithmetic, the TP shards' statistics all-gathered), or None without TE

@@ -141,7 +141,7 @@ class Engine:
     mem_fraction_static: float | None = None
     """GPU: share of each GPU's memory for weights and KV cache (null: SGLang's own choice)."""
     attention_backend: str | None = None
-    """GPU: null = triton (``gpu_mode.attention_backend``: SGLang 0.5.14's FA3 path crashed at start)."""
+    """GPU: null = triton (``gpu_mode.attention_backend``)."""
     sampling_backend: str | None = None
     """GPU: SGLang ``--sampling-backend`` (null: SGLang's default, flashinfer)."""
     dtype: str | None = None
