@@ -412,6 +412,7 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
 
         env["PYTHONPATH"] = f"{extra_path}:{gpu_mode.gpu_env()['PYTHONPATH']}"  # mrl's shim stays on it
     env |= {str(k): str(v) for k, v in extra_env.items()}
+    env |= dict(kv.split("=", 1) for kv in a.engine_env)
     return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
                   max_running_requests=max(a.batches + [a.replay_samples]),
                   max_total_tokens=8192 if a.cpu else a.max_total_tokens,
@@ -606,10 +607,15 @@ def main() -> int:
     ap.add_argument("--ckpt-root", default=None, help="where the random checkpoint is made or found (default: --out)")
     ap.add_argument("--remove-checkpoints", action="store_true",
                     help="delete the random checkpoint and its FP8 export when the run ends")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="more environment for every engine this run starts, e.g. MRL_LOAD_STREAM=0 (a batched "
+                         "update's copies on the receiving stream: the baseline for mrl's load stream)")
     ap.add_argument("--load-weights", action="store_true",
                     help="the engine loads every weight bucket through the model's load_weights (MRL_REPLAYED_LOAD=0): "
                          "the baseline for mrl's replayed loads")
     a = ap.parse_args()
+    if any("=" not in kv for kv in a.engine_env):
+        ap.error(f"--engine-env takes KEY=VALUE: got {a.engine_env}")
     if a.py_spy and not shutil.which(a.py_spy_bin):
         ap.error(f"--py-spy: no py-spy at {a.py_spy_bin!r} (give --py-spy-bin)")
     os.makedirs(a.out, exist_ok=True)

@@ -33,6 +33,7 @@ CUDA IPC updates (``update_weights_from_tensor``) get the same loads for a bucke
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -44,6 +45,8 @@ COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
 ROUTES_MODULE = "sglang.srt.state_capturer.routed_experts"
 REPLAYED_LOAD_ENV = "MRL_REPLAYED_LOAD"
 RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
+LOAD_STREAM_ENV = "MRL_LOAD_STREAM"
+"""``0``: a batched update's copies run on the receiving stream, after each receive (for comparisons)."""
 REPLAYED_LOAD_MARK = "mrl: bucket layout replayed as copies"
 """Printed to the engine's log with the plan's size when a bucket layout's load was recorded."""
 COMPACT_ROUTES_MARK = "mrl: routes leave the scheduler in the smallest integer type (mrl.engine.patches)"
@@ -261,8 +264,9 @@ class _Stats:
         self.mark(b, None)
         return b
 
-    def mark(self, b: dict | None, phase: str | None) -> None:
-        """Host seconds since the previous mark, as ``{phase}_s``; on CUDA an event too (device seconds)."""
+    def mark(self, b: dict | None, phase: str | None, stream=None) -> None:
+        """Host seconds since the previous mark, as ``{phase}_s``; on CUDA an event too (device seconds), on
+        ``stream`` (default: the current one)."""
         if b is None:
             return
         now = time.perf_counter()
@@ -273,7 +277,7 @@ class _Stats:
             import torch
 
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(stream)
             b["_ev"].append((phase, ev))
 
     def write(self) -> None:
@@ -356,29 +360,52 @@ def _receive_batch(runner, names, dtypes, shapes, layout_json: str, stats: _Stat
     stats = stats or _Stats(runner, None)
     first, at = None, 0
     done = collections.deque()  # GPU: an event after each queued bucket's load
-    for i, (group, n) in enumerate(layout):
-        part = slice(at, at + n)
-        at += n
-        b = stats.start(group, dtypes[part], shapes[part])
-        if len(done) >= _BUCKETS_IN_FLIGHT:  # the host runs ahead of the GPU: bound the receive buffers it holds
-            done.popleft().synchronize()
-        stats.mark(b, "wait_free")
-        try:
-            flat = _receive(runner, dtypes[part], shapes[part], group)
-        except Exception as e:
-            return False, _partial(RuntimeError(f"bucket {i} over {group}: {e}"))
-        stats.mark(b, "receive")
-        try:
-            _load(runner, flat, names[part], dtypes[part], shapes[part], group, b)
-        except Exception as e:
-            first = first or RuntimeError(f"bucket {i} over {group}: {e}")
-        stats.mark(b, "load")
-        if isinstance(flat, torch.Tensor) and flat.is_cuda:
-            done.append(torch.cuda.Event())
-            done[-1].record()
+    loads = _load_stream(runner)
+    try:
+        for i, (group, n) in enumerate(layout):
+            part = slice(at, at + n)
+            at += n
+            b = stats.start(group, dtypes[part], shapes[part])
+            if len(done) >= _BUCKETS_IN_FLIGHT:  # the host runs ahead of the GPU: bound the receive buffers
+                done.popleft().synchronize()
+            stats.mark(b, "wait_free")
+            try:
+                flat = _receive(runner, dtypes[part], shapes[part], group)
+            except Exception as e:
+                return False, _partial(RuntimeError(f"bucket {i} over {group}: {e}"))
+            stats.mark(b, "receive")
+            if loads is not None:  # the copies wait for this receive only, and the next receive not for them
+                loads.wait_stream(torch.cuda.current_stream(flat.device))
+                flat.record_stream(loads)
+            try:
+                with torch.cuda.stream(loads) if loads is not None else contextlib.nullcontext():
+                    _load(runner, flat, names[part], dtypes[part], shapes[part], group, b)
+            except Exception as e:
+                first = first or RuntimeError(f"bucket {i} over {group}: {e}")
+            stats.mark(b, "load", loads)
+            if loads is not None:
+                done.append(loads.record_event())
+    finally:
+        if loads is not None:  # what runs after the update (SGLang's forwards) is ordered after every copy
+            torch.cuda.current_stream(loads.device).wait_stream(loads)
     if first is not None:
         return False, _partial(first)
     return True, f"Succeeded to update parameter online ({len(layout)} buckets in one request)."
+
+
+def _load_stream(runner):
+    """The CUDA stream a batched update's copies run on (None off CUDA, or with ``LOAD_STREAM_ENV=0``).
+    A process group's NCCL stream waits for the whole current stream before each collective, so copies
+    queued there would hold every receive after them until they finish: receive and load of a bucket would
+    take turns instead of the next bucket arriving while this one is copied."""
+    import torch
+
+    if os.environ.get(LOAD_STREAM_ENV) == "0" or not str(getattr(runner, "device", "cpu")).startswith("cuda"):
+        return None
+    stream = runner.__dict__.get("_mrl_load_stream")
+    if stream is None:
+        stream = runner.__dict__["_mrl_load_stream"] = torch.cuda.Stream(torch.cuda.current_device())
+    return stream
 
 
 def _receive(runner, dtypes, shapes, group_name):

@@ -259,13 +259,14 @@ def test_an_engine_variant_sets_the_attention_backend_once(tmp_path):
 
     a = types.SimpleNamespace(routes_int32=False, load_weights=False, sync_profile=False, cpu=False, out=str(tmp_path),
                               batches=[64, 256], replay_samples=32, max_total_tokens=262144, mem_fraction=0.85,
-                              engine_tp=1)
+                              engine_tp=1, engine_env=["MRL_LOAD_STREAM=0", "X=a=b"])
     e = gpu_loop._engine(a, str(tmp_path), "fi_engine", True, "0",
                          server_args={"attention_backend": "flashinfer", "moe_kernel_configs": str(tmp_path)})
     cmd = e.command()
     assert e.moe_kernel_configs == str(tmp_path) and not any("moe-kernel" in c for c in cmd)  # an env, not a flag
     assert cmd.count("--attention-backend") == 1
     assert cmd[cmd.index("--attention-backend") + 1] == "flashinfer"
+    assert e.env["MRL_LOAD_STREAM"] == "0" and e.env["X"] == "a=b"  # --engine-env: split at the first '='
 
 
 def test_engine_profile_sums_kernels_by_what_they_compute(tmp_path):
