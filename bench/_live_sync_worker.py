@@ -7,7 +7,9 @@ The trainer side is mrl's real one: megatron model (any layout), params in megat
 training, ``EngineSync`` (pause, flush, streamed buckets over NCCL/gloo, version stamp, continue). The
 raw baseline broadcasts the same number of bytes as one buffer from trainer rank 0 to a plain torch
 process on the engine's device (``--engine-device``), over a group built the same way; sync and raw
-repetitions alternate after one warm-up of each. After the syncs: the engine's teacher-forced logprobs
+repetitions alternate after one warm-up of each. A receiver posts each broadcast only when the trainer is
+about to send (a line on its stdin): a receive posted early is a kernel that waits on the engine's GPU,
+beside the engine's own receives during the sync. After the syncs: the engine's teacher-forced logprobs
 of a probe against the trainer's, and a bitwise check of sampled tensors read back from the engine
 (SGLang's ``/weights_checker`` checksums per engine TP rank, against the trainer's export cut the
 way each rank holds it: ``bench/_engine_shards.py``; the first and last layer in full, experts
@@ -68,6 +70,7 @@ pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), store,
 _world.pg_group_ranks[pg] = {i: i for i in range(world)}
 buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
 for _ in range(reps):
+    sys.stdin.readline()  # posted only when the trainer sends: a pending receive would spin on the engine's GPU
     dist.broadcast(buf, src=0, group=pg)
     if backend == "nccl":
         torch.cuda.synchronize()
@@ -182,12 +185,24 @@ def _medians(rows: list[list[dict]]) -> dict:
     steps = []
     for i in range(min(len(r) for r in rows)):
         same = [r[i] for r in rows]
-        keys = [k for k in same[0] if isinstance(same[0][k], (int, float)) and not isinstance(same[0][k], bool)]
+        keys = [k for k in same[0] if isinstance(same[0][k], (int, float)) and not isinstance(same[0][k], bool)
+                and not k.endswith("_at")]  # wall-clock stamps: paired per sync (_request_latency), not pooled
         steps.append({k: v for k, v in same[0].items() if k not in keys} |
                      {k: statistics.median(x.get(k, 0.0) for x in same) for k in keys})
     phases = sorted({k for r in rows for x in r for k in x if k.endswith("_s")})
     totals = {k: statistics.median(sum(x.get(k, 0.0) for x in r) for r in rows) for k in phases}
     return {"syncs": len(rows), "per_sync_total_s": totals, "per_bucket": steps}
+
+
+def _request_latency(trainer: list[list[dict]], engine: list[dict]) -> dict:
+    """Per measured sync, seconds from the trainer's post of the bucket request to the engine's model runner
+    entering the update (same host, one wall clock): the request's way through SGLang's HTTP server,
+    tokenizer manager and scheduler, during which the trainer's first broadcast waits."""
+    posted = [rows[-1].get("posted_at") for rows in trainer if rows]
+    lat = [e["entered_at"] - p for p, e in zip(posted, engine) if p and "entered_at" in e]
+    if not lat or len(posted) != len(engine):  # unpaired (a per-bucket A/B run): nothing to say
+        return {}
+    return {"median": statistics.median(lat), "min": min(lat), "max": max(lat), "per_sync": lat}
 
 
 def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None:
@@ -216,10 +231,12 @@ def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None
         if not os.path.exists(path):
             engine[f"tp{r}"] = {"error": f"no {path}: was the engine started with MRL_SYNC_STATS_DIR={a.profile_dir}?"}
             continue
-        lines = [json.loads(x)["buckets"] for x in open(path)]
-        batched = [x for x in lines if len(x) > 1] or lines  # per-bucket A/B requests write one bucket a line
+        lines = [json.loads(x) for x in open(path)]
+        batched = [x for x in lines if len(x["buckets"]) > 1] or lines  # per-bucket A/B requests: a bucket a line
         ops = os.path.join(a.profile_dir, f"engine_tp{r}_ops.json")
-        engine[f"tp{r}"] = {"measured": _medians(batched[1:-1]), "profiled_update": batched[-1],
+        engine[f"tp{r}"] = {"measured": _medians([x["buckets"] for x in batched[1:-1]]),
+                            "profiled_update": batched[-1]["buckets"],
+                            "request_latency_s": _request_latency(measured, batched[1:-1]),
                             "top_ops": json.load(open(ops)) if os.path.exists(ops) else None}
     return {"dir": a.profile_dir, "trainer": box, "engine": engine}
 
@@ -287,7 +304,8 @@ def main() -> int:
         # one receiver per engine rank: the bytes every engine GPU receives in a sync
         devices = a.engine_device.split(",")
         receivers = [subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), name, str(nbytes),
-                                       str(a.reps + 1), d, str(i + 1), str(len(devices) + 1)])
+                                       str(a.reps + 1), d, str(i + 1), str(len(devices) + 1)],
+                                      stdin=subprocess.PIPE, text=True)
                      for i, d in enumerate(devices)]
         raw_pg = create_sender_group(master_address="127.0.0.1", master_port=port, world_size=len(devices) + 1,
                                      group_name=name, backend=compat.BACKEND)
@@ -302,6 +320,9 @@ def main() -> int:
                 raw_dst[:n].copy_(raw_buf[:n])
             torch.cuda.synchronize()
         elif rank0:
+            for r in receivers:  # the receivers post their broadcast now, not during the sync before
+                r.stdin.write("\n")
+                r.stdin.flush()
             dist.broadcast(raw_buf, src=0, group=raw_pg)
             if compat.HAS_CUDA:
                 torch.cuda.synchronize()

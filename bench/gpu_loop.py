@@ -476,6 +476,8 @@ def headline(report: dict, name: str) -> str:
         for rank, e in r.get("profile", {}).get("engine", {}).items():
             tot = e.get("measured", {}).get("per_sync_total_s", {})
             line += f"\n[sync] engine {rank} per sync: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tot.items()))
+            if e.get("request_latency_s"):
+                line += f"; request to runner {e['request_latency_s']['median']:.4f} s"
         return line
     return f"[{name}] {json.dumps(r)[:300]}"
 

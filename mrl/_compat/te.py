@@ -50,23 +50,45 @@ def te_linear_kinds() -> dict[type, str]:
 
 
 @contextlib.contextmanager
-def optimizer_states_by_reference(optimizer):
-    """While megatron builds a checkpoint's sharded state dict, TE's ``FusedAdam`` answers ``state_dict()``
-    as torch's optimizers do, with references to its states.
+def optimizer_states_for_checkpoint(optimizer, host="cpu"):
+    """While megatron builds a checkpoint's optimizer state (saving or loading) and loads one, TE's
+    ``FusedAdam`` never holds an fp32 copy of every state on the GPU at once.
 
-    megatron's ``DistributedOptimizer.state_dict`` keeps only the inner optimizer's param groups and drops
-    its states, but TE's ``FusedAdam.state_dict`` first copies every state to a new fp32 tensor on the GPU:
-    with bf16 states that is twice the model's size in fp32 at once, more than a full trainer GPU has left,
-    and the save fails with an out-of-memory error at the end of the run. The parameter states themselves
-    are written per parameter by megatron's sharded path, which reads each through TE's own accessors."""
+    - ``state_dict()`` answers as torch's optimizers do, with references: megatron's
+      ``DistributedOptimizer.state_dict`` keeps only the inner optimizer's param groups, but TE's first
+      copies every state to a new fp32 tensor on the GPU.
+    - ``get_unscaled_state`` answers a state kept in lower precision (bf16 moments) with a new fp32 tensor,
+      and megatron's per-rank format (``dp_reshardable``) collects one for every parameter before writing:
+      8 bytes per parameter, more than a trainer GPU has left, so the save failed with an out-of-memory
+      error at the end of a run. Each such copy moves to ``host`` at once; a state answered as itself (fp32,
+      the int16 remainders of bf16 master weights) stays where it is. The host holds those copies until
+      the checkpoint is written (or read).
+    - ``set_scaled_state`` gets a value read into such a host tensor on the state's own device (TE scales
+      and casts it there)."""
     import torch
 
     inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     fused = [o for o in inner if o is not None and hasattr(o, "get_unscaled_state")]
     for o in fused:
         o.state_dict = types.MethodType(torch.optim.Optimizer.state_dict, o)
+        get, put = o.get_unscaled_state, getattr(o, "set_scaled_state", None)
+
+        def get_unscaled_state(param, name, _o=o, _get=get):
+            value, kept = _get(param, name), _o.state[param][name]
+            if value.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr():
+                return value  # the state itself: no copy to move
+            return value.to(host)
+
+        def set_scaled_state(param, name, value, _o=o, _put=put):
+            kept = _o.state.get(param, {}).get(name)
+            return _put(param, name, value.to(kept.device if kept is not None else param.device))
+
+        o.get_unscaled_state = get_unscaled_state
+        if put is not None:
+            o.set_scaled_state = set_scaled_state
     try:
         yield
     finally:
         for o in fused:
-            del o.state_dict
+            for attr in ("state_dict", "get_unscaled_state", "set_scaled_state"):
+                vars(o).pop(attr, None)

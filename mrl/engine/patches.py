@@ -68,11 +68,12 @@ refill the buffer. Only engines whose answers to ``/update_weights_from_tensor``
 FLAT_TENSOR_MARK = "[mrl: flat tensor buckets]"
 
 SYNC_STATS_ENV = "MRL_SYNC_STATS_DIR"
-"""A directory (benchmarks): each weight update appends one JSON line to ``tp{rank}.jsonl`` there, per bucket
-the host seconds waiting for a free buffer, receiving and loading, the load's path and copy counts, and on
-GPUs the device seconds of the receive and of the load (CUDA events, read with one host sync after the
-update's last bucket). A file ``profile_next.tp{rank}`` there runs that rank's next update under
-``torch.profiler`` (trace and top ops written next to it, the file removed)."""
+"""A directory (benchmarks): each weight update appends one JSON line to ``tp{rank}.jsonl`` there: when the
+update reached the model runner (``entered_at``, wall clock) and per bucket the host seconds waiting for a
+free buffer, receiving and loading, the load's path and copy counts, and on GPUs the device seconds of the
+receive and of the load (CUDA events, read with one host sync after the update's last bucket). A file
+``profile_next.tp{rank}`` there runs that rank's next update under ``torch.profiler`` (trace and top ops
+written next to it, the file removed)."""
 
 
 class PatchOnImport:
@@ -252,6 +253,7 @@ class _Stats:
         self.dir, self.rank = out_dir, int(getattr(runner, "tp_rank", 0) or 0)
         self.cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
         self.buckets: list[dict] = []
+        self.entered_at = time.time()  # wall clock: against the trainer's post, the request's way in
 
     def start(self, group, dtypes, shapes) -> dict | None:
         """A new bucket's record (None when off); ``mark`` closes each of its phases."""
@@ -293,7 +295,7 @@ class _Stats:
                 b[f"gpu_{phase}_s"] = a.elapsed_time(z) / 1e3
             b.pop("_t")
         with open(os.path.join(self.dir, f"tp{self.rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"buckets": self.buckets}) + "\n")
+            f.write(json.dumps({"entered_at": self.entered_at, "buckets": self.buckets}) + "\n")
 
 
 class _observed:

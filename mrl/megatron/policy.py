@@ -8,7 +8,6 @@ file for RNG state.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import warnings
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.algo import compute_policy_loss
-from mrl._compat.te import HAVE_TE, optimizer_states_by_reference
+from mrl._compat.te import HAVE_TE, optimizer_states_for_checkpoint
 from mrl.config.schema import BadSupport, Config, DType
 from mrl.megatron import checkpoint_format, compat, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
@@ -412,16 +411,15 @@ class Policy:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                     opt._init_optimizer_states_with_dummy_values()
-        saving = contextlib.nullcontext() if is_loading else optimizer_states_by_reference(self.optimizer)
-        with saving:  # TE's FusedAdam would copy every optimizer state to fp32 on the GPU first
-            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                         metadata=checkpoint_format.metadata(fmt))
+        optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                     metadata=checkpoint_format.metadata(fmt))
         return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         fmt = self.cfg.train.optimizer_checkpoint
-        sd = self._sharded(False, fmt)
+        with optimizer_states_for_checkpoint(self.optimizer):  # TE's FusedAdam: no fp32 copies on the GPU
+            sd = self._sharded(False, fmt)
         compat.checkpoint_writes_in_process()
         dist_checkpointing.save(sd, path)
         name, keys, pos, has_gauss, gauss = np.random.get_state()  # its key array as a tensor: weights_only loads it
@@ -456,15 +454,16 @@ class Policy:
     def load(self, path: str) -> None:
         fmt = checkpoint_format.read_format(path, self.layout.config)  # refuses a layout it cannot serve
         self._check_checkpoint(path, fmt)
-        state = dist_checkpointing.load(self._sharded(True, fmt), path)
-        if self.lora is None:
-            self.module.load_state_dict(state["model"])
-        else:
-            missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
-            if unexpected or [k for k in missing if is_adapter_key(k)]:
-                raise RuntimeError(f"{path}: adapter state does not match the model: unexpected {unexpected[:4]}, "
-                                   f"missing {[k for k in missing if is_adapter_key(k)][:4]}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        with optimizer_states_for_checkpoint(self.optimizer):  # read into host copies, scaled back on the GPU
+            state = dist_checkpointing.load(self._sharded(True, fmt), path)
+            if self.lora is None:
+                self.module.load_state_dict(state["model"])
+            else:
+                missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
+                if unexpected or [k for k in missing if is_adapter_key(k)]:
+                    raise RuntimeError(f"{path}: adapter state does not match the model: unexpected "
+                                       f"{unexpected[:4]}, missing {[k for k in missing if is_adapter_key(k)][:4]}")
+            self.optimizer.load_state_dict(state["optimizer"])
         rng = torch.load(os.path.join(path, f"rng_rank{self.layout.world_rank}.pt"), weights_only=True)
         random.setstate(rng["python"])
         name, keys, pos, has_gauss, gauss = rng["numpy"]

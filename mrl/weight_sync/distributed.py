@@ -90,7 +90,9 @@ class DistributedWeightSync:
         to every engine (comparisons)."""
         self._clients = [EngineClient(e) for e in engines] if self.is_controller else []
         self.timings: list[list[dict]] | None = None
-        """A list (benchmarks): each push appends this rank's host seconds per bucket step (``_timed``)."""
+        """A list (benchmarks): each push appends this rank's host seconds per bucket step (``_timed``), and on
+        the controller, in its last row, ``posted_at``: when the bucket requests left (``time.time()``)."""
+        self.posted_at = 0.0
 
     def _replan(self, plan: SyncPlan) -> None:
         self.plan = plan
@@ -296,6 +298,7 @@ class DistributedWeightSync:
             for url, err in errs.items():
                 failed.setdefault(url, err)
             clock.mark("engine_answers")
+            clock.note(posted_at=self.posted_at)
         failed = union_failures(self.layout, failed)
         broken = bool(failed) and any_rank(self.layout, self.broken)  # only then a collective: ranks agree on failed
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
@@ -374,6 +377,7 @@ class DistributedWeightSync:
             if missing:  # an unknown group kills the 0.5.10 scheduler: send nothing
                 return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client")), False
             one = self.batch_requests and groups <= client.batched_groups
+            self.posted_at = time.time()  # wall clock, for the engine's side of the same sync (benchmarks)
             answers = await post_pipelined(client.url, ep, [batched] if one else bodies,
                                            timeout=client.timeouts.weight_update,
                                            connect_timeout=client.timeouts.connect,
@@ -418,6 +422,10 @@ class _timed:
             now = time.perf_counter()
             self.row[f"{phase}_s"] = now - self.t
             self.t = now
+
+    def note(self, **values) -> None:
+        if self.rows is not None:
+            self.row.update(values)
 
 
 def _check_answer(url: str, ep: str, answer) -> str:
