@@ -433,6 +433,12 @@ def mismatch_split(d):
     return out
 
 
+def update_request_latency(d):
+    s = d["summary"]
+    return [f"{k}: {d['body_bytes'][k] / 1000:.1f} kB, round trip {1e3 * v['median_s']:.2f} ms "
+            f"(p25-p75 {1e3 * v['p25_s']:.2f}-{1e3 * v['p75_s']:.2f})" for k, v in s.items()]
+
+
 def sync_profile(d):
     out = []
     for name, r in d["runs"].items():
@@ -458,6 +464,7 @@ EXTRACTORS = {
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
     "logprob_kernel": logprob_kernel, "gpu_loop_sync_profile": sync_profile,
+    "update_request_latency": update_request_latency,
 }
 
 

@@ -38,7 +38,8 @@ import functools
 import json
 import os
 import sys
-import time
+
+from mrl.engine.update_stats import SYNC_STATS_ENV, Stats, observed  # noqa: F401  SYNC_STATS_ENV: read here
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
@@ -58,6 +59,13 @@ sync, in the senders' global order: the prefix is followed by the JSON list ``[[
 engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (this patch) read it;
 others get one request per bucket."""
 BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
+KEEPS_LAYOUTS_MARK = "[mrl: kept layouts]"
+"""In the ``/init_weights_update_group`` answer: the engine keeps a batched request's tensor lists by key.
+A trainer then sends ``{"key": K, "layout": [...]}`` after the prefix with the lists once; the answer carries
+``LAYOUT_KEPT_MARK`` + K + ``]``, and later syncs send ``{"key": K}`` with empty lists: a few hundred bytes
+instead of every tensor's name, dtype and shape through SGLang's HTTP server, tokenizer manager and
+scheduler before the first receive is posted."""
+LAYOUT_KEPT_MARK = "[mrl: layout kept "
 FLAT_TENSOR_FORMAT = "mrl_flat:"
 """``load_format`` prefix of an ``/update_weights_from_tensor`` request (CUDA IPC) whose one tensor is a
 whole bucket's flat uint8 buffer, laid out as a ``flattened_bucket`` broadcast; the prefix is followed by
@@ -66,15 +74,6 @@ copies from the second sync of a layout on) and answers once its copies are done
 refill the buffer. Only engines whose answers to ``/update_weights_from_tensor`` carry ``FLAT_TENSOR_MARK``
 (this patch) get it: SGLang itself fails on an unknown ``load_format``."""
 FLAT_TENSOR_MARK = "[mrl: flat tensor buckets]"
-
-SYNC_STATS_ENV = "MRL_SYNC_STATS_DIR"
-"""A directory (benchmarks): each weight update appends one JSON line to ``tp{rank}.jsonl`` there: when the
-update reached the model runner (``entered_at``, wall clock) and per bucket the host seconds waiting for a
-free buffer, receiving and loading, the load's path and copy counts, and on GPUs the device seconds of the
-receive and of the load (CUDA events, read with one host sync after the update's last bucket). A file
-``profile_next.tp{rank}`` there runs that rank's next update under ``torch.profiler`` (trace and top ops
-written next to it, the file removed)."""
-
 
 class PatchOnImport:
     """Meta-path finder that lets one SGLang module load as usual, then hands it to ``patch``."""
@@ -154,13 +153,18 @@ def replayed_load(module) -> None:
     @functools.wraps(update)
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
         if load_format is not None and load_format.startswith(BATCHED_BUCKETS_FORMAT):
-            layout = load_format[len(BATCHED_BUCKETS_FORMAT):]
-            with _observed(self) as stats:
-                return _receive_batch(self, names, dtypes, shapes, layout, stats)
+            try:
+                names, dtypes, shapes, layout, kept = _batch_layout(self, names, dtypes, shapes,
+                                                                    load_format[len(BATCHED_BUCKETS_FORMAT):])
+            except (ValueError, TypeError, KeyError) as e:
+                return False, f"Failed to update parameter online: bad batched bucket layout: {e}"
+            with observed(self) as stats:
+                ok, message = _receive_batch(self, names, dtypes, shapes, layout, stats)
+            return ok, f"{message} {LAYOUT_KEPT_MARK}{kept}]" if ok and kept else message
         if load_format != "flattened_bucket" or group_name not in getattr(self, "_model_update_group", {}):
             return update(self, names, dtypes, shapes, group_name, load_format)
         try:
-            with _observed(self) as stats:
+            with observed(self) as stats:
                 b = stats.start(group_name, dtypes, shapes)
                 flat = _receive(self, dtypes, shapes, group_name)
                 stats.mark(b, "receive")
@@ -173,7 +177,7 @@ def replayed_load(module) -> None:
     @functools.wraps(init)
     def init_weights_update_group(self, *args, **kwargs):  # tells the trainer it may batch the buckets
         ok, message = init(self, *args, **kwargs)
-        return ok, f"{message} {BATCHED_BUCKETS_MARK}" if ok else message
+        return ok, f"{message} {BATCHED_BUCKETS_MARK} {KEEPS_LAYOUTS_MARK}" if ok else message
 
     update_weights_from_distributed._mrl_replayed = True
     runner.update_weights_from_distributed = update_weights_from_distributed
@@ -197,7 +201,7 @@ def _replayed_tensor_load(module, runner) -> None:
             ok, message = update(self, named_tensors, load_format)
             return ok, f"{message} {FLAT_TENSOR_MARK}" if ok else message
         try:
-            with _observed(self) as stats:
+            with observed(self) as stats:
                 return True, _load_flat(self, named_tensors, load_format[len(FLAT_TENSOR_FORMAT):], unwrap, stats)
         except Exception as e:
             return False, _partial(e)
@@ -206,7 +210,7 @@ def _replayed_tensor_load(module, runner) -> None:
     runner.update_weights_from_tensor = update_weights_from_tensor
 
 
-def _load_flat(runner, named_tensors, meta_json: str, unwrap, stats: _Stats) -> str:
+def _load_flat(runner, named_tensors, meta_json: str, unwrap, stats: Stats) -> str:
     """One ``FLAT_TENSOR_FORMAT`` bucket: the flat buffer checked against its layout, loaded by ``_load``,
     the copies finished before the answer (the sender reuses the buffer for a later bucket)."""
     import torch
@@ -246,111 +250,36 @@ def _partial(e: Exception) -> str:
             "updated. Please discard the whole weights.")
 
 
-class _Stats:
-    """Per-bucket figures of one update (``SYNC_STATS_ENV``); inert when the variable is unset."""
-
-    def __init__(self, runner, out_dir: str | None):
-        self.dir, self.rank = out_dir, int(getattr(runner, "tp_rank", 0) or 0)
-        self.cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
-        self.buckets: list[dict] = []
-        self.entered_at = time.time()  # wall clock: against the trainer's post, the request's way in
-
-    def start(self, group, dtypes, shapes) -> dict | None:
-        """A new bucket's record (None when off); ``mark`` closes each of its phases."""
-        if self.dir is None:
-            return None
-        from mrl.engine import replayed_load as rl
-
-        b = {"group": group, "bytes": rl.bucket_nbytes(dtypes, shapes), "tensors": len(shapes), "_t": 0.0, "_ev": []}
-        self.buckets.append(b)
-        self.mark(b, None)
-        return b
-
-    def mark(self, b: dict | None, phase: str | None, stream=None) -> None:
-        """Host seconds since the previous mark, as ``{phase}_s``; on CUDA an event too (device seconds), on
-        ``stream`` (default: the current one)."""
-        if b is None:
-            return
-        now = time.perf_counter()
-        if phase is not None:
-            b[f"{phase}_s"] = now - b["_t"]
-        b["_t"] = now
-        if self.cuda:
-            import torch
-
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream)
-            b["_ev"].append((phase, ev))
-
-    def write(self) -> None:
-        if self.dir is None or not self.buckets:
-            return
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-        for b in self.buckets:
-            evs = b.pop("_ev")
-            for (_, a), (phase, z) in zip(evs, evs[1:]):
-                b[f"gpu_{phase}_s"] = a.elapsed_time(z) / 1e3
-            b.pop("_t")
-        with open(os.path.join(self.dir, f"tp{self.rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"entered_at": self.entered_at, "buckets": self.buckets}) + "\n")
+_KEPT_LAYOUTS = 4
+"""Layouts an engine keeps by key (a rebuilt set of groups is a new layout; older ones are forgotten)."""
 
 
-class _observed:
-    """The update's ``_Stats`` (written at the end) and, when asked for, a torch.profiler around it."""
-
-    def __init__(self, runner):
-        self.stats = _Stats(runner, os.environ.get(SYNC_STATS_ENV) or None)
-        self.prof = None
-
-    def __enter__(self) -> _Stats:
-        s = self.stats
-        ask = os.path.join(s.dir, f"profile_next.tp{s.rank}") if s.dir else None
-        if ask and os.path.exists(ask):
-            os.remove(ask)
-            import torch
-
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
-            self.prof.__enter__()
-        return s
-
-    def __exit__(self, *exc) -> None:
-        s = self.stats
-        try:  # figures for a benchmark: never the reason an update fails
-            if self.prof is not None:
-                self.prof.__exit__(*exc)
-                self.prof.export_chrome_trace(os.path.join(s.dir, f"engine_tp{s.rank}_trace.json"))
-                with open(os.path.join(s.dir, f"engine_tp{s.rank}_ops.json"), "w") as f:
-                    json.dump(_top_ops(self.prof), f)
-            s.write()
-        except Exception as e:
-            print(f"mrl: weight update figures not written to {s.dir}: {e}", file=sys.stderr, flush=True)
+def _batch_layout(runner, names, dtypes, shapes, spec: str):
+    """A batched request's tensors and bucket layout, and the key it was kept under (None: not kept). ``spec``:
+    the JSON after ``BATCHED_BUCKETS_FORMAT``, a layout list, ``{"key", "layout"}`` (keep the request's
+    names, dtypes and shapes with it) or ``{"key"}`` (a kept one; the request's lists are empty)."""
+    kept_layouts = runner.__dict__.setdefault("_mrl_layouts", collections.OrderedDict())
+    got, key = json.loads(spec), None
+    if isinstance(got, dict):
+        key = str(got["key"])
+        if "layout" not in got:
+            if key not in kept_layouts:
+                raise KeyError(f"no kept layout {key!r} (kept: {list(kept_layouts)})")
+            return (*kept_layouts[key], None)
+        got = got["layout"]
+    layout = [(str(g), int(n)) for g, n in got]
+    if key is not None:
+        kept_layouts[key] = (list(names), list(dtypes), [list(x) for x in shapes], layout)
+        while len(kept_layouts) > _KEPT_LAYOUTS:
+            kept_layouts.popitem(last=False)
+    return names, dtypes, shapes, layout, key
 
 
-def _top_ops(prof, n: int = 25) -> list[dict]:
-    """The profile's ops by self time on the device (else on the host): name, calls, host and device us."""
-    rows = []
-    for e in prof.key_averages():
-        dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
-        rows.append({"op": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total, "self_device_us": dev})
-    rows.sort(key=lambda r: (-r["self_device_us"], -r["self_cpu_us"]))
-    return rows[:n]
-
-
-def _receive_batch(runner, names, dtypes, shapes, layout_json: str, stats: _Stats | None = None):
+def _receive_batch(runner, names, dtypes, shapes, layout: list[tuple[str, int]], stats: Stats | None = None):
     """Every bucket of a sync from one request (``BATCHED_BUCKETS_FORMAT``): no request, answer and
     scheduler round trip between buckets, so on GPUs the broadcasts and the loads' copies queue back to back.
     A bucket whose load fails does not stop the receiving (the senders' broadcasts must stay matched); its
     error fails the request. A failed broadcast does (the sender tore its group down)."""
-    try:
-        layout = [(str(g), int(n)) for g, n in json.loads(layout_json)]
-    except (ValueError, TypeError) as e:
-        return False, f"Failed to update parameter online: bad batched bucket layout {layout_json[:200]!r}: {e}"
     groups = getattr(runner, "_model_update_group", {})
     unknown = sorted({g for g, _ in layout} - set(groups))
     if unknown or sum(n for _, n in layout) != len(names) or not len(names) == len(dtypes) == len(shapes):
@@ -359,7 +288,7 @@ def _receive_batch(runner, names, dtypes, shapes, layout_json: str, stats: _Stat
                        f"{len(dtypes)} dtypes, {len(shapes)} shapes")
     import torch
 
-    stats = stats or _Stats(runner, None)
+    stats = stats or Stats(runner, None)
     first, at = None, 0
     done = collections.deque()  # GPU: an event after each queued bucket's load
     loads = _load_stream(runner)

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="distributed", choices=[t.value for t in WeightTransport])
     ap.add_argument("--repair-dir", default=None, help="where the disk-path repair writes the checkpoint")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="syncs in a row (the last one stamps --version, those before --version-<i>)")
     a = ap.parse_args(argv)
 
     m = load_model(a)
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                                      export_dir=a.repair_dir, config_src=a.hf)
     syncer = EngineSync(transport, disk, layout, engines)
     syncer.connect()
-    rep = syncer.sync(a.version)
+    for i in range(a.repeat):
+        rep = syncer.sync(a.version if i == a.repeat - 1 else f"{a.version}-{i}")
     syncer.close()
     ex = getattr(transport, "executor", None)
 
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                   "sync_seconds": rep.seconds, "push_seconds": rep.push_seconds, "bytes": rep.bytes_sent,
                   "senders": len(ex.plan.groups) if ex else 1, "buckets_total": len(ex.plan.buckets) if ex else 1,
                   "failed_engines": rep.failed_engines, "repaired_from_disk": rep.repaired_from_disk,
-                  "batched_engines": rep.stamped_with_push}
+                  "batched_engines": rep.stamped_with_push, "request_forms": ex.sent_forms if ex else {}}
         print(json.dumps(report), flush=True)
         with open(a.out, "w") as f:
             json.dump(report, f)

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from mrl.engine.endpoint import EngineEndpoint
-from mrl.engine.patches import BATCHED_BUCKETS_MARK
+from mrl.engine.patches import BATCHED_BUCKETS_MARK, KEEPS_LAYOUTS_MARK
 from mrl.rollout.protocol import (
     EngineError,
     EngineGuardError,
@@ -88,6 +88,8 @@ class EngineClient:
         self.groups: set[str] = set()  # weight-update groups this client created
         # of those, the ones whose engine takes every bucket of a sync in one request (patches.BATCHED_BUCKETS_FORMAT)
         self.batched_groups: set[str] = set()
+        self.keeps_layouts = False  # the engine keeps a batched request's tensor lists (patches.KEEPS_LAYOUTS_MARK)
+        self.kept_layouts: set[str] = set()  # the keys it answered as kept
         self.paused: str | None = None  # pause mode in force, if any
 
     # -- transport -------------------------------------------------------------------------------
@@ -239,6 +241,7 @@ class EngineClient:
         self.groups.add(group_name)
         if BATCHED_BUCKETS_MARK in message:
             self.batched_groups.add(group_name)
+            self.keeps_layouts = KEEPS_LAYOUTS_MARK in message
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         _, data, _ = await self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name},

@@ -25,6 +25,7 @@ waiting in the engine when bucket k completes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from concurrent.futures import Future
@@ -40,7 +41,7 @@ from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
 from mrl.rollout.client import EngineClient, close_clients
 from mrl.engine.launcher import free_port, route_address
-from mrl.engine.patches import BATCHED_BUCKETS_FORMAT
+from mrl.engine.patches import BATCHED_BUCKETS_FORMAT, LAYOUT_KEPT_MARK
 from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError,
                                   EngineUnavailable, error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
@@ -103,7 +104,10 @@ class DistributedWeightSync:
         self._steps: list[BucketStep] | None = None  # the copy plan, built on the first push
         self._sources: tuple[list[torch.Tensor], list[int]] = ([], [])  # params the plan's views read, data_ptrs
         self._bodies: list[bytes] | None = None  # controller: each bucket's request, in the global order
-        self._batched: bytes | None = None  # controller: every bucket in one request, but its closing version
+        self._batched: dict[str, bytes] | None = None  # controller: every bucket in one request per form,
+        # but its closing version (``_batched_body``)
+        self.layout_key = ""  # the engines keep the batched request's tensor lists under it
+        self.sent_forms: dict[str, str] = {}  # controller: per engine, the last push's request (``_batched_body``)
 
     def place_buckets(self) -> None:
         """Collective: re-plan with every sender's in-place params (``planner.Placement``: in megatron's
@@ -352,24 +356,31 @@ class DistributedWeightSync:
                     load_format="flattened_bucket")).encode())
         return self._bodies
 
-    def _batched_body(self, version: str | None) -> bytes:
+    def _batched_body(self, version: str | None, form: str = "keep") -> bytes:
         """Every bucket in one request, in the global order (``mrl.engine.patches.BATCHED_BUCKETS_FORMAT``), with the
-        weight version the engine takes on success; the rest is encoded once."""
+        weight version the engine takes on success; the rest is encoded once. ``form``: ``keep`` (the tensor
+        lists, kept by the engine under ``layout_key``), ``kept`` (only that key: the engine answered it as
+        kept) or ``plain`` (the lists, for an engine that keeps none)."""
         if self._batched is None:
             metas = [b.tensors for b in self._global]
-            self._batched = json.dumps(dict(
-                names=[t.name for m in metas for t in m], dtypes=[t.dtype for m in metas for t in m],
-                shapes=[list(t.shape) for m in metas for t in m], group_name=self._global[0].group,
-                flush_cache=False, load_format=BATCHED_BUCKETS_FORMAT + json.dumps(
-                    [[b.group, len(m)] for b, m in zip(self._global, metas)])))[:-1].encode()
-        return self._batched + f', "weight_version": {json.dumps(version)}}}'.encode()
+            layout = [[b.group, len(m)] for b, m in zip(self._global, metas)]
+            lists = dict(names=[t.name for m in metas for t in m], dtypes=[t.dtype for m in metas for t in m],
+                         shapes=[list(t.shape) for m in metas for t in m])
+            self.layout_key = hashlib.sha256(json.dumps([layout, lists]).encode()).hexdigest()[:16]
+            empty = dict(names=[], dtypes=[], shapes=[])
+            specs = {"plain": (lists, layout), "keep": (lists, {"key": self.layout_key, "layout": layout}),
+                     "kept": (empty, {"key": self.layout_key})}
+            self._batched = {f: json.dumps(dict(**body, group_name=self._global[0].group, flush_cache=False,
+                                                load_format=BATCHED_BUCKETS_FORMAT + json.dumps(spec)))[:-1].encode()
+                             for f, (body, spec) in specs.items()}
+        return self._batched[form] + f', "weight_version": {json.dumps(version)}}}'.encode()
 
     def _post_updates(self, version: str | None) -> Future:
         """Every bucket request to every engine, pipelined per engine (or, where the engine takes them, all
         buckets in one request); a future of ({url: first error}, [urls stamped with ``version``])."""
         bodies = self._request_bodies()
         groups = {b.group for b in self._global}
-        batched = self._batched_body(version)
+        self._batched_body(version)  # the layout key
         ep = "/update_weights_from_distributed"
 
         async def one_engine(client: EngineClient) -> tuple[str | None, bool]:
@@ -377,15 +388,19 @@ class DistributedWeightSync:
             if missing:  # an unknown group kills the 0.5.10 scheduler: send nothing
                 return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client")), False
             one = self.batch_requests and groups <= client.batched_groups
+            form = ("kept" if self.layout_key in client.kept_layouts else "keep") if client.keeps_layouts else "plain"
+            self.sent_forms[client.url] = form if one else "per_bucket"
             self.posted_at = time.time()  # wall clock, for the engine's side of the same sync (benchmarks)
-            answers = await post_pipelined(client.url, ep, [batched] if one else bodies,
+            answers = await post_pipelined(client.url, ep, [self._batched_body(version, form)] if one else bodies,
                                            timeout=client.timeouts.weight_update,
                                            connect_timeout=client.timeouts.connect,
                                            headers=client.auth_headers(admin=True))  # weight updates: admin key
             first = None
             for a in answers:
                 try:
-                    _check_answer(client.url, ep, a)
+                    message = _check_answer(client.url, ep, a)
+                    if one and f"{LAYOUT_KEPT_MARK}{self.layout_key}]" in message:
+                        client.kept_layouts.add(self.layout_key)
                 except Exception as e:  # record, and keep going: the senders' broadcasts stay matched
                     first = first or str(e)
             return first, one and first is None and version is not None

@@ -72,16 +72,21 @@ def _load_lines(engine) -> list[str]:
 def test_later_syncs_replay_the_recorded_loads(engines, other_weights, ckpt_dir, restore, tmp_path):
     """The engines record each bucket layout's load once (``mrl.engine.replayed_load``) and replay it as
     copies afterwards: a second sync of the same layout adds no load line to the engine logs, and the
-    engines still end on exactly the trainer's weights (their probe logprobs equal megatron's)."""
+    engines still end on exactly the trainer's weights (their probe logprobs equal megatron's). Each job
+    syncs twice: the second request carries only the key of the tensor lists the engines kept."""
     eng = ",".join(f"{engines[n].url}@{engines[n].tp}" for n in ("tp1", "tp2"))
     before = {n: len(_load_lines(engines[n])) for n in ("tp1", "tp2")}
     for i, hf in enumerate((other_weights, ckpt_dir["tiny"], other_weights)):
         out = tmp_path / f"sync{i}.json"
         r = run_torchrun("mrl.jobs.sync_weights", ["--hf", hf, "--engines", eng, "--version", f"4{i}",
-                                                   "--out", str(out), "--bucket-mb", "0.1"], 1)
+                                                   "--out", str(out), "--bucket-mb", "0.1", "--repeat", "2"], 1)
         assert r.returncode == 0, r.stderr[-4000:]
         rep = json.loads(out.read_text())
         assert max(rep["probe_max_abs_logprob_diff"]) <= 1e-3, rep
+        # the second sync of the job named the engines' kept tensor lists by key, and both took it whole
+        assert rep["request_forms"] == {engines[n].url: "kept" for n in ("tp1", "tp2")}, rep
+        assert rep["engine_versions"] == [f"4{i}"] * 2 and sorted(rep["batched_engines"]) == sorted(
+            engines[n].url for n in ("tp1", "tp2")), rep
         assert min(rep["probe_max_abs_logprob_diff_before"]) > 0.05, rep
         lines = {n: _load_lines(engines[n]) for n in ("tp1", "tp2")}
         if i == 0:

@@ -170,12 +170,33 @@ def test_a_batch_that_does_not_add_up_is_refused_before_any_receive(monkeypatch,
     assert not ok and "Failed to update parameter online" in msg and received == []
 
 
-def test_the_group_answer_announces_batched_buckets(monkeypatch):
-    from mrl.engine.patches import BATCHED_BUCKETS_MARK
+def test_the_group_answer_announces_batched_buckets_and_kept_layouts(monkeypatch):
+    from mrl.engine.patches import BATCHED_BUCKETS_MARK, KEEPS_LAYOUTS_MARK
 
     runner, _, _ = _patched_runner(monkeypatch, [])
-    assert runner.init_weights_update_group()[1].endswith(BATCHED_BUCKETS_MARK)
-    assert BATCHED_BUCKETS_MARK not in runner.init_weights_update_group(ok=False)[1]
+    answer = runner.init_weights_update_group()[1]
+    assert BATCHED_BUCKETS_MARK in answer and KEEPS_LAYOUTS_MARK in answer
+    failed = runner.init_weights_update_group(ok=False)[1]
+    assert BATCHED_BUCKETS_MARK not in failed and KEEPS_LAYOUTS_MARK not in failed
+
+
+def test_a_kept_layout_is_sent_once_and_named_by_its_key_after(monkeypatch):
+    """``{"key", "layout"}`` keeps the request's lists (the answer says so); ``{"key"}`` with empty lists
+    loads the next sync's buckets by them; a key the engine does not hold is refused before any receive."""
+    from mrl.engine.patches import LAYOUT_KEPT_MARK
+
+    a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
+    runner, received, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a + 1), _flat(b + 1)])
+    keep = fmt + json.dumps({"key": "k1", "layout": [["g0", 1], ["g1", 1]]})
+    ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[4], [2, 3]], "g0",
+                                                     load_format=keep)
+    assert ok and msg.endswith(f"{LAYOUT_KEPT_MARK}k1]"), msg
+    ok, msg = runner.update_weights_from_distributed([], [], [], "g0", load_format=fmt + '{"key": "k1"}')
+    assert ok and LAYOUT_KEPT_MARK not in msg, msg
+    assert received == ["g0", "g1", "g0", "g1"]
+    assert torch.equal(runner.model.a, a + 1) and torch.equal(runner.model.b, b + 1)
+    ok, msg = runner.update_weights_from_distributed([], [], [], "g0", load_format=fmt + '{"key": "other"}')
+    assert not ok and "no kept layout 'other'" in msg and received == ["g0", "g1", "g0", "g1"], msg
 
 
 def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, tmp_path):
