@@ -48,6 +48,7 @@ from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
 from mrl.engine.launcher import free_port
 from _engine_shards import engine_shard, expert_layouts, fp8_checker_view, sampled_names
+from mrl.engine.update_stats import STATS_OFF
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
 from mrl.engine.endpoint import EngineEndpoint
@@ -206,7 +207,7 @@ def _request_latency(trainer: list[list[dict]], engine: list[dict]) -> dict:
 
 
 def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None:
-    """Every rank: the measured syncs' per-bucket host seconds, then one more sync under torch.profiler
+    """Every rank: the instrumented syncs' per-bucket host seconds, then one more sync under torch.profiler
     (engine ranks too, asked through ``profile_next.tp{rank}`` files). Rank 0 returns the summary."""
     os.makedirs(a.profile_dir, exist_ok=True)
     me = layout.world_rank
@@ -363,8 +364,10 @@ def main() -> int:
     if a.compare_per_bucket:
         sync(1, per_bucket=True)
     phases.clear()
-    if a.profile_dir:
-        transport.executor.timings = []
+    stats_off = os.path.join(a.profile_dir, STATS_OFF) if a.profile_dir else None
+    if stats_off and rank0:  # the timed syncs run as a user's do; the instrumented ones come after them
+        os.makedirs(a.profile_dir, exist_ok=True)
+        open(stats_off, "w").close()
     sync_s, push_s, raw_s, pb_sync_s, pb_push_s = [], [], [], [], []
     for v in range(2, a.reps + 2):
         if a.compare_per_bucket:  # alternating: one request per bucket, all buckets in one, raw
@@ -381,10 +384,15 @@ def main() -> int:
         for r in receivers:
             r.wait(timeout=120)
         destroy_sender_group(raw_pg)
-    profile = None
-    if a.profile_dir:  # after the measured syncs, so the profiler's cost is in none of them
-        profile = _profiled_sync(a, layout, transport.executor, lambda: (sync(a.reps + 2), phases.pop())[0],
-                                 int(tp or 1))
+    timed_phases = list(phases)
+    profile = instrumented_s = None
+    if a.profile_dir:  # after the timed syncs: neither the figures' cost nor the profiler's is in them
+        if rank0:
+            os.remove(stats_off)
+        dist.barrier()
+        transport.executor.timings = []
+        instrumented_s = [sync(v)[0] for v in range(a.reps + 2, 2 * a.reps + 2)]
+        profile = _profiled_sync(a, layout, transport.executor, lambda: sync(2 * a.reps + 2), int(tp or 1))
 
     # the engine follows the trainer: teacher-forced probe logprobs, and sampled tensors read back
     probe = torch.randint(3, bridge.vocab_size, (1, 64), generator=torch.Generator().manual_seed(7))
@@ -436,11 +444,13 @@ def main() -> int:
             "bitwise_sampled_tensors": bitwise,
             "host": socket.gethostname(),
             "batched_request_engines": batched,
-            "sync_phases_s": phases,
-            "sync_phases_median_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {},
+            "sync_phases_s": timed_phases,
+            "sync_phases_median_s": {k: statistics.median(p[k] for p in timed_phases) for k in timed_phases[0]}
+            if timed_phases else {},
         }
         if profile is not None:
             report["profile"] = profile
+            report["instrumented_sync_s"] = instrumented_s  # with the engine's per-bucket figures on
         if fp8 is not None:
             report["fp8"] = fp8
         report["transport"] = a.transport

@@ -589,11 +589,11 @@ def main() -> int:
     ap.add_argument("--compare-per-bucket", action="store_true",
                     help="sync: each repetition also with one update request per bucket (A/B)")
     ap.add_argument("--sync-profile", action="store_true",
-                    help="sync: per-bucket seconds on every trainer rank and engine TP rank for every repetition "
-                         "(the engine's from MRL_SYNC_STATS_DIR: waiting for a buffer, receiving, loading, on GPU "
-                         "device seconds too; its load path and copy counts), then one more sync under "
-                         "torch.profiler (CPU + CUDA) on each; traces in OUT/sync_profile, summary under "
-                         "sync.profile")
+                    help="sync: after the timed syncs (run without it), as many more with per-bucket seconds on "
+                         "every trainer rank and engine TP rank (the engine's from MRL_SYNC_STATS_DIR: waiting for "
+                         "a buffer, receiving, loading, on GPU device seconds too; its load path and copy counts; "
+                         "the request's latency to the model runner), then one more sync under torch.profiler "
+                         "(CPU + CUDA) on each; traces in OUT/sync_profile, summary under sync.profile")
     ap.add_argument("--routes-int32", action="store_true",
                     help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
                          "mrl's compact routes")

@@ -16,7 +16,9 @@ update reached the model runner (``entered_at``, wall clock) and per bucket the 
 free buffer, receiving and loading, the load's path and copy counts, and on GPUs the device seconds of the
 receive and of the load (CUDA events, read with one host sync after the update's last bucket). A file
 ``profile_next.tp{rank}`` there runs that rank's next update under ``torch.profiler`` (trace and top ops
-written next to it, the file removed)."""
+written next to it, the file removed); while a file ``STATS_OFF`` is there, updates run without any of it
+(the CUDA events and the host sync before the answer are not free)."""
+STATS_OFF = "stats_off"
 
 
 class Stats:
@@ -75,7 +77,8 @@ class observed:
     """The update's ``_Stats`` (written at the end) and, when asked for, a torch.profiler around it."""
 
     def __init__(self, runner):
-        self.stats = Stats(runner, os.environ.get(SYNC_STATS_ENV) or None)
+        d = os.environ.get(SYNC_STATS_ENV) or None
+        self.stats = Stats(runner, None if d and os.path.exists(os.path.join(d, STATS_OFF)) else d)
         self.prof = None
 
     def __enter__(self) -> Stats:

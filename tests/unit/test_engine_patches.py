@@ -200,10 +200,13 @@ def test_a_kept_layout_is_sent_once_and_named_by_its_key_after(monkeypatch):
 
 
 def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, tmp_path):
-    """``MRL_SYNC_STATS_DIR``: one JSON line per update with every bucket's phases, load path and bytes; a
-    ``profile_next.tp0`` file there puts the next update under torch.profiler (and is used up)."""
+    """``MRL_SYNC_STATS_DIR``: one JSON line per update with when it entered and every bucket's phases, load
+    path and bytes; a ``profile_next.tp0`` file there puts the next update under torch.profiler (and is used
+    up); a ``stats_off`` file there turns the figures off."""
+    from mrl.engine.update_stats import STATS_OFF
+
     a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
-    runner, _, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a), _flat(b)])
+    runner, _, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a), _flat(b), _flat(a), _flat(b)])
     monkeypatch.setenv(engine_patches.SYNC_STATS_ENV, str(tmp_path))
     (tmp_path / "profile_next.tp0").touch()
     for _ in range(2):
@@ -219,6 +222,11 @@ def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, t
     assert not (tmp_path / "profile_next.tp0").exists()
     ops = json.loads((tmp_path / "engine_tp0_ops.json").read_text())
     assert ops and (tmp_path / "engine_tp0_trace.json").exists()
+    assert lines[0]["entered_at"] <= lines[1]["entered_at"]  # wall clock, paired with the trainer's post
+    (tmp_path / STATS_OFF).touch()  # figures off: the update runs, nothing is written
+    ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[4], [2, 3]], "g0",
+                                                     load_format=fmt + '[["g0", 1], ["g1", 1]]')
+    assert ok and len((tmp_path / "tp0.jsonl").read_text().splitlines()) == 2, msg
 
 
 # -- CUDA IPC buckets as one flat buffer (patches.FLAT_TENSOR_FORMAT) ------------------------------------
