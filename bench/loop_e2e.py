@@ -206,8 +206,9 @@ def checkpoint_saves(log: str) -> list[dict]:
 
 
 PHASES = ("wait_seconds", "train_seconds", "drain_seconds", "sync_seconds", "step_seconds")
+SYNC_PHASES = tuple(f"sync/{k}_seconds" for k in ("check", "pause", "push", "finish", "barrier"))
 KEEP = ("step", "batch_tokens", "response_len", "version", "sync_bytes", "dropped_stale", "buffered",
-        "staleness_hist", "mismatch/numerics_kl", "mismatch/stale_kl", *PHASES)
+        "staleness_hist", "mismatch/numerics_kl", "mismatch/stale_kl", *PHASES, *SYNC_PHASES)
 
 
 def summarize(steps_rows: list[dict], logged_at_s: dict[str, float], warmup: int) -> dict:
@@ -226,6 +227,8 @@ def summarize(steps_rows: list[dict], logged_at_s: dict[str, float], warmup: int
             "phase_median_s": {k: statistics.median(r.get(k, 0.0) for r in timed) for k in PHASES},
             "phase_p25_p75_s": {k: _quartiles([r.get(k, 0.0) for r in timed]) for k in PHASES},
             "sync_share_of_step": statistics.median(r.get("sync_seconds", 0.0) / r["step_seconds"] for r in timed),
+            "sync_phase_median_s": {k.split("/")[1]: statistics.median(r.get(k) or 0.0 for r in timed)
+                                    for k in SYNC_PHASES},
             "time_to_first_step_s": logged_at_s[str(first["step"])],
             "first_step": {k: first.get(k) for k in PHASES},
             # seconds from the command's start to each start phase, as mrl's rank 0 saw them (mrl/startup.py)

@@ -253,6 +253,7 @@ class Loop:
         m["sync_aborted_requests"] = float(drained)
         if rep.bytes_sent and rep.bytes_in_place is not None:  # rank 0's buckets: the share sent from its params
             m["sync_in_place_fraction"] = rep.bytes_in_place / rep.bytes_sent
+        m |= {f"sync/{k}_seconds": v for k, v in rep.phase_seconds.items()}  # check, pause, push, finish, barrier
         return m | {"sync_seconds": rep.seconds, "sync_bytes": float(rep.bytes_sent),
                     "sync_repaired": float(len(rep.repaired_from_disk)),
                     "engines_alive": float(len(self.syncer.engines)),

@@ -65,6 +65,8 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     assert all(set(r["staleness_hist"]) == {"0"} for r in steps)  # sync mode: never stale
     assert all(r["sync_seconds"] > 0 and r["sync_repaired"] == 0 and r["sync_in_place_fraction"] > 0.5
                for r in steps), steps
+    phases = ("check", "pause", "push", "finish", "barrier")  # where each sync's seconds went, adding up
+    assert all(0 < sum(r[f"sync/{k}_seconds"] for k in phases) <= r["sync_seconds"] for r in steps), steps
     assert all(0.0 <= r["reward"] <= 1.0 and r["routing_disagreement"] < 0.05 for r in steps)
     assert any("eval/accuracy" in r for r in rows) and any("sft/nll" in r for r in rows)
     for name in ("config.yaml", "curves.png", "summary.json", "checkpoints/step_2/loop_state.json",

@@ -53,7 +53,8 @@ def test_gpu_overrides_compose(tmp_path):
 
 
 def test_summary_counts_only_timed_steps_and_times_the_first_step_from_the_start():
-    phases = dict(wait_seconds=0.5, train_seconds=3.0, drain_seconds=0.1, sync_seconds=0.4)
+    phases = dict(wait_seconds=0.5, train_seconds=3.0, drain_seconds=0.1, sync_seconds=0.4,
+                  **{"sync/push_seconds": 0.3, "sync/pause_seconds": 0.05})
     rows = [{"step": 1, "batch_tokens": 1000, "step_seconds": 30.0, "startup/policy_ready_s": 60.0, **phases}]
     rows += [{"step": i, "batch_tokens": 2000 * i, "step_seconds": float(i), **phases} for i in (2, 3, 4)]
     logged = {"1": 100.0, "2": 102.0, "3": 105.0, "4": 109.0}
@@ -65,3 +66,6 @@ def test_summary_counts_only_timed_steps_and_times_the_first_step_from_the_start
     assert s["busy_window_s"] == [100.0, 109.0]  # from the start of step 2 to the end of step 4
     assert s["phase_median_s"]["step_seconds"] == 3.0 and s["sync_share_of_step"] == 0.4 / 3.0
     assert [r["logged_at_s"] for r in s["steps"]] == [100.0, 102.0, 105.0, 109.0]
+    assert s["sync_phase_median_s"] == {"check_seconds": 0.0, "pause_seconds": 0.05, "push_seconds": 0.3,
+                                        "finish_seconds": 0.0, "barrier_seconds": 0.0}
+    assert s["steps"][1]["sync/push_seconds"] == 0.3
