@@ -48,7 +48,7 @@ from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
 from mrl.engine.launcher import free_port
 from _engine_shards import engine_shard, expert_layouts, fp8_checker_view, sampled_names
-from mrl.engine.update_stats import STATS_OFF
+from mrl.engine.update_stats import STATS_OFF, top_ops
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
 from mrl.engine.endpoint import EngineEndpoint
@@ -169,15 +169,6 @@ def _bitwise(url: str, hf: dict[str, torch.Tensor], bridge, dtype: torch.dtype, 
     return out
 
 
-def _top_ops(prof, n: int = 25) -> list[dict]:
-    rows = []
-    for e in prof.key_averages():
-        dev = getattr(e, "self_device_time_total", 0) or 0
-        rows.append({"op": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total, "self_device_us": dev})
-    rows.sort(key=lambda r: (-r["self_device_us"], -r["self_cpu_us"]))
-    return rows[:n]
-
-
 def _medians(rows: list[list[dict]]) -> dict:
     """Per-bucket rows of several syncs (one list per sync, same steps in the same order) -> per step the
     median of every figure, and per sync the sum of each phase (median over syncs)."""
@@ -220,7 +211,7 @@ def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None
         seconds, push = run_sync()
     prof.export_chrome_trace(os.path.join(a.profile_dir, f"trainer_rank{me}_trace.json"))
     mine = {"rank": me, "measured": _medians(measured), "profiled_sync": {"sync_s": seconds, "push_s": push,
-            "per_bucket": executor.timings[0] if executor.timings else []}, "top_ops": _top_ops(prof)}
+            "per_bucket": executor.timings[0] if executor.timings else []}, "top_ops": top_ops(prof)}
     executor.timings = None
     box = [None] * layout.world_size
     dist.all_gather_object(box, mine)

@@ -39,7 +39,7 @@ import json
 import os
 import sys
 
-from mrl.engine.update_stats import SYNC_STATS_ENV, Stats, observed  # noqa: F401  SYNC_STATS_ENV: read here
+from mrl.engine.update_stats import Stats, observed
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"

@@ -74,7 +74,7 @@ class Stats:
 
 
 class observed:
-    """The update's ``_Stats`` (written at the end) and, when asked for, a torch.profiler around it."""
+    """The update's ``Stats`` (written at the end) and, when asked for, a torch.profiler around it."""
 
     def __init__(self, runner):
         d = os.environ.get(SYNC_STATS_ENV) or None

@@ -361,6 +361,10 @@ class DistributedWeightSync:
         weight version the engine takes on success; the rest is encoded once. ``form``: ``keep`` (the tensor
         lists, kept by the engine under ``layout_key``), ``kept`` (only that key: the engine answered it as
         kept) or ``plain`` (the lists, for an engine that keeps none)."""
+        return self._batched_forms()[form] + f', "weight_version": {json.dumps(version)}}}'.encode()
+
+    def _batched_forms(self) -> dict[str, bytes]:
+        """Each form's static part, encoded once (it sets ``layout_key``)."""
         if self._batched is None:
             metas = [b.tensors for b in self._global]
             layout = [[b.group, len(m)] for b, m in zip(self._global, metas)]
@@ -373,14 +377,14 @@ class DistributedWeightSync:
             self._batched = {f: json.dumps(dict(**body, group_name=self._global[0].group, flush_cache=False,
                                                 load_format=BATCHED_BUCKETS_FORMAT + json.dumps(spec)))[:-1].encode()
                              for f, (body, spec) in specs.items()}
-        return self._batched[form] + f', "weight_version": {json.dumps(version)}}}'.encode()
+        return self._batched
 
     def _post_updates(self, version: str | None) -> Future:
         """Every bucket request to every engine, pipelined per engine (or, where the engine takes them, all
         buckets in one request); a future of ({url: first error}, [urls stamped with ``version``])."""
         bodies = self._request_bodies()
         groups = {b.group for b in self._global}
-        self._batched_body(version)  # the layout key
+        self._batched_forms()  # sets layout_key before any engine's form is chosen
         ep = "/update_weights_from_distributed"
 
         async def one_engine(client: EngineClient) -> tuple[str | None, bool]:

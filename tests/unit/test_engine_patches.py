@@ -203,11 +203,11 @@ def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, t
     """``MRL_SYNC_STATS_DIR``: one JSON line per update with when it entered and every bucket's phases, load
     path and bytes; a ``profile_next.tp0`` file there puts the next update under torch.profiler (and is used
     up); a ``stats_off`` file there turns the figures off."""
-    from mrl.engine.update_stats import STATS_OFF
+    from mrl.engine.update_stats import STATS_OFF, SYNC_STATS_ENV
 
     a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
     runner, _, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a), _flat(b), _flat(a), _flat(b)])
-    monkeypatch.setenv(engine_patches.SYNC_STATS_ENV, str(tmp_path))
+    monkeypatch.setenv(SYNC_STATS_ENV, str(tmp_path))
     (tmp_path / "profile_next.tp0").touch()
     for _ in range(2):
         ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[4], [2, 3]], "g0",
