@@ -440,6 +440,12 @@ def update_request_latency(d):
 
 
 def sync_profile(d):
+    if "result" in d:  # one run, summarized at the top
+        r, ph = d["result"], d["result"]["sync_phases_median_s"]
+        lo, hi = r["sync_vs_raw_p25_p75"]
+        return [f"**sync/raw {r['sync_vs_raw']:.2f}** (p25-p75 {lo:.2f}-{hi:.2f}): sync {1e3 * r['sync_median_s']:.0f} ms, "
+                f"raw {1e3 * r['raw_median_s']:.0f} ms; pause {1e3 * ph['pause']:.1f}, push {1e3 * ph['push']:.1f}, "
+                f"finish {1e3 * ph['finish']:.1f} ms; request to runner {1e3 * r['request_latency_median_s']:.1f} ms"]
     out = []
     for name, r in d["runs"].items():
         measured = [u["engine_gpu_receive_s"] for u in r["engine_per_update"] if u["kind"] == "measured"]
@@ -487,7 +493,7 @@ def _ws_cpu_tp1(d):
 
 
 _R9 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_2xH200_"
-_R1 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_1xH200_tp1_mbs4_fused_replay_8pairs"
+_R1 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_1xH200_tp1_mbs2_fused_logprob_profile.json"
 GOALS = [  # (goal, comparison, threshold, report, value(report), what the figure is)
     ("whole loop / its own ceiling", ">=", 0.9, "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json",
      lambda d: d["loop_vs_ceiling"], "2x H200, Qwen3-30B-A3B 12-layer slice"),
@@ -495,23 +501,24 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
      "loop/2026-11-29_gpu_loop_e2e_first_step_cold_qwen3_30b_a3b_l12_2xH200.json",
      lambda d: d["time_to_first_step_s"], "2x H200, 30B slice, fresh host (cold caches); 112 s warm"),
     ("RL step / megatron-core's own step, 1 GPU", ">=", 0.95,
-     _R1 + "_phases.json", _rl(None, "tp1"),
-     "1x H200, 30B slice, median of 8 ABBA pairs, fresh host (the run before: 0.90)"),
-    ("RL step / megatron-core's own step, EP2", ">=", 0.9, _R9 + "ep2_mbs4_fused_logprob_8pairs.json",
-     _rl(None, "ep2"), "2x H200, 30B slice, median of 8 ABBA pairs, host load 8.6 at the start (the run before, "
-     "quiet: 0.89)"),
+     _R1, _rl(None, "tp1"),
+     "1x H200, 30B slice, micro-batches of 2, median of 8 ABBA pairs, quiet host (before fused logprobs, micro-batches "
+     "of 4: 0.80 and 0.90)"),
+    ("RL step / megatron-core's own step, EP2", ">=", 0.9, _R9 + "ep2_mbs4_fused_logprob_quiet_profile.json",
+     _rl(None, "ep2"), "2x H200, 30B slice, median of 8 ABBA pairs, quiet host (fused logprobs off: 0.94; on a "
+     "host with load 8.6: 0.81)"),
     ("RL step / megatron-core's own step, TP2", ">=", 0.9, _R9 + "tp2_mbs4_fused_replay_8pairs.json",
      _rl(None, "tp2"), "2x H200, 30B slice, median of 8 ABBA pairs"),
     ("model TFLOP/s per GPU, RL step", ">=", 140,
-     _R1 + "_phases.json", _tflops(None), "1x H200, 30B slice at 4k tokens, fresh host (the run before: 195.5)"),
+     _R1, _tflops(None), "1x H200, 30B slice at 4k tokens, quiet host (before fused logprobs: 176.5, 195.5)"),
     ("weight sync / raw broadcast, every layout", "<=", 1.2,
      "weight_sync/2026-11-26_gpu_weight_sync_4xH200_inplace_fullbucket.json", _ws_max,
      "4x H200, 1.67 GiB bf16, worst layout"),
     ("weight sync / raw broadcast, CPU TP1", "<=", 1.2, "weight_sync/2026-11-28_cpu_weight_sync_2core_cpu_large.json",
      _ws_cpu_tp1, "2-core CPU, 186 MiB fp32, best bucket size"),
     ("sync into a live engine / raw broadcast", "<=", 1.5,
-     "weight_sync/2026-11-28_gpu_loop_sync_batched_vs_per_bucket_2xH200.json", lambda d: d["sync_vs_raw"],
-     "2x H200, 2.43 GB bf16"),
+     "weight_sync/2026-11-29_gpu_loop_sync_fixed_baseline_qwen3_30b_a3b_l12_2xH200.json",
+     lambda d: d["result"]["sync_vs_raw"], "2x H200, 16.2 GB bf16 (30B slice), TP1 -> TP1, median of 8 ratios"),
     ("rollouts with routes / without, batch 256", ">=", 0.95,
      "rollouts/2026-11-28_gpu_loop_rollout_sync_qwen3_30b_a3b_l12_2xH200.json",
      lambda d: get(d, "rollout.summary.batch256.on_vs_off_median"), "1x H200 engine, 30B slice, same engine"),
