@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # FA3, SGLang's default attention backend on Hopper, for a network-less GPU host: sglang-kernel 0.4.4's
 # flash_ops library (1.8 GB, left out of fetch_parts.sh's bundle) xz-compressed into parts of PART_MB (default
-# 56). Send them into the same STASH as the bundle's parts; install_stack.sh puts the library in place
+# 52). Send them into the same STASH as the bundle's parts; install_stack.sh puts the library in place
 # (FA3_SHA256=$(cat DIR/fa3.sha256) checks it) and engines started with rollout.attention_backend=fa3 can use it.
 # Compressing takes minutes on a small machine.
 # Usage: scripts/gpu/fetch_fa3.sh DIR        -> DIR/fa3/fa3.aa, fa3.ab, ... and DIR/fa3.sha256
 set -euo pipefail
 D=${1:?usage: fetch_fa3.sh DIR}
-PART_MB=${PART_MB:-56}
+PART_MB=${PART_MB:-52}  # a part and the repository's tree together fit a 64 MiB transfer
 PY=${PYTHON:-python3}
 mkdir -p "$D/fa3-k" "$D/fa3"
 rm -f "$D"/fa3/fa3.*

@@ -8,12 +8,12 @@
 #   - Transformer Engine 2.20.2 (core library wheel for CUDA 13, meta wheel) unless NO_TE=1. Its torch
 #     extension must be built against the host's torch: pass a wheel built there as TE_TORCH_WHEEL, or the
 #     sdist is packed and install_stack.sh builds it on the host (about 100 s on 16 cores).
-# Output: DIR/parts/part.aa, part.ab, ... (PART_MB each, default 56) and DIR/bundle.sha256.
+# Output: DIR/parts/part.aa, part.ab, ... (PART_MB each, default 52) and DIR/bundle.sha256.
 # Usage: scripts/gpu/fetch_parts.sh DIR           (then send the parts: scripts/gpu/README.md)
 set -euo pipefail
 D=${1:?usage: fetch_parts.sh DIR}
 here=$(cd "$(dirname "$0")" && pwd)
-PART_MB=${PART_MB:-56}
+PART_MB=${PART_MB:-52}  # a part and the repository's tree together fit a 64 MiB transfer
 PY=${PYTHON:-python3}
 plat="--python-version 3.12 --implementation cp --only-binary=:all:"
 for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
