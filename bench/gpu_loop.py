@@ -58,6 +58,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, ROOT)  # tests.jobs.replay_check reads the replay records
 
 from _bench_common import engine_timeline  # noqa: E402
+from _engine_log import full_batch_decode, log_size, stats_lines  # noqa: E402
 from _random_checkpoint import SHAPES, make_checkpoint  # noqa: E402
 
 
@@ -222,17 +223,23 @@ def _kind(name: str) -> tuple[str, bool]:
     return KINDS.get(name, (name, True))
 
 
-def _ratios(runs: list[dict], batch: int, num: str, den: str) -> dict:
-    """Per-repetition throughput ratios kind ``num`` / kind ``den`` at ``batch``: median, min, max."""
-    by = {k: {r["rep"]: r["tokens_per_s"] for r in runs if r["batch"] == batch and r["kind"] == k} for k in (num, den)}
-    per_rep = [by[num][rep] / by[den][rep] for rep in sorted(by[num]) if rep in by[den]]
+def _ratios(runs: list[dict], batch: int, num: str, den: str, key: str = "tokens_per_s") -> dict:
+    """Per-repetition throughput ratios kind ``num`` / kind ``den`` at ``batch``: median, min, max (empty
+    where no repetition has ``key`` on both sides)."""
+    by = {k: {r["rep"]: r.get(key) for r in runs if r["batch"] == batch and r["kind"] == k} for k in (num, den)}
+    per_rep = [by[num][rep] / by[den][rep] for rep in sorted(by[num]) if by[num][rep] and by[den].get(rep)]
+    if not per_rep:
+        return {}
     return {"median": statistics.median(per_rep), "min": min(per_rep), "max": max(per_rep), "per_rep": per_rep}
 
 
-def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] | None = None) -> dict:
+def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] | None = None,
+                    logs: dict[str, str] | None = None) -> dict:
     """``urls``: {"routes": the engine with route capture, "plain": one without (optional), others: engines
     compared with the routes engine, routes on (FP8 weights, other server args)}; ``pids``: their server
-    processes, for ``--py-spy`` (each kind sampled during its first run of the largest batch)."""
+    processes, for ``--py-spy`` (each kind sampled during its first run of the largest batch); ``logs``:
+    their log files, from which each run also gets the decode tokens/s SGLang reported while the batch was
+    full (``engine_decode_tokens_per_s``: decode alone, without the prefills in ``tokens_per_s``)."""
     extra = [k for k in urls if k not in ("routes", "plain")]
     kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls] + extra
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
@@ -261,14 +268,19 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                 if rep == 0 and batch == max(a.batches) and (pids or {}).get(engine):
                     spy_out = os.path.join(a.out, f"py_spy_batch{batch}_{engine}_{kind}.txt")
                     spy = _py_spy(a, pids[engine], spy_out)
+                log = (logs or {}).get(engine)
+                start = log_size(log)
                 try:
                     _, tps, dt, dec = asyncio.run(_workload(urls[engine], codec if routes else None, batch,
                                                             a.prompt_len, a.new, vocab, seed=rep))
                 except Exception as e:
                     drop(kind, e)
                     continue
+                full = full_batch_decode(stats_lines(log, start), batch)
                 res["runs"].append({"rep": rep, "batch": batch, "kind": kind, "engine": engine, "routes": routes,
-                                    "tokens_per_s": tps, "seconds": dt, "client_decode_s": dec})
+                                    "tokens_per_s": tps, "seconds": dt, "client_decode_s": dec,
+                                    "engine_decode_tokens_per_s": full["tokens_per_s"],
+                                    "engine_decode_lines": full["lines"]})
                 print(f"[rollout] rep {rep} batch {batch} {kind}: {tps:.0f} tokens/s", flush=True)
                 if spy is not None:
                     _, err = spy.communicate(timeout=a.py_spy + 60)
@@ -300,6 +312,10 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
             r = _ratios(res["runs"], batch, k, "on")
             s |= {f"{k}_median": med[k], f"{k}_vs_on_median": r["median"], f"{k}_vs_on_min": r["min"],
                   f"{k}_vs_on_max": r["max"], f"{k}_vs_on_per_rep": r["per_rep"]}
+            d = _ratios(res["runs"], batch, k, "on", "engine_decode_tokens_per_s")
+            if d:  # decode alone, as the engines logged it while the batch was full
+                s |= {f"{k}_decode_vs_on_median": d["median"], f"{k}_decode_vs_on_min": d["min"],
+                      f"{k}_decode_vs_on_max": d["max"], f"{k}_decode_vs_on_per_rep": d["per_rep"]}
         summary[f"batch{batch}"] = s
     res["payload"] = asyncio.run(_routes_payload(urls["routes"], codec, a.prompt_len, a.new, vocab))
     for s in summary.values():  # the same engine, so the same payload at every batch size
@@ -458,6 +474,8 @@ def headline(report: dict, name: str) -> str:
                       f"{s['routes_on_vs_plain_max']:.3f}), plain {s['plain_median']:.0f} tok/s")
             for k in r["kinds"][3 if "plain" in r["kinds"] else 2:]:
                 x += f", {k}/on {s[f'{k}_vs_on_median']:.3f} ({s[f'{k}_vs_on_min']:.3f}-{s[f'{k}_vs_on_max']:.3f})"
+                if f"{k}_decode_vs_on_median" in s:
+                    x += f" [decode alone {s[f'{k}_decode_vs_on_median']:.3f}]"
             parts.append(x + f", on {s['routes_on_median']:.0f} tok/s")
         starts = ", ".join(f"{k.removesuffix('_engine_start_s')} {v:.0f} s" for k, v in r.items()
                            if k.endswith("_engine_start_s"))
@@ -683,7 +701,8 @@ def main() -> int:
                 if name == "rollout":
                     report["rollout"] = rollout_section({k: e.url for k, e in engines.items()}, codec,
                                                         bridge.vocab_size, a,
-                                                        {k: e.proc.pid for k, e in engines.items()})
+                                                        {k: e.proc.pid for k, e in engines.items()},
+                                                        {k: e.log_path for k, e in engines.items()})
                     for k, v in starts.items():
                         report["rollout"][f"{k}_engine_start_s"] = v
                     for k in engines.keys() - {"routes", "fp8"}:

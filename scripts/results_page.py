@@ -169,6 +169,8 @@ def _rollout(r):
             if f"{kind}_vs_on_median" in s:
                 line += (f"; **{kind} / on {s[f'{kind}_vs_on_median']:.2f}** ({s[f'{kind}_vs_on_min']:.2f}-"
                          f"{s[f'{kind}_vs_on_max']:.2f})")
+                if f"{kind}_decode_vs_on_median" in s:
+                    line += f", decode alone {s[f'{kind}_decode_vs_on_median']:.2f}"
         out.append(line)
     if get(r, "payload.bytes_per_token"):
         out.append(f"routes {get(r, 'payload.bytes_per_token'):.0f} base64 bytes/token")
@@ -443,9 +445,10 @@ def sync_profile(d):
     if "result" in d:  # one run, summarized at the top
         r, ph = d["result"], d["result"]["sync_phases_median_s"]
         lo, hi = r["sync_vs_raw_p25_p75"]
-        return [f"**sync/raw {r['sync_vs_raw']:.2f}** (p25-p75 {lo:.2f}-{hi:.2f}): sync {1e3 * r['sync_median_s']:.0f} ms, "
-                f"raw {1e3 * r['raw_median_s']:.0f} ms; pause {1e3 * ph['pause']:.1f}, push {1e3 * ph['push']:.1f}, "
-                f"finish {1e3 * ph['finish']:.1f} ms; request to runner {1e3 * r['request_latency_median_s']:.1f} ms"]
+        return [f"**sync/raw {r['sync_vs_raw']:.2f}** (p25-p75 {lo:.2f}-{hi:.2f}): "
+                f"sync {1e3 * r['sync_median_s']:.0f} ms, raw {1e3 * r['raw_median_s']:.0f} ms; "
+                f"pause {1e3 * ph['pause']:.1f}, push {1e3 * ph['push']:.1f}, finish {1e3 * ph['finish']:.1f} ms; "
+                f"request to runner {1e3 * r['request_latency_median_s']:.1f} ms"]
     out = []
     for name, r in d["runs"].items():
         measured = [u["engine_gpu_receive_s"] for u in r["engine_per_update"] if u["kind"] == "measured"]

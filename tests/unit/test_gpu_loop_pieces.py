@@ -303,3 +303,80 @@ def test_engine_profile_sums_kernels_by_what_they_compute(tmp_path):
     cpu.write_text(json.dumps({"traceEvents": events[4:]}))
     c = summarize_trace(str(cpu), steps=1)
     assert c["events"] == "cpu_ops" and c["count"] == 1 and c["ms_per_step"] == {"gemm": 5.0}
+
+
+# lines of a real SGLang 0.5.14 engine log (the 30B slice at 256 in flight on an H200)
+_PREFILL = ("[2026-11-29 16:30:27] Prefill batch, #new-seq: 14, #new-token: 2989, #cached-token: 1531, token usage: "
+            "0.00, #running-req: 241, #queue-req: 1, #pending-token: 284, cuda graph: True, input throughput "
+            "(token/s): 233516.88")
+
+
+def _decode(running: int, tps: float, queue: int = 0) -> str:
+    return (f"[2026-11-29 16:30:27] Decode batch, #running-req: {running}, #token: 31800, token usage: 0.01, "
+            f"cuda graph: True, gen throughput (token/s): {tps:.2f}, #queue-req: {queue}")
+
+
+def test_full_batch_decode_keeps_only_lines_of_decode_alone(tmp_path):
+    """A decode line counts when the line before it was a decode line (no prefill, no idle time before a
+    run in its interval), the batch was at least 90% full and nothing waited; lines before the offset are
+    another run's."""
+    from _engine_log import full_batch_decode, log_size, stats_lines
+
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join([_decode(256, 99999.0), _decode(256, 99999.0)]) + "\n")
+    start = log_size(str(log))
+    with open(log, "a") as f:
+        f.write("\n".join([
+            "[2026-11-29 16:30:26] INFO: 127.0.0.1 - \"POST /generate HTTP/1.1\" 200 OK",
+            _PREFILL,
+            _decode(255, 1898.43, queue=1),  # spans the prefills
+            _decode(256, 40000.0),           # after a decode line, queue 1 before it: counts
+            _PREFILL,
+            _decode(256, 30000.0),           # spans a prefill
+            _decode(256, 42000.0),
+            _decode(256, 44000.0),
+            _decode(200, 35000.0),           # the batch is draining
+            _decode(256, 43000.0, queue=3),  # requests waiting
+        ]) + "\n")
+    lines = stats_lines(str(log), start)
+    assert [r["kind"] for r in lines] == ["prefill", "decode", "decode", "prefill"] + ["decode"] * 5
+    assert lines[0]["running"] == 241 and lines[0]["input_tokens_per_s"] == 233516.88
+    assert lines[1] == {"kind": "decode", "running": 255.0, "gen_tokens_per_s": 1898.43, "queue": 1.0}
+    full = full_batch_decode(lines, 256)
+    assert full == {"tokens_per_s": 42000.0, "lines": 3}
+    assert full_batch_decode(stats_lines(str(log)), 256)["lines"] == 4  # from the start: the earlier run's too
+    assert full_batch_decode(lines[:3], 256) == {"tokens_per_s": 40000.0, "lines": 1}
+    assert full_batch_decode(lines[:2], 256) == {"tokens_per_s": None, "lines": 0}
+    assert stats_lines(str(tmp_path / "missing.log")) == [] and log_size(None) == 0
+
+
+def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, monkeypatch):
+    """Each run reads the decode lines its engine logged during it; the compared kind's decode-alone ratio
+    against the routes engine goes in the summary beside the whole-run ratio."""
+    import types
+
+    import gpu_loop
+
+    logs = {"routes": str(tmp_path / "engine.log"), "fp8": str(tmp_path / "fp8_engine.log")}
+    decode = {"http://routes": 30000.0, "http://fp8": 39000.0}
+
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+        with open(logs["fp8" if "fp8" in url else "routes"], "a") as f:  # the engine logging as it serves
+            f.write("\n".join([_PREFILL] + [_decode(batch, decode[url] + seed)] * 3) + "\n")
+        return [], {"http://routes": 1000.0, "http://fp8": 1200.0}[url], 1.0, 0.0
+
+    async def payload(url, codec, prompt_len, new, vocab):
+        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
+
+    monkeypatch.setattr(gpu_loop, "_workload", workload)
+    monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
+    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
+                              engine_profile=0)
+    res = gpu_loop.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a,
+                                   logs=logs)
+    runs = {(r["kind"], r["rep"]): r for r in res["runs"]}
+    assert runs[("fp8", 1)]["engine_decode_tokens_per_s"] == 39001.0 and runs[("fp8", 1)]["engine_decode_lines"] == 2
+    assert runs[("on", 0)]["engine_decode_tokens_per_s"] == 30000.0
+    s = res["summary"]["batch256"]
+    assert s["fp8_vs_on_median"] == 1.2
+    assert s["fp8_decode_vs_on_per_rep"] == [1.3, 39001.0 / 30001.0]

@@ -1,0 +1,58 @@
+"""SGLang's scheduler statistics, read back from an engine's log: the decode throughput it reports while a
+batch is full, which separates decoding from prefill in a rollout's tokens/s.
+
+SGLang logs a "Decode batch" line every ``decode_log_interval`` decode steps with the tokens generated
+since its last such line over the time since then, and a "Prefill batch" line for every prefill. So a
+decode line's figure is decode alone only when the line before it was a decode line too: otherwise its
+interval holds prefills, or the idle time before a run."""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+
+_KIND = re.compile(r"\b(Prefill|Decode) batch\b[^,]*,(.*)$")
+_FIELD = re.compile(r"\s*([^:,]+):\s*([^,]+)")
+_NAMES = {"#running-req": "running", "#queue-req": "queue", "#new-seq": "new_seq", "#new-token": "new_tokens",
+          "gen throughput (token/s)": "gen_tokens_per_s", "input throughput (token/s)": "input_tokens_per_s"}
+
+
+def log_size(path: str | None) -> int:
+    """Where the log ends now (0 when there is none yet): the offset a run's lines start after."""
+    return os.path.getsize(path) if path and os.path.exists(path) else 0
+
+
+def stats_lines(path: str | None, start: int = 0) -> list[dict]:
+    """The scheduler's prefill and decode lines of the log from byte ``start`` on, in order: {"kind":
+    "prefill"|"decode", and the numeric fields SGLang prints (running, queue, gen_tokens_per_s, ...)}."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        m = _KIND.search(line)
+        if not m:
+            continue
+        row: dict = {"kind": m.group(1).lower()}
+        for key, value in _FIELD.findall(m.group(2)):
+            name = _NAMES.get(key.strip())
+            if name:
+                try:
+                    row[name] = float(value)
+                except ValueError:
+                    continue
+        out.append(row)
+    return out
+
+
+def full_batch_decode(lines: list[dict], batch: int, share: float = 0.9) -> dict:
+    """The decode tokens/s SGLang reported while at least ``share`` of ``batch`` requests ran and none
+    waited, counting only lines whose interval held no prefill (the line before them was a decode line):
+    {"tokens_per_s": their median, or None without such a line, "lines": how many}."""
+    kept = [cur["gen_tokens_per_s"] for prev, cur in zip(lines, lines[1:])
+            if prev["kind"] == cur["kind"] == "decode" and "gen_tokens_per_s" in cur
+            and cur.get("running", 0) >= share * batch and cur.get("queue", 1) == 0]
+    return {"tokens_per_s": statistics.median(kept) if kept else None, "lines": len(kept)}
