@@ -192,10 +192,15 @@ dist.all_gather_object(box, check)
 if layout.world_rank == 0:
     merged = {k: max(c[k] for c in box if k in c) for k in sorted({k for c in box for k in c})}
     med = {k: statistics.median(v) for k, v in times.items()}
+    # each repetition runs both modes back to back (order flipped every repetition): its ratio pairs
+    # steps that shared the host's state, which the ratio of the two medians does not
+    paired = sorted(n / f for n, f in zip(times["on"], times["off"]))
+    q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
     dp = layout.dp.size
     json.dump({"off_s": times["off"], "on_s": times["on"], "off_median_s": med["off"], "on_median_s": med["on"],
                "off_min_s": min(times["off"]), "on_min_s": min(times["on"]),
                "ratio_median": med["on"] / med["off"], "ratio_min": min(times["on"]) / min(times["off"]),
+               "ratio_paired_median": statistics.median(paired), "ratio_paired_p25_p75": [q[0], q[2]],
                "tokens_per_step": a.micro_batches * a.batch * a.seq * dp, "dp": dp,
                "moe_layers_local": len(rs.moe_columns),
                "cpu_s_median": {k: statistics.median(v) for k, v in cpu_s.items()},

@@ -41,6 +41,9 @@
 #   fp8sync tests/gpu/fp8_sync.sh: an FP8 weight sync into an engine serving the run's block-FP8 export (2 GPUs:
 #           trainer on the first, engine on the second, NCCL; one GPU: both on it, CUDA IPC), engine tensors vs
 #           the trainer's quantization bit for bit
+#   keeprouting tests/gpu/keep_routing_bench.sh on the 490M model: routing mismatch, Keep Routing's step overhead
+#           (replay on / off, TP2+SP and EP2, the median of per-repetition ratios), rl_step against bare megatron
+#           (BENCHES and ARGS_<bench> pass through, e.g. BENCHES=replay_overhead ARGS_replay_overhead="--reps 16")
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded
@@ -88,6 +91,7 @@ job() {  # name gpus te
       mismatch) STEPS=${MISMATCH_STEPS:-60} EXTRA=${MISMATCH_EXTRA:-} TIMEOUT=$TIMEOUT \
                   bash tests/gpu/mismatch_split.sh "$WORK/mismatch" ;;
       parity) timeout "$TIMEOUT" bash tests/gpu/parity.sh "$WORK/parity" ;;
+      keeprouting) timeout "$TIMEOUT" bash tests/gpu/keep_routing_bench.sh "$WORK/keeprouting" ;;
       fp8quant) timeout "$TIMEOUT" bash tests/gpu/fp8_quant.sh "$WORK/fp8quant" ;;
       fp8sync) timeout "$TIMEOUT" bash tests/gpu/fp8_sync.sh "$WORK/fp8sync" ;;
       # shellcheck disable=SC2086
