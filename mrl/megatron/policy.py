@@ -386,7 +386,9 @@ class Policy:
         finally:
             del self.optimizer.prepare_grads  # the class's own again
         self.collector.after_step()  # RL and SFT steps, taken or skipped: every rank counts the same
-        if verdict.get("nonfinite", bool(bad.item())):
+        # read here only when megatron's step returned before asking (its own found-inf): a second read
+        # would wait for the optimizer's kernels for nothing
+        if verdict["nonfinite"] if "nonfinite" in verdict else bool(bad.item()):
             return None
         return ok, grad_norm
 
