@@ -243,7 +243,7 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
     extra = [k for k in urls if k not in ("routes", "plain")]
     kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls] + extra
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
-           "runs": [], "dropped": {}}
+           "pairs": list(getattr(a, "pair", [])), "runs": [], "dropped": {}}
 
     def drop(kind: str, e: Exception) -> None:
         """An engine compared with the routes one (an FP8 kernel variant) that fails a request loses its
@@ -308,14 +308,20 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
             s |= {"plain_median": med["plain"], "routes_on_vs_plain_median": r["median"],
                   "routes_on_vs_plain_min": r["min"], "routes_on_vs_plain_max": r["max"],
                   "routes_off_vs_plain_median": _ratios(res["runs"], batch, "off", "plain")["median"]}
-        for k in extra:  # the same workload, routes on, on another engine
-            r = _ratios(res["runs"], batch, k, "on")
-            s |= {f"{k}_median": med[k], f"{k}_vs_on_median": r["median"], f"{k}_vs_on_min": r["min"],
-                  f"{k}_vs_on_max": r["max"], f"{k}_vs_on_per_rep": r["per_rep"]}
-            d = _ratios(res["runs"], batch, k, "on", "engine_decode_tokens_per_s")
+        pairs = [(k, "on") for k in extra] + [tuple(p.split(":", 1)) for p in res["pairs"]]
+        for num, den in pairs:  # the same workload, routes on, on another engine (or between two such)
+            if num in res["dropped"] or den in res["dropped"]:
+                continue  # a dropped kind: no ratio
+            r, tag = _ratios(res["runs"], batch, num, den), f"{num}_vs_{den}"
+            if den == "on":
+                s[f"{num}_median"] = med[num]
+            s |= {f"{tag}_median": r["median"], f"{tag}_min": r["min"], f"{tag}_max": r["max"],
+                  f"{tag}_per_rep": r["per_rep"]}
+            d = _ratios(res["runs"], batch, num, den, "engine_decode_tokens_per_s")
             if d:  # decode alone, as the engines logged it while the batch was full
-                s |= {f"{k}_decode_vs_on_median": d["median"], f"{k}_decode_vs_on_min": d["min"],
-                      f"{k}_decode_vs_on_max": d["max"], f"{k}_decode_vs_on_per_rep": d["per_rep"]}
+                tag = f"{num}_decode_vs_{den}"
+                s |= {f"{tag}_median": d["median"], f"{tag}_min": d["min"], f"{tag}_max": d["max"],
+                      f"{tag}_per_rep": d["per_rep"]}
         summary[f"batch{batch}"] = s
     res["payload"] = asyncio.run(_routes_payload(urls["routes"], codec, a.prompt_len, a.new, vocab))
     for s in summary.values():  # the same engine, so the same payload at every batch size
@@ -476,6 +482,10 @@ def headline(report: dict, name: str) -> str:
                 x += f", {k}/on {s[f'{k}_vs_on_median']:.3f} ({s[f'{k}_vs_on_min']:.3f}-{s[f'{k}_vs_on_max']:.3f})"
                 if f"{k}_decode_vs_on_median" in s:
                     x += f" [decode alone {s[f'{k}_decode_vs_on_median']:.3f}]"
+            for p in r.get("pairs", []):
+                num, den = p.split(":")
+                if f"{num}_vs_{den}_median" in s:
+                    x += f", {num}/{den} {s[f'{num}_vs_{den}_median']:.3f}"
             parts.append(x + f", on {s['routes_on_median']:.0f} tok/s")
         starts = ", ".join(f"{k.removesuffix('_engine_start_s')} {v:.0f} s" for k, v in r.items()
                            if k.endswith("_engine_start_s"))
@@ -595,6 +605,9 @@ def main() -> int:
                          "fp8kv='{\"kv_cache_dtype\":\"fp8_e4m3\"}'; two keys are not server args: "
                          "mrl_pythonpath (prepended to the engine's PYTHONPATH, e.g. the stack's deepgemm "
                          "folder) and mrl_env (more environment)")
+    ap.add_argument("--pair", action="append", default=[], metavar="NUM:DEN",
+                    help="rollout: also the per-repetition ratio of two kinds other than on/off, e.g. "
+                         "fp8fa3np:fa3np (an FP8 engine against the bf16 engine with the same server args)")
     ap.add_argument("--sync-transport", default="distributed", choices=["distributed", "tensor"],
                     help="sync: tensor = CUDA IPC into engines on the trainer's GPU (one GPU for all)")
     ap.add_argument("--variant-gpu", default=None, help="--variant engines' (first) GPU (default --engine-gpu)")
@@ -638,6 +651,13 @@ def main() -> int:
         ap.error(f"--engine-env takes KEY=VALUE: got {a.engine_env}")
     if a.py_spy and not shutil.which(a.py_spy_bin):
         ap.error(f"--py-spy: no py-spy at {a.py_spy_bin!r} (give --py-spy-bin)")
+    named = {"on", "off", *(["plain"] if a.plain_engine_gpu is not None else []),
+             *(["fp8"] if a.fp8_engine_gpu is not None else []),
+             *(v.partition("=")[0] for v in a.variant + a.fp8_variant)}
+    for p in a.pair:
+        num, sep, den = p.partition(":")
+        if not sep or num not in named or den not in named:
+            ap.error(f"--pair {p!r}: give NUM:DEN, two of the run's kinds {sorted(named)}")
     os.makedirs(a.out, exist_ok=True)
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 

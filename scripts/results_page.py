@@ -171,6 +171,12 @@ def _rollout(r):
                          f"{s[f'{kind}_vs_on_max']:.2f})")
                 if f"{kind}_decode_vs_on_median" in s:
                     line += f", decode alone {s[f'{kind}_decode_vs_on_median']:.2f}"
+        for pair in r.get("pairs") or []:  # two compared engines against each other
+            num, den = pair.split(":")
+            if f"{num}_vs_{den}_median" in s:
+                line += f"; **{num} / {den} {s[f'{num}_vs_{den}_median']:.2f}**"
+                if f"{num}_decode_vs_{den}_median" in s:
+                    line += f", decode alone {s[f'{num}_decode_vs_{den}_median']:.2f}"
         out.append(line)
     if get(r, "payload.bytes_per_token"):
         out.append(f"routes {get(r, 'payload.bytes_per_token'):.0f} base64 bytes/token")

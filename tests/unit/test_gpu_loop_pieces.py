@@ -380,3 +380,46 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
     s = res["summary"]["batch256"]
     assert s["fp8_vs_on_median"] == 1.2
     assert s["fp8_decode_vs_on_per_rep"] == [1.3, 39001.0 / 30001.0]
+
+
+def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
+    """--pair NUM:DEN: an FP8 engine against the bf16 engine with the same server args, per repetition and
+    for decode alone; a pair with a dropped kind gives no ratio."""
+    import types
+
+    import gpu_loop
+
+    urls = {"routes": "http://routes", "fa3": "http://fa3", "fp8fa3": "http://fp8fa3", "bad": "http://bad"}
+    logs = {k: str(tmp_path / f"{k}.log") for k in urls}
+    speed = {"routes": 1000.0, "fa3": 1100.0, "fp8fa3": 1430.0}
+
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+        kind = url.removeprefix("http://")
+        if kind == "bad" and batch > 8:
+            raise RuntimeError("engine died")
+        with open(logs[kind], "a") as f:
+            f.write("\n".join([_PREFILL] + [_decode(batch, 30 * speed.get(kind, 1.0))] * 3) + "\n")
+        return [], speed.get(kind, 900.0), 1.0, 0.0
+
+    async def payload(url, codec, prompt_len, new, vocab):
+        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
+
+    monkeypatch.setattr(gpu_loop, "_workload", workload)
+    monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
+    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
+                              engine_profile=0, pair=["fp8fa3:fa3", "bad:fa3"])
+    s = gpu_loop.rollout_section(urls, object(), 64, a, logs=logs)["summary"]["batch256"]
+    assert s["fp8fa3_vs_fa3_median"] == 1.3 and len(s["fp8fa3_vs_fa3_per_rep"]) == 2
+    assert abs(s["fp8fa3_decode_vs_fa3_median"] - 1.3) < 1e-12
+    assert s["fp8fa3_vs_on_median"] == 1.43 and s["fa3_vs_on_median"] == 1.1
+    assert not any(k.startswith("bad_") for k in s)
+
+
+def test_gpu_loop_refuses_a_pair_of_unknown_kinds():
+    import subprocess
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_loop.py")
+    r = subprocess.run([sys.executable, bench, "--cpu", "--variant", "fa3np={}", "--pair", "fp8fa3np:fa3np",
+                        "--out", "/nonexistent/never"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "--pair 'fp8fa3np:fa3np'" in r.stderr and "'fa3np'" in r.stderr
