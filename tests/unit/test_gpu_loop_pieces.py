@@ -1,5 +1,6 @@
-"""The pieces of bench/gpu_loop.py that run only on GPU hosts otherwise: the random checkpoint writer,
-the merge of Keep Routing records over ranks, and the engine TP shards of the bitwise check."""
+"""The pieces of bench/gpu_loop.py and its rollout section that run only on GPU hosts otherwise: the random
+checkpoint writer, the merge of Keep Routing records over ranks, the engine TP shards of the bitwise check,
+the rollout kinds and their ratios, what the engines' logs and py-spy say."""
 
 import os
 import sys
@@ -182,7 +183,7 @@ def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, 
     report; the routes engine's kinds and a working variant keep their per-repetition ratios."""
     import types
 
-    import gpu_loop
+    import _rollout_section as rollouts
 
     served = []
 
@@ -196,11 +197,11 @@ def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, 
     async def payload(url, codec, prompt_len, new, vocab):
         return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
 
-    monkeypatch.setattr(gpu_loop, "_workload", workload)
-    monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
+    monkeypatch.setattr(rollouts, "workload", workload)
+    monkeypatch.setattr(rollouts, "routes_payload", payload)
     a = types.SimpleNamespace(batches=[16, 32], prompt_len=4, new=4, reps=3, out=str(tmp_path), py_spy=0,
                               engine_profile=0)
-    res = gpu_loop.rollout_section({"routes": "http://routes", "good": "http://good", "bad": "http://bad"},
+    res = rollouts.rollout_section({"routes": "http://routes", "good": "http://good", "bad": "http://bad"},
                                    object(), 64, a)
     assert res["kinds"] == ["off", "on", "good"]
     assert "engine died" in res["dropped"]["bad"]
@@ -217,23 +218,23 @@ def test_rollout_section_does_not_drop_the_routes_engine(tmp_path, monkeypatch):
     """The routes engine is the baseline of every ratio: its failure fails the section."""
     import types
 
-    import gpu_loop
+    import _rollout_section as rollouts
     import pytest
 
     async def workload(url, codec, batch, prompt_len, new, vocab, seed):
         raise RuntimeError("routes engine down")
 
-    monkeypatch.setattr(gpu_loop, "_workload", workload)
+    monkeypatch.setattr(rollouts, "workload", workload)
     a = types.SimpleNamespace(batches=[16], prompt_len=4, new=4, reps=1, out=str(tmp_path), py_spy=0,
                               engine_profile=0)
     with pytest.raises(RuntimeError, match="routes engine down"):
-        gpu_loop.rollout_section({"routes": "http://routes", "good": "http://good"}, object(), 64, a)
+        rollouts.rollout_section({"routes": "http://routes", "good": "http://good"}, object(), 64, a)
 
 
 def test_spy_summary_measures_how_long_the_scheduler_waits_for_the_gpu(tmp_path):
     """py-spy's raw output (collapsed stacks under the process frames, a count per stack) -> the share of
     the scheduler's samples blocked on the GPU's event, per process."""
-    import gpu_loop
+    import _rollout_section as rollouts
 
     sched = 'process 10:"python3 -m sglang.launch_server";process 12:"sglang::scheduler";event_loop_overlap (s.py:1)'
     raw = tmp_path / "spy.txt"
@@ -242,10 +243,10 @@ def test_spy_summary_measures_how_long_the_scheduler_waits_for_the_gpu(tmp_path)
         f"{sched};run_batch (s.py:5);sampling_from_probs_torch (sampler.py:656) 50\n"
         f"{sched};recv_requests (s.py:7);Socket.recv_pyobj (zmq/sugar/socket.py:1033) 20\n"
         'process 10:"python3 -m sglang.launch_server";Runner.run (asyncio/runners.py:118) 40\n')
-    s = gpu_loop.spy_summary(str(raw))
+    s = rollouts.spy_summary(str(raw))
     sched_name = next(k for k in s if "scheduler" in k)
     assert s[sched_name]["samples"] == 100
-    assert abs(gpu_loop.scheduler_gpu_wait(s) - 0.30) < 1e-12
+    assert abs(rollouts.scheduler_gpu_wait(s) - 0.30) < 1e-12
     server = next(k for k in s if "scheduler" not in k)
     assert s[server]["waits_on_gpu"] == 0.0 and s[server]["samples"] == 40
 
@@ -355,7 +356,7 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
     against the routes engine goes in the summary beside the whole-run ratio."""
     import types
 
-    import gpu_loop
+    import _rollout_section as rollouts
 
     logs = {"routes": str(tmp_path / "engine.log"), "fp8": str(tmp_path / "fp8_engine.log")}
     decode = {"http://routes": 30000.0, "http://fp8": 39000.0}
@@ -368,11 +369,11 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
     async def payload(url, codec, prompt_len, new, vocab):
         return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
 
-    monkeypatch.setattr(gpu_loop, "_workload", workload)
-    monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
+    monkeypatch.setattr(rollouts, "workload", workload)
+    monkeypatch.setattr(rollouts, "routes_payload", payload)
     a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
                               engine_profile=0)
-    res = gpu_loop.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a,
+    res = rollouts.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a,
                                    logs=logs)
     runs = {(r["kind"], r["rep"]): r for r in res["runs"]}
     assert runs[("fp8", 1)]["engine_decode_tokens_per_s"] == 39001.0 and runs[("fp8", 1)]["engine_decode_lines"] == 2
@@ -387,7 +388,7 @@ def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
     for decode alone; a pair with a dropped kind gives no ratio."""
     import types
 
-    import gpu_loop
+    import _rollout_section as rollouts
 
     urls = {"routes": "http://routes", "fa3": "http://fa3", "fp8fa3": "http://fp8fa3", "bad": "http://bad"}
     logs = {k: str(tmp_path / f"{k}.log") for k in urls}
@@ -404,11 +405,11 @@ def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
     async def payload(url, codec, prompt_len, new, vocab):
         return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
 
-    monkeypatch.setattr(gpu_loop, "_workload", workload)
-    monkeypatch.setattr(gpu_loop, "_routes_payload", payload)
+    monkeypatch.setattr(rollouts, "workload", workload)
+    monkeypatch.setattr(rollouts, "routes_payload", payload)
     a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
                               engine_profile=0, pair=["fp8fa3:fa3", "bad:fa3"])
-    s = gpu_loop.rollout_section(urls, object(), 64, a, logs=logs)["summary"]["batch256"]
+    s = rollouts.rollout_section(urls, object(), 64, a, logs=logs)["summary"]["batch256"]
     assert s["fp8fa3_vs_fa3_median"] == 1.3 and len(s["fp8fa3_vs_fa3_per_rep"]) == 2
     assert abs(s["fp8fa3_decode_vs_fa3_median"] - 1.3) < 1e-12
     assert s["fp8fa3_vs_on_median"] == 1.43 and s["fa3_vs_on_median"] == 1.1
