@@ -433,20 +433,6 @@ def trace_gaps(trace_path: str, steps: int, min_gap_us: float = 50.0, top: int =
             "by_site": sorted(sites.values(), key=lambda s: -s["gap_us"])}
 
 
-ENGINE_MARKS = ("Init torch distributed", "Load weight", "KV Cache is allocated", "Memory pool end", "Capture",
-                "piecewise", "Compil", "max_total_num_tokens", "Uvicorn running", "fired up")
-
-
-def engine_timeline(log_dir: str) -> dict[str, list[str]]:
-    """The lines of each engine's log that mark its start phases (SGLang stamps them with the time)."""
-    out = {}
-    if os.path.isdir(log_dir):
-        for name in sorted(os.listdir(log_dir)):
-            with open(os.path.join(log_dir, name), errors="replace") as f:
-                out[name] = [line.rstrip()[:300] for line in f if any(m in line for m in ENGINE_MARKS)]
-    return out
-
-
 def timed(fn) -> float:
     """Wall time of ``fn()`` on the slowest rank (barrier before, CUDA synchronised around)."""
     import time

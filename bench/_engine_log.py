@@ -1,5 +1,5 @@
-"""SGLang's scheduler statistics, read back from an engine's log: the decode throughput it reports while a
-batch is full, which separates decoding from prefill in a rollout's tokens/s.
+"""What SGLang engines write in their logs, read back for benchmarks: the lines that mark an engine's start
+phases, what mrl's patches say about each weight bucket's load, and the scheduler's statistics.
 
 SGLang logs a "Decode batch" line every ``decode_log_interval`` decode steps with the tokens generated
 since its last such line over the time since then, and a "Prefill batch" line for every prefill. So a
@@ -56,3 +56,37 @@ def full_batch_decode(lines: list[dict], batch: int, share: float = 0.9) -> dict
             if prev["kind"] == cur["kind"] == "decode" and "gen_tokens_per_s" in cur
             and cur.get("running", 0) >= share * batch and cur.get("queue", 1) == 0]
     return {"tokens_per_s": statistics.median(kept) if kept else None, "lines": len(kept)}
+
+
+ENGINE_MARKS = ("Init torch distributed", "Load weight", "KV Cache is allocated", "Memory pool end", "Capture",
+                "piecewise", "Compil", "max_total_num_tokens", "Uvicorn running", "fired up")
+
+
+def engine_timeline(log_dir: str) -> dict[str, list[str]]:
+    """The lines of each engine's log that mark its start phases (SGLang stamps them with the time)."""
+    out = {}
+    if os.path.isdir(log_dir):
+        for name in sorted(os.listdir(log_dir)):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                out[name] = [line.rstrip()[:300] for line in f if any(m in line for m in ENGINE_MARKS)]
+    return out
+
+
+def engine_load_lines(log_dir: str) -> dict:
+    """What the engine logs say about its bucket loads (``mrl.engine.patches``): layouts replayed
+    as copies, layouts left to ``load_weights`` and why (a refused layout costs the model's per-tensor
+    load on every sync)."""
+    from mrl.engine.patches import REPLAYED_LOAD_MARK
+
+    out = {"replayed_as_copies": 0, "load_weights": 0, "load_weights_reasons": []}
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            for line in f:
+                if REPLAYED_LOAD_MARK in line:
+                    out["replayed_as_copies"] += 1
+                elif "mrl: bucket layout loads through load_weights" in line:
+                    out["load_weights"] += 1
+                    why = line.split(":", 2)[-1].strip()[:300]
+                    if why not in out["load_weights_reasons"] and len(out["load_weights_reasons"]) < 10:
+                        out["load_weights_reasons"].append(why)
+    return out

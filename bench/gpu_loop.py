@@ -55,7 +55,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(1, ROOT)  # tests.jobs.replay_check reads the replay records
 
-from _bench_common import engine_timeline  # noqa: E402
+from _engine_log import engine_load_lines, engine_timeline  # noqa: E402
 from _rollout_section import rollout_section, workload  # noqa: E402
 from _random_checkpoint import SHAPES, make_checkpoint  # noqa: E402
 
@@ -289,26 +289,6 @@ def sync_section(url, a, hf: str, out: str, engine_device: str, fp8_url: str | N
         report = json.load(f)
     report["engine_load_lines"] = engine_load_lines(os.path.join(a.out, "engines"))
     return report
-
-
-def engine_load_lines(log_dir: str) -> dict:
-    """What the engine logs say about its bucket loads (``mrl.engine.patches``): layouts replayed
-    as copies, layouts left to ``load_weights`` and why (a refused layout costs the model's per-tensor
-    load on every sync)."""
-    from mrl.engine.patches import REPLAYED_LOAD_MARK
-
-    out = {"replayed_as_copies": 0, "load_weights": 0, "load_weights_reasons": []}
-    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
-        with open(os.path.join(log_dir, name), errors="replace") as f:
-            for line in f:
-                if REPLAYED_LOAD_MARK in line:
-                    out["replayed_as_copies"] += 1
-                elif "mrl: bucket layout loads through load_weights" in line:
-                    out["load_weights"] += 1
-                    why = line.split(":", 2)[-1].strip()[:300]
-                    if why not in out["load_weights_reasons"] and len(out["load_weights_reasons"]) < 10:
-                        out["load_weights_reasons"].append(why)
-    return out
 
 
 def main() -> int:

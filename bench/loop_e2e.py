@@ -46,7 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _bench_common import engine_timeline, environment  # noqa: E402
+from _bench_common import environment  # noqa: E402
+from _engine_log import engine_timeline  # noqa: E402
 from mrl.startup import LAUNCHED_AT  # noqa: E402
 
 

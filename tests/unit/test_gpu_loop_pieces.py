@@ -140,7 +140,7 @@ def test_sync_profile_summaries(tmp_path):
     """--sync-profile's summaries: per-bucket medians over syncs (and per-sync phase totals), and the engine
     log's load lines counted with the reasons a layout was left to load_weights."""
     from _live_sync_worker import _medians
-    from gpu_loop import engine_load_lines
+    from _engine_log import engine_load_lines
 
     from mrl.engine.patches import REPLAYED_LOAD_MARK
 
