@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -64,6 +65,12 @@ def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
     if dev == "cuda":  # the workers that follow need this GPU's memory, not this process's cache
         torch.cuda.empty_cache()
     return path
+
+
+def spread(xs: list[float]) -> dict:
+    """The figures every bench quotes for repeated measurements: median, p25-p75, min and max."""
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "min": min(xs), "max": max(xs)}
 
 
 def torchrun(nproc: int, script: str, args: list[str], *, timeout: float | None = None) -> None:

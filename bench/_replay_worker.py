@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from _bench_common import record_routes
+from _bench_common import record_routes, spread
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron import compat
 from mrl.megatron.packing import first_fit_decreasing, pack_micro_batches
@@ -194,13 +194,12 @@ if layout.world_rank == 0:
     med = {k: statistics.median(v) for k, v in times.items()}
     # each repetition runs both modes back to back (order flipped every repetition): its ratio pairs
     # steps that shared the host's state, which the ratio of the two medians does not
-    paired = sorted(n / f for n, f in zip(times["on"], times["off"]))
-    q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
+    paired = spread([n / f for n, f in zip(times["on"], times["off"])])
     dp = layout.dp.size
     json.dump({"off_s": times["off"], "on_s": times["on"], "off_median_s": med["off"], "on_median_s": med["on"],
                "off_min_s": min(times["off"]), "on_min_s": min(times["on"]),
                "ratio_median": med["on"] / med["off"], "ratio_min": min(times["on"]) / min(times["off"]),
-               "ratio_paired_median": statistics.median(paired), "ratio_paired_p25_p75": [q[0], q[2]],
+               "ratio_paired_median": paired["median"], "ratio_paired_p25_p75": [paired["p25"], paired["p75"]],
                "tokens_per_step": a.micro_batches * a.batch * a.seq * dp, "dp": dp,
                "moe_layers_local": len(rs.moe_columns),
                "cpu_s_median": {k: statistics.median(v) for k, v in cpu_s.items()},

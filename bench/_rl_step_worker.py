@@ -24,7 +24,7 @@ import statistics
 import numpy as np
 import torch
 
-from _bench_common import record_routes, timed
+from _bench_common import record_routes, spread, timed
 from mrl.algo import compute_policy_loss, loss_normalizer
 from mrl.config.schema import Config, DType, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron import compat
@@ -254,11 +254,6 @@ phases = phase_times(a.phases) if a.phases else None
 mb_s = []  # host time of Policy's batch -> micro-batches path alone (part of rl_step and rl_fb)
 for c in cases[a.warmup:a.warmup + 4]:
     mb_s.append(timed(lambda c=c: policy.micro_batches(c.batch, True)))
-
-
-def spread(v: list[float]) -> dict:
-    q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
-    return {"min": min(v), "p25": q[0], "median": statistics.median(v), "p75": q[2], "max": max(v)}
 
 
 def paired(num: str, den: str) -> dict:

@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import time
 
-from _bench_common import device_name, dump, make_model, slug, torchrun
+from _bench_common import device_name, dump, make_model, slug, spread, torchrun
 
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "ep2": (2, ["--ep", "2"])}
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
@@ -50,11 +50,6 @@ def model_flops_per_token(hf: dict, seq: int) -> float:
     mlp = 3 * 2 * h * hf["intermediate_size"]
     layers = sum(attn + core + (mlp if i in dense else moe) for i in range(hf["num_hidden_layers"]))
     return 3 * (layers + 2 * h * hf["vocab_size"])
-
-
-def summary(steps: list[float]) -> dict:
-    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [steps[0]] * 3
-    return {"median": statistics.median(steps), "p25": q[0], "p75": q[2], "min": min(steps), "max": max(steps)}
 
 
 ABBA = ("megatron", "mrl", "mrl", "megatron")
@@ -236,7 +231,7 @@ def main() -> None:
         for s, steps in per_side.items():
             med = statistics.median(steps)
             tps_gpu = tokens / med / nproc
-            row[s] = {"step_s": summary(steps), "tokens_per_s_per_gpu": tps_gpu,
+            row[s] = {"step_s": spread(steps), "tokens_per_s_per_gpu": tps_gpu,
                       "model_tflops_per_gpu": tps_gpu * flops_tok / 1e12,
                       "mfu": tps_gpu * flops_tok / 1e12 / peak if peak else None,
                       "peak_memory_gib": max(x["peak_memory_gib"] or 0 for x in runs if x["side"] == s)}

@@ -108,3 +108,10 @@ def test_host_lead_marks_without_cuda_are_ignored_and_with_cuda_ordered():
     marks = lead.stop()
     assert [m["at"] for m in marks] == ["forward 0", "optimizer.step", "end"]
     assert marks[1]["gpu_ms"] >= marks[0]["gpu_ms"] and marks[1]["lead_ms"] > marks[0]["lead_ms"] - 1.0
+
+
+def test_spread_quotes_the_median_the_quartiles_and_the_range():
+    from _bench_common import spread
+
+    assert spread([4.0, 1.0, 3.0, 2.0, 5.0]) == {"median": 3.0, "p25": 1.5, "p75": 4.5, "min": 1.0, "max": 5.0}
+    assert spread([2.0]) == {"median": 2.0, "p25": 2.0, "p75": 2.0, "min": 2.0, "max": 2.0}
