@@ -194,18 +194,19 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
                   server_args=({} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}) | server_args, env=env)
 
 
-def _wait_healthy(engine) -> float:
+def _wait_healthy(engine, timeout: float) -> float:
     """Seconds from now until ``engine`` answers (the engines were started just before)."""
     t = time.perf_counter()
-    engine.wait_healthy(timeout=1800)
+    engine.wait_healthy(timeout=timeout)
     return time.perf_counter() - t
 
 
-def _start_or_drop(engines: dict, name: str, report: dict) -> float | None:
+def _start_or_drop(engines: dict, name: str, report: dict, timeout: float) -> float | None:
     """Seconds until engine ``name`` is healthy; an engine other than the routes one that does not start
-    (a start variant SGLang refuses) is stopped, dropped and its error reported, the others' figures kept."""
+    within ``timeout`` (a start variant SGLang refuses, or one whose kernels compile for longer than the
+    run can wait) is stopped, dropped and its error reported, the others' figures kept."""
     try:
-        return _wait_healthy(engines[name])
+        return _wait_healthy(engines[name], timeout)
     except Exception as e:
         if name == "routes":
             raise
@@ -342,6 +343,9 @@ def main() -> int:
     ap.add_argument("--variant-gpu", default=None, help="--variant engines' (first) GPU (default --engine-gpu)")
     ap.add_argument("--start-one-by-one", action="store_true",
                     help="start each engine once the one before is healthy (engines sharing one GPU)")
+    ap.add_argument("--start-timeout", type=float, default=1800,
+                    help="seconds an engine may take to become healthy; a compared engine (not the routes one) "
+                         "that takes longer is dropped from the run, e.g. one that JIT-compiles DeepGEMM kernels")
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="GPU: every engine's KV cache in tokens (engines sharing a GPU get equal caches)")
     ap.add_argument("--sync-layout", default="",
@@ -430,12 +434,13 @@ def main() -> int:
             starts = {}
             for k, e in list(engines.items()):
                 stack.enter_context(e)
-                starts[k] = _start_or_drop(engines, k, report)
+                starts[k] = _start_or_drop(engines, k, report, a.start_timeout)
         else:
             for e in engines.values():
                 stack.enter_context(e)  # started together, each one's seconds to healthy timed on its own
             with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
-                starts = dict(zip(engines, pool.map(lambda k: _start_or_drop(engines, k, report), list(engines))))
+                starts = dict(zip(engines, pool.map(lambda k: _start_or_drop(engines, k, report, a.start_timeout),
+                                                               list(engines))))
         starts = {k: v for k, v in starts.items() if v is not None}
         report["engine_start_s"] = starts["routes"]
         report["engine_command"] = " ".join(engines["routes"].command()[1:])

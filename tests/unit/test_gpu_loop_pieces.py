@@ -2,6 +2,7 @@
 checkpoint writer, the merge of Keep Routing records over ranks, the engine TP shards of the bitwise check,
 the rollout kinds and their ratios, what the engines' logs and py-spy say."""
 
+import pytest
 import os
 import sys
 
@@ -424,3 +425,24 @@ def test_gpu_loop_refuses_a_pair_of_unknown_kinds():
                         "--out", "/nonexistent/never"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "--pair 'fp8fa3np:fa3np'" in r.stderr and "'fa3np'" in r.stderr
+
+
+def test_a_compared_engine_slower_to_start_than_the_timeout_is_dropped():
+    import gpu_loop
+
+    class Slow:
+        stopped = False
+
+        def wait_healthy(self, timeout):
+            raise TimeoutError(f"not healthy after {timeout} s")
+
+        def stop(self):
+            self.stopped = True
+
+    slow, report = Slow(), {}
+    engines = {"routes": object(), "fp8dg": slow}
+    assert gpu_loop._start_or_drop(engines, "fp8dg", report, 7.0) is None
+    assert "fp8dg" not in engines and slow.stopped
+    assert "not healthy after 7.0 s" in report["fp8dg_engine_error"]
+    with pytest.raises(TimeoutError):  # without the routes engine the run has nothing to compare with
+        gpu_loop._start_or_drop({"routes": Slow()}, "routes", {}, 7.0)
