@@ -2,10 +2,10 @@
 checkpoint writer, the merge of Keep Routing records over ranks, the engine TP shards of the bitwise check,
 the rollout kinds and their ratios, what the engines' logs and py-spy say."""
 
-import pytest
 import os
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
