@@ -130,8 +130,9 @@ class RolloutConfig:
     mem_fraction_static: Optional[float] = None
     """GPU: share of each engine GPU's memory for weights and KV cache (null: SGLang's own choice)."""
     attention_backend: Optional[str] = None
-    """GPU: SGLang attention backend (triton | fa3 | flashinfer); null = triton: SGLang 0.5.14's FA3 backend
-    fails while it captures the prefill CUDA graphs (docs/gpu.md)."""
+    """GPU: SGLang attention backend (triton | fa3 | flashinfer); null = triton. ``fa3`` starts the engines
+    without SGLang's prefill CUDA graphs, whose capture faults with FA3 in SGLang 0.5.14 (docs/gpu.md), unless
+    ``server_args`` decides them."""
     sampling_backend: Optional[str] = None
     """GPU: SGLang sampling backend (pytorch | flashinfer); null = pytorch with ``train.sampling_mask``
     (the support it rebuilds is the pytorch sampler's), else SGLang's default."""

@@ -2,8 +2,9 @@
 
 - attention backend: triton unless ``rollout.attention_backend`` names another. SGLang itself takes FA3 on
   Hopper, but SGLang 0.5.14's FA3 backend fails while the piecewise prefill CUDA graphs are captured
-  (docs/gpu.md); triton has no JIT step at start-up, unlike flashinfer. ``fa3`` is refused where SGLang's
-  kernel package lacks it (a network-less bundle may leave its 1.8 GB out).
+  (docs/gpu.md), so an FA3 engine starts without them (the launcher); triton has no JIT step at start-up,
+  unlike flashinfer. ``fa3`` is refused where SGLang's kernel package lacks it (a network-less bundle may
+  leave its 1.8 GB out).
 - sampling backend: ``pytorch`` whenever Keep Sampling Mask rebuilds the engine's sampling support,
   since ``mrl.routing.sampling_mask`` reproduces that sampler (temperature, top-k, then top-p / min-p on
   the renormalised probabilities); flashinfer's fused sampler is kept otherwise.

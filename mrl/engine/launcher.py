@@ -97,6 +97,9 @@ _GRAPH_SIZE_KEYS = {"cuda_graph_max_bs", "cuda_graph_max_bs_decode", "cuda_graph
                     "cuda_graph_config", "disable_cuda_graph", "disable_decode_cuda_graph"}
 """``rollout.server_args`` keys that size or switch off the decode CUDA graphs: the user's choice stands."""
 
+_PREFILL_GRAPH_KEYS = {"disable_prefill_cuda_graph", "cuda_graph_backend_prefill", "disable_cuda_graph"}
+"""``rollout.server_args`` keys that decide SGLang's prefill CUDA graphs: the user's choice stands."""
+
 
 def server_args_to_cli(args: dict[str, Any]) -> list[str]:
     """``{"enable_dp_attention": True, "mem_fraction_static": 0.8}`` ->
@@ -237,8 +240,12 @@ class Engine:
         if self.cpu_mode:
             cmd += cpu_mode.CPU_SERVER_ARGS
         else:
-            cmd += ["--base-gpu-id", str(self.base_gpu_id),
-                    "--attention-backend", gpu_mode.attention_backend(self.attention_backend)]
+            backend = gpu_mode.attention_backend(self.attention_backend)
+            cmd += ["--base-gpu-id", str(self.base_gpu_id), "--attention-backend", backend]
+            if backend == "fa3" and not _PREFILL_GRAPH_KEYS & set(self.server_args):
+                # SGLang 0.5.14's FA3 backend faults while the piecewise prefill graphs are captured; without
+                # them it starts and serves (docs/gpu.md)
+                cmd.append("--disable-prefill-cuda-graph")
             if self.mem_fraction_static is not None:
                 cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
             if self.sampling_backend:

@@ -87,6 +87,7 @@ def _rollout(**kw):
 
 
 def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path):
+    from mrl.config.load import compose
     from mrl.engine import gpu_mode
     from mrl.engine.launcher import engines_from_config
 
@@ -106,6 +107,13 @@ def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path
     assert fixed[fixed.index("--base-gpu-id") + 1] == "1" and fixed[fixed.index("--attention-backend") + 1] == "triton"
     asked = engines_from_config(_rollout(attention_backend="fa3").rollout, "/m", log_dir=str(tmp_path))[0]
     assert asked.command()[asked.command().index("--attention-backend") + 1] == "fa3"
+    assert asked.command().count("--disable-prefill-cuda-graph") == 1  # FA3 faults capturing prefill graphs
+    assert "--disable-prefill-cuda-graph" not in fixed
+    own = compose(["rollout=gpu", "model.dtype=bf16", "rollout.attention_backend=fa3",
+                   "+rollout.server_args.cuda_graph_backend_prefill=tc_piecewise"])
+    own_cmd = engines_from_config(own.rollout, "/m", log_dir=str(tmp_path))[0].command()
+    assert "--disable-prefill-cuda-graph" not in own_cmd  # the user's prefill graph choice stands
+    assert own_cmd[own_cmd.index("--cuda-graph-backend-prefill") + 1] == "tc_piecewise"
     monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
     with pytest.raises(gpu_mode.GPUStackError, match="attention_backend=fa3.*flash_ops"):
         asked.command()
