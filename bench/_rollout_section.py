@@ -15,13 +15,14 @@ import time
 
 from _engine_log import full_batch_decode, log_size, stats_lines
 
-async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab: int, seed: int):
-    from mrl.rollout.client import EngineClient
+async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab: int, seed: int,
+                   timing: dict | None = None):
+    """``timing``: filled with where the run's wall time went per request (``request_timing``)."""
     from mrl.rollout.manager import RolloutManager
     from mrl.rollout.sample import SamplingSpec
 
     rng = random.Random(seed)
-    client = EngineClient(url)
+    client = _timed_client(url)
     codec = _TimedCodec(codec) if codec is not None else None
     mgr = RolloutManager([client], codec=codec, max_inflight_per_engine=batch,
                          sampling=SamplingSpec(max_new_tokens=new, temperature=1.0, ignore_eos=True))
@@ -30,10 +31,56 @@ async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab
     groups = await asyncio.gather(*(mgr.generate_group(p, n=8, group_id=i) for i, p in enumerate(prompts)))
     dt = time.perf_counter() - t
     await client.close()
+    if timing is not None:
+        timing |= request_timing(client.calls, t, t + dt)
     samples = [s for g in groups for s in g]
     if mgr.stats.failed:
         raise RuntimeError(f"{mgr.stats.failed} samples failed: {mgr.stats.errors[:3]}")
     return samples, sum(len(s.response_ids) for s in samples) / dt, dt, codec.seconds if codec else 0.0
+
+
+def _timed_client(url: str):
+    """mrl's engine client, recording for each /generate when it was posted and answered (perf_counter)
+    and SGLang's own ``e2e_latency`` for it (from the request's arrival at its tokenizer manager to the
+    last token)."""
+    from mrl.rollout.client import EngineClient
+
+    class TimedClient(EngineClient):
+        def __init__(self, url):
+            super().__init__(url)
+            self.calls: list[tuple[float, float, float | None]] = []
+
+        async def _call(self, method, endpoint, **kw):
+            t0 = time.perf_counter()
+            status, body, text = await super()._call(method, endpoint, **kw)
+            if endpoint == "/generate" and isinstance(body, dict):
+                e2e = (body.get("meta_info") or {}).get("e2e_latency")
+                self.calls.append((t0, time.perf_counter(), float(e2e) if e2e is not None else None))
+            return status, body, text
+
+    return TimedClient(url)
+
+
+def request_timing(calls: list[tuple[float, float, float | None]], start: float, end: float) -> dict:
+    """Where a run's wall time went, from each request's (posted, answered, SGLang's e2e_latency), all
+    seconds from the run's ``start``: when the client had posted the last request, the first and last
+    answers, what followed the last answer until the run ended (the client's own work), the engine's
+    time per request, the time outside it (HTTP both ways, the server's parsing and serializing), and the
+    spread of the requests' arrivals at the engine (answer minus e2e: all in at once gives 0)."""
+    if not calls:
+        return {}
+    sends, answers = [c[0] - start for c in calls], [c[1] - start for c in calls]
+    out = {"requests": len(calls), "last_post_s": max(sends), "first_answer_s": min(answers),
+           "last_answer_s": max(answers), "after_last_answer_s": end - start - max(answers)}
+    timed = [c for c in calls if c[2] is not None]
+    if timed:
+        e2e = [c[2] for c in timed]
+        arrivals = [c[1] - start - c[2] for c in timed]  # the engine's start of each, less the answer's way back
+        out |= {"engine_e2e_median_s": statistics.median(e2e), "engine_e2e_max_s": max(e2e),
+                "outside_engine_median_s": statistics.median(c[1] - c[0] - c[2] for c in timed),
+                "outside_engine_max_s": max(c[1] - c[0] - c[2] for c in timed),
+                "engine_arrival_spread_s": max(arrivals) - min(arrivals), "engine_first_arrival_s": min(arrivals)}
+    return out
 
 
 class _TimedCodec:
@@ -171,9 +218,10 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                     spy = _py_spy(a, pids[engine], spy_out)
                 log = (logs or {}).get(engine)
                 start = log_size(log)
+                timing: dict = {}
                 try:
                     _, tps, dt, dec = asyncio.run(workload(urls[engine], codec if routes else None, batch,
-                                                            a.prompt_len, a.new, vocab, seed=rep))
+                                                            a.prompt_len, a.new, vocab, seed=rep, timing=timing))
                 except Exception as e:
                     drop(kind, e)
                     continue
@@ -181,7 +229,7 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                 res["runs"].append({"rep": rep, "batch": batch, "kind": kind, "engine": engine, "routes": routes,
                                     "tokens_per_s": tps, "seconds": dt, "client_decode_s": dec,
                                     "engine_decode_tokens_per_s": full["tokens_per_s"],
-                                    "engine_decode_lines": full["lines"]})
+                                    "engine_decode_lines": full["lines"], "requests": timing})
                 print(f"[rollout] rep {rep} batch {batch} {kind}: {tps:.0f} tokens/s", flush=True)
                 if spy is not None:
                     _, err = spy.communicate(timeout=a.py_spy + 60)
@@ -223,6 +271,7 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                 tag = f"{num}_decode_vs_{den}"
                 s |= {f"{tag}_median": d["median"], f"{tag}_min": d["min"], f"{tag}_max": d["max"],
                       f"{tag}_per_rep": d["per_rep"]}
+        s["request_timing_median"] = timing_medians(res["runs"], batch, kinds)
         summary[f"batch{batch}"] = s
     res["payload"] = asyncio.run(routes_payload(urls["routes"], codec, a.prompt_len, a.new, vocab))
     for s in summary.values():  # the same engine, so the same payload at every batch size
@@ -232,6 +281,22 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
     print(f"[rollout] routes payload: {res['payload']['bytes_per_token']:.0f} base64 bytes per token, "
           f"{res['payload']['bytes_per_expert_id']} byte(s) per expert id", flush=True)
     return res
+
+
+def timing_medians(runs: list[dict], batch: int, kinds: list[str]) -> dict:
+    """Per kind, the median over its repetitions of each ``request_timing`` figure, with a run's seconds
+    outside full-batch decode (its wall time less the decode the engine logged at its full-batch rate)."""
+    out = {}
+    for kind in kinds:
+        rs = [r for r in runs if r["batch"] == batch and r["kind"] == kind]
+        keys = sorted({k for r in rs for k in r.get("requests") or {}} - {"requests"})
+        m = {k: statistics.median(r["requests"][k] for r in rs if k in (r.get("requests") or {})) for k in keys}
+        outside = [r["seconds"] - r["tokens_per_s"] * r["seconds"] / r["engine_decode_tokens_per_s"]
+                   for r in rs if r.get("engine_decode_tokens_per_s")]
+        if outside:
+            m["outside_full_batch_decode_s"] = statistics.median(outside)
+        out[kind] = m
+    return out
 
 
 def engine_profiles(urls: dict[str, str], kinds: list[str], codec, vocab: int, a) -> dict:

@@ -19,6 +19,9 @@ the trainer side runs on ``--trainer-gpus`` (megatron-core, bf16, NCCL). Section
   same engine (started with route capture); with ``--plain-engine-gpu`` also on a second engine
   started at the same time without route capture (the fair baseline: ``routes_on_vs_plain``). The
   kinds alternate within each repetition, in an order that turns from one repetition to the next.
+  Each run also records where its wall time went per request (posted, answered, SGLang's own
+  ``e2e_latency``): the spread of the requests' arrivals at the engine, the time outside the engine (HTTP
+  both ways), the client's work after the last answer, and the seconds outside full-batch decode.
   Also the routes payload of one response as the engine sends it (base64 bytes per token, bytes per
   expert id: 1 with mrl's compact routes, 4 with SGLang's int32 under ``--routes-int32``, the baseline
   to compare with on the same machine).

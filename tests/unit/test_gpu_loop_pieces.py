@@ -188,7 +188,7 @@ def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, 
 
     served = []
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
         served.append((url, batch))
         if url == "http://bad" and batch > 8:  # passes its warm-up, fails the first timed request
             raise RuntimeError("engine died: CUDA error in the variant's MoE kernel")
@@ -222,7 +222,7 @@ def test_rollout_section_does_not_drop_the_routes_engine(tmp_path, monkeypatch):
     import _rollout_section as rollouts
     import pytest
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
         raise RuntimeError("routes engine down")
 
     monkeypatch.setattr(rollouts, "workload", workload)
@@ -362,7 +362,7 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
     logs = {"routes": str(tmp_path / "engine.log"), "fp8": str(tmp_path / "fp8_engine.log")}
     decode = {"http://routes": 30000.0, "http://fp8": 39000.0}
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
         with open(logs["fp8" if "fp8" in url else "routes"], "a") as f:  # the engine logging as it serves
             f.write("\n".join([_PREFILL] + [_decode(batch, decode[url] + seed)] * 3) + "\n")
         return [], {"http://routes": 1000.0, "http://fp8": 1200.0}[url], 1.0, 0.0
@@ -395,7 +395,7 @@ def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
     logs = {k: str(tmp_path / f"{k}.log") for k in urls}
     speed = {"routes": 1000.0, "fa3": 1100.0, "fp8fa3": 1430.0}
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
         kind = url.removeprefix("http://")
         if kind == "bad" and batch > 8:
             raise RuntimeError("engine died")
@@ -446,3 +446,36 @@ def test_a_compared_engine_slower_to_start_than_the_timeout_is_dropped():
     assert "not healthy after 7.0 s" in report["fp8dg_engine_error"]
     with pytest.raises(TimeoutError):  # without the routes engine the run has nothing to compare with
         gpu_loop._start_or_drop({"routes": Slow()}, "routes", {}, 7.0)
+
+
+def test_request_timing_splits_a_run_between_client_http_and_engine():
+    import _rollout_section as rollouts
+    # three requests posted at 0.0-0.2 s of a run that started at 10.0 and ended at 13.0; SGLang's
+    # e2e_latency covers each from its arrival at the tokenizer manager to its last token
+    calls = [(10.0, 12.5, 2.3), (10.1, 12.6, 2.2), (10.2, 12.8, 2.0)]
+    t = rollouts.request_timing(calls, 10.0, 13.0)
+    assert t["requests"] == 3 and abs(t["last_post_s"] - 0.2) < 1e-9
+    assert abs(t["first_answer_s"] - 2.5) < 1e-9 and abs(t["last_answer_s"] - 2.8) < 1e-9
+    assert abs(t["after_last_answer_s"] - 0.2) < 1e-9
+    assert t["engine_e2e_max_s"] == 2.3 and abs(t["engine_e2e_median_s"] - 2.2) < 1e-9
+    assert abs(t["outside_engine_median_s"] - 0.3) < 1e-9 and abs(t["outside_engine_max_s"] - 0.6) < 1e-9
+    # arrivals (answer - e2e): 0.2, 0.4, 0.8 s into the run
+    assert abs(t["engine_first_arrival_s"] - 0.2) < 1e-9 and abs(t["engine_arrival_spread_s"] - 0.6) < 1e-9
+    # an engine that does not report e2e_latency: the client's side only
+    only = rollouts.request_timing([(10.0, 11.0, None)], 10.0, 11.5)
+    assert "engine_e2e_median_s" not in only and abs(only["after_last_answer_s"] - 0.5) < 1e-9
+    assert rollouts.request_timing([], 0.0, 1.0) == {}
+
+
+def test_timing_medians_give_each_kind_its_seconds_outside_full_batch_decode():
+    import _rollout_section as rollouts
+    runs = [{"batch": 256, "kind": "on", "seconds": 4.0, "tokens_per_s": 1000.0, "engine_decode_tokens_per_s": 1250.0,
+             "requests": {"requests": 256, "last_post_s": 0.1}},
+            {"batch": 256, "kind": "on", "seconds": 5.0, "tokens_per_s": 800.0, "engine_decode_tokens_per_s": 1000.0,
+             "requests": {"requests": 256, "last_post_s": 0.3}},
+            {"batch": 256, "kind": "fp8", "seconds": 3.0, "tokens_per_s": 1000.0, "engine_decode_tokens_per_s": None,
+             "requests": {}}]
+    m = rollouts.timing_medians(runs, 256, ["on", "fp8"])
+    # 4000 tokens at 1250/s decode = 3.2 s of a 4.0 s run; 4000 at 1000/s = 4.0 s of 5.0 s
+    assert abs(m["on"]["outside_full_batch_decode_s"] - 0.9) < 1e-9 and abs(m["on"]["last_post_s"] - 0.2) < 1e-9
+    assert m["fp8"] == {}
