@@ -1,5 +1,6 @@
 """torchrun worker of bench/checkpoint_save.py: one RL step, then one timed ``Policy.save`` with this
-rank's resident memory sampled while it runs."""
+rank's resident memory sampled while it runs. ``--async-save``: the save is scheduled (``save_s``: what
+the training loop waits for) and then completed (``written_s``: until every rank's writer is done)."""
 
 import argparse
 import json
@@ -12,7 +13,8 @@ import psutil
 from mrl.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy
-from mrl.trainer.state import tree_bytes
+from mrl.trainer.async_save import AsyncCheckpoints
+from mrl.trainer.state import LoopState, tree_bytes
 from tests.jobs.resume_check import synthetic_batch
 
 ap = argparse.ArgumentParser()
@@ -20,6 +22,7 @@ ap.add_argument("--hf", required=True)
 ap.add_argument("--format", required=True)
 ap.add_argument("--ckpt", required=True)
 ap.add_argument("--out", required=True)
+ap.add_argument("--async-save", action="store_true")
 a = ap.parse_args()
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -43,13 +46,22 @@ base = proc.memory_info().rss
 t = threading.Thread(target=sample, daemon=True)
 t.start()
 t0 = time.perf_counter()
-policy.save(a.ckpt)
-save_s = time.perf_counter() - t0
+written_s = None
+if a.async_save:
+    saves = AsyncCheckpoints(lambda path, state: None)
+    saves.schedule(policy.save(a.ckpt, async_save=True), a.ckpt, LoopState(step=1, version=0))
+    save_s = time.perf_counter() - t0
+    saves.finalize(blocking=True)
+    written_s = time.perf_counter() - t0
+else:
+    policy.save(a.ckpt)
+    save_s = time.perf_counter() - t0
 stop.set()
 t.join()
 size = tree_bytes(a.ckpt)
 with open(f"{a.out}.rank{layout.world_rank}", "w") as f:
-    json.dump({"format": a.format, "rank": layout.world_rank, "save_s": save_s, "rss_before_gib": base / 2**30,
+    json.dump({"format": a.format, "async": a.async_save, "written_s": written_s, "rank": layout.world_rank,
+               "save_s": save_s, "rss_before_gib": base / 2**30,
                "peak_extra_gib": max(peak[0] - base, 0) / 2**30, "checkpoint_gib": size / 2**30,
                "params_this_rank": sum(p.numel() for p in policy.module.parameters())}, f)
 destroy()

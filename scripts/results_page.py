@@ -289,7 +289,9 @@ def checkpoint_save(d):
         lo, hi = s["peak_extra_gib_min_max"]
         out.append(f"{fmt}: **+{s['peak_extra_gib']:.2f} GiB** host memory during the save ({lo:.2f}-{hi:.2f}; "
                    f"{s['peak_extra_gib'] * 2**30 / d['params_per_rank']:.1f} bytes per parameter of a rank), "
-                   f"{s['save_s']:.1f} s, {s['checkpoint_gib']:.2f} GiB on disk")
+                   f"{s['save_s']:.1f} s" + (f" waited for, complete after {s['written_s']:.1f} s"
+                                             if fmt.endswith("_async") else "")
+                   + f", {s['checkpoint_gib']:.2f} GiB on disk")
     return out
 
 

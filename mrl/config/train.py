@@ -72,6 +72,11 @@ class TrainConfig:
     keep_checkpoints: int = 0
     """Keep the newest N complete checkpoints: older ones are deleted once a newer one is complete (its
     files synced to disk before its marker is written); 0 = keep every one."""
+    async_save: bool = False
+    """Write checkpoints while training goes on (megatron's asynchronous dist_checkpointing): a save stages
+    each rank's shards to host memory (as much host memory as the rank's shards) and a forked process writes
+    them; the checkpoint counts as complete, and older ones are pruned, once every rank's writer is done. A
+    run waits for a save still writing before the next one and at its end (docs/training.md)."""
     optimizer_checkpoint: str = "dp_reshardable"
     """How checkpoints hold the optimizer state (megatron's DistributedOptimizer sharding types).
     dp_reshardable: every rank writes its own shard, nothing gathered; resumes in the same TP/PP/EP/ETP/CP

@@ -398,6 +398,27 @@ def checkpoint_writes_in_process() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def checkpoint_writes_in_child() -> None:
+    """An asynchronous save's writer is a process megatron forks per save, so its results must cross
+    processes: a queue served by a ``multiprocessing`` Manager, as megatron's own default, but forked
+    rather than spawned (a spawned server re-imports the rank's main module), and dying with the rank. Not
+    a plain fork-context queue: a writer's results fill its pipe while the rank, joining the writer, does
+    not read it yet. Call before ``dist_checkpointing.save(..., async_sharded_save=True)``."""
+    import multiprocessing
+    import queue
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mrl.process import die_with_parent
+
+    if getattr(filesystem_async, "_results_queue", None) is None or \
+            isinstance(filesystem_async._results_queue, queue.Queue):
+        server = SyncManager(ctx=multiprocessing.get_context("fork"))
+        server.start(initializer=die_with_parent)
+        filesystem_async._results_queue = server.Queue()  # the queue's proxy keeps its server
+
+
 def _apply() -> None:
     if os.environ.get("MRL_COMPAT_DISABLE") == "1":
         return

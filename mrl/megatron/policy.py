@@ -417,13 +417,22 @@ class Policy:
                                                      metadata=checkpoint_format.metadata(fmt))
         return {"model": model_sd, "optimizer": optim_sd}
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, async_save: bool = False):
+        """Collective. ``async_save``: the model and optimizer shards are not written here; megatron's
+        ``AsyncRequest`` for them is returned, to be scheduled at once (``mrl.trainer.async_save``: it stages
+        the tensors to host memory then) and finalized later. The small per-rank files are written now."""
         os.makedirs(path, exist_ok=True)
         fmt = self.cfg.train.optimizer_checkpoint
         with optimizer_states_for_checkpoint(self.optimizer):  # TE's FusedAdam: no fp32 copies on the GPU
             sd = self._sharded(False, fmt)
-        compat.checkpoint_writes_in_process()
-        dist_checkpointing.save(sd, path)
+        request = None
+        if async_save:
+            compat.checkpoint_writes_in_child()
+            # megatron's own writer ("mcore"): its default, NVIDIA Resiliency Extension's, is not a dependency
+            request = dist_checkpointing.save(sd, path, async_sharded_save=True, async_strategy="mcore")
+        else:
+            compat.checkpoint_writes_in_process()
+            dist_checkpointing.save(sd, path)
         name, keys, pos, has_gauss, gauss = np.random.get_state()  # its key array as a tensor: weights_only loads it
         rng = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                       gauss), "torch": torch.get_rng_state(),
@@ -434,6 +443,7 @@ class Policy:
         if self.layout.world_rank == 0:
             checkpoint_format.write_record(path, fmt, self.layout.config, self.layout.world_size)
         dist.barrier()
+        return request
 
     def _check_checkpoint(self, path: str, fmt: str) -> None:
         """Fail with the mismatched tensors, not megatron's first shape error, when ``path`` was written for

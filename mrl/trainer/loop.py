@@ -43,6 +43,7 @@ from mrl.megatron.policy import Policy, RLBatch
 from mrl.megatron.warm_up import warm_up
 from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
+from mrl.trainer.async_save import AsyncCheckpoints
 from mrl.trainer.controller import Controller, OtherRank, RankDuties, restarts_engines
 from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state, tree_bytes
 from mrl.trainer.warm_start import sft_warmup
@@ -121,6 +122,7 @@ class Loop:
                                    else OtherRank())
         self.syncer: WeightChannel | None = None
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
+        self.saves = AsyncCheckpoints(self._complete_checkpoint) if t.async_save else None
         # each step's batch goes from rank 0 to each rank as its DP rank's share only
         self.batches = BatchScatter(dp_rank=self.layout.dp.rank, dp_size=self.layout.dp.size, group=dist.group.WORLD)
 
@@ -147,6 +149,8 @@ class Loop:
                     break
                 if t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
                     self.duties.allow(t.prompts_per_step)
+            if self.saves is not None:
+                self._report(self.saves.finalize(blocking=True))
             if self.step == t.steps:
                 self.write_outputs()
         finally:
@@ -274,23 +278,46 @@ class Loop:
 
     def maybe_checkpoint(self) -> bool:
         """Checkpoint every ``train.save_every`` steps, at the end, and before stopping (SIGUSR1,
-        ``train.stop_after``); whether to stop."""
+        ``train.stop_after``); whether to stop. With ``train.async_save`` the save is scheduled here and
+        completed at a later step's end (or before the next save, or at the run's end)."""
         t = self.cfg.train
+        if self.saves is not None:
+            self._report(self.saves.finalize(blocking=False))
         stop = broadcast_object(self.preempted or (t.stop_after is not None and self.step >= t.stop_after))
         if stop or (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
             path = os.path.join(checkpoint_dir(self.cfg), f"step_{self.step}")
             check_finite_weights(self.policy.module, f"checkpoint {path}")
             rank0, t0 = self.layout.world_rank == 0, time.perf_counter()
+            state = LoopState(step=self.step, version=self.version)
+            if self.saves is not None:
+                self._report(self.saves.finalize(blocking=True))  # one save writing at a time
+                self.saves.schedule(self.policy.save(path, async_save=True), path, state)
+                if rank0:
+                    print(f"[mrl] checkpoint step_{self.step}: shards staged in {time.perf_counter() - t0:.3g} s, "
+                          "writing while training goes on", flush=True)
+                if stop:  # a stopping run leaves with its checkpoint complete
+                    self._report(self.saves.finalize(blocking=True))
+                return stop
             if rank0:  # a large model's save takes minutes: say what the job is doing
                 print(f"[mrl] saving checkpoint {path} (optimizer state: {t.optimizer_checkpoint})", flush=True)
             self.policy.save(path)
-            dist.barrier()  # every rank's shards written before rank 0 syncs them and marks the checkpoint
-            self.duties.save_loop_state(path, LoopState(step=self.step, version=self.version))
-            dist.barrier()
+            self._complete_checkpoint(path, state)
             if rank0:
                 print(f"[mrl] checkpoint step_{self.step} saved: {tree_bytes(path) / 2**30:.3g} GiB in "
                       f"{time.perf_counter() - t0:.3g} s", flush=True)
         return stop
+
+    def _complete_checkpoint(self, path: str, state: LoopState) -> None:
+        """Every rank's shards of ``path`` are written: rank 0 syncs them and marks the checkpoint. Collective."""
+        dist.barrier()
+        self.duties.save_loop_state(path, state)
+        dist.barrier()
+
+    def _report(self, completed: list[tuple[str, float]]) -> None:
+        if self.layout.world_rank == 0:
+            for path, seconds in completed:
+                print(f"[mrl] checkpoint {os.path.basename(path)} complete: {tree_bytes(path) / 2**30:.3g} GiB, "
+                      f"{seconds:.3g} s after it was scheduled", flush=True)
 
     def write_outputs(self) -> None:
         """At the end of a run: a LoRA run's final adapter as a Hugging Face PEFT directory, ``run_dir/adapter``
@@ -303,6 +330,8 @@ class Loop:
         dist.barrier()
 
     def close(self) -> None:
+        if self.saves is not None:
+            self.saves.abort()  # only a failing run gets here with a save still writing
         if self.syncer is not None:
             self.syncer.close()
         self.duties.close()

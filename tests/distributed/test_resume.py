@@ -39,3 +39,20 @@ def test_resume_is_bit_identical(ckpt_dir, tmp_path, fmt):
                               padded_vocab=b.padded_vocab(128, 1), optimizer_checkpoint=fmt)
     on_disk = sum(p.stat().st_size for p in (tmp_path / "ck").rglob("*.distcp"))
     assert low <= on_disk <= 2 * low, (low, on_disk)
+
+
+def test_an_async_save_holds_the_step_it_was_scheduled_at(ckpt_dir, tmp_path):
+    """train.async_save: the save is scheduled after step 2, one more step changes every weight while the
+    forked writer runs, then the save completes; a restart from it runs steps 3-4 exactly as the
+    uninterrupted run does."""
+    base = ["--hf", ckpt_dir["tiny"], "--parallel", "ep2", "--steps", "4"]
+    for args in (["--out", str(tmp_path / "a")],
+                 ["--stop-after", "2", "--async-save", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "b1")],
+                 ["--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b2")]):
+        r = run_torchrun("tests.jobs.resume_check", base + args, 2, timeout=400)
+        assert r.returncode == 0, r.stderr[-4000:]
+    a, b1, b2 = _rows(tmp_path / "a"), _rows(tmp_path / "b1"), _rows(tmp_path / "b2")
+    for rank in range(2):
+        assert [x["step"] for x in b2[rank]] == [3, 4]
+        assert b1[rank] + b2[rank] == a[rank]
+    assert (tmp_path / "ck" / ".metadata").is_file()  # megatron's finalizer ran

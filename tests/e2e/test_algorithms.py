@@ -6,7 +6,7 @@ must feed them what they need: DAPO's dynamic sampling keeps groups without sign
 (and counts them), overlong shaping and clip-higher run, the KL to the reference is exactly 0 while
 the policy still is the reference and grows after; GSPO's sequence-level ratio trains in sync mode
 with Keep Sampling Mask on (top-k sampling).
-The DAPO run (overlap) also syncs only every second step; the GSPO run (sync mode) also writes every
+The DAPO run (overlap) also syncs only every second step and saves its checkpoints asynchronously; the GSPO run (sync mode) also writes every
 output and checkpoints, and syncs in small buckets, most of them in place from the DDP buffer.
 """
 
@@ -20,15 +20,24 @@ from tests.e2e.test_train_loop import REPO, mrl_train
 
 
 def test_dapo_overlap_with_kl_to_reference_syncing_every_second_step(tmp_path):
-    _, rows = mrl_train(tmp_path / "dapo", "algo=dapo", "algo.kl_coef=0.05", "algo.overlong_buffer_len=2",
+    run = tmp_path / "dapo"
+    p, rows = mrl_train(run, "algo=dapo", "algo.kl_coef=0.05", "algo.overlong_buffer_len=2",
                         "rollout.max_new_tokens=6", "train.steps=5", "train.sft_warmup_steps=2",
                         # a reward with signal in most groups but not all: the run does not wait for the
                         # policy to learn the task before its groups have any
                         "reward.fn=tests.e2e.reward_fns.text_parity", "weight_sync.every_n_steps=2",
-                        "train.max_staleness=1",
+                        "train.max_staleness=1", "train.save_every=2", "train.async_save=true",
                         "train.prompts_per_step=4", "train.eval_every=0", "train.bad_routes=drop")
     steps = [r for r in rows if "step_seconds" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    # train.async_save: each save is staged, written by a forked process while the run goes on, and
+    # completed (megatron's metadata, then the loop state that marks it) at a later step or the run's end
+    staged = [x.split()[2] for x in p.stdout.splitlines() if x.startswith("[mrl] checkpoint ") and " staged in " in x]
+    done = [x.split()[2] for x in p.stdout.splitlines() if x.startswith("[mrl] checkpoint ") and " complete: " in x]
+    assert staged == ["step_2:", "step_4:", "step_5:"] and done == ["step_2", "step_4", "step_5"], p.stdout
+    for n in (2, 4, 5):
+        assert (run / "checkpoints" / f"step_{n}" / "loop_state.json").is_file()
+        assert (run / "checkpoints" / f"step_{n}" / ".metadata").is_file()
     # weight_sync.every_n_steps=2: the version (v1 = after the warm start) advances at every second step
     # only, the other steps train on without pausing the engine; staleness is counted in versions
     assert [r["version"] for r in steps] == [1, 2, 2, 3, 3]

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", default=None, help="load this checkpoint first")
     ap.add_argument("--dtype", default="fp32", help="model.dtype (bf16 on GPUs)")
     ap.add_argument("--optimizer-checkpoint", default="dp_reshardable", help="train.optimizer_checkpoint")
+    ap.add_argument("--async-save", action="store_true",
+                    help="save asynchronously (train.async_save), then train one more step while the writer "
+                         "runs: the checkpoint must hold the weights of the step it was scheduled at")
     ap.add_argument("--out", required=True)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compare"]:
@@ -75,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"step": step + 1, "pg_loss": m.get("pg_loss"), "grad_norm": m["grad_norm"], "lr": m["lr"],
                      "sum": float(sum(p.sum() for p in params)), "sumsq": float(sum((p * p).sum() for p in params))})
         if a.stop_after is not None and step + 1 == a.stop_after:
-            policy.save(a.ckpt)
+            if a.async_save:
+                save_async_then_train_on(policy, a.ckpt, step + 1, codec)
+            else:
+                policy.save(a.ckpt)
             if layout.world_rank == 0:
                 open(f"{a.ckpt}/step", "w").write(str(step + 1))
             break
@@ -83,6 +89,23 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, f)
     destroy()
     return 0
+
+
+def save_async_then_train_on(policy: Policy, path: str, step: int, codec) -> None:
+    """Schedule an asynchronous save of ``step``, change every weight with one more RL step while its writer
+    runs, then complete it; fails unless it completed, and after the extra step."""
+    from mrl.trainer.async_save import AsyncCheckpoints
+    from mrl.trainer.state import LoopState
+
+    completed = []
+    saves = AsyncCheckpoints(lambda p, state: completed.append((p, state.step)))
+    saves.schedule(policy.save(path, async_save=True), path, LoopState(step=step, version=0))
+    batch = synthetic_batch(10_000, 8, policy.bridge.vocab_size, len(codec.moe_layers), codec.top_k,
+                            codec.num_experts)
+    policy.rl_step(batch, float(sum(len(t) - p for t, p in zip(batch.tokens, batch.prompt_lens))))
+    assert not completed, "completed before it was finalized"
+    done = saves.finalize(blocking=True)
+    assert [p for p, _ in done] == [path] and completed == [(path, step)], (done, completed)
 
 
 def compare(out_dir: str) -> dict:
