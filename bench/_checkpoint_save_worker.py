@@ -49,7 +49,7 @@ t0 = time.perf_counter()
 written_s = None
 if a.async_save:
     saves = AsyncCheckpoints(lambda path, state: None)
-    saves.schedule(policy.save(a.ckpt, async_save=True), a.ckpt, LoopState(step=1, version=0))
+    saves.schedule(policy.save(a.ckpt, async_save=True), a.ckpt, LoopState(step=1, version=0), began=t0)
     save_s = time.perf_counter() - t0
     saves.finalize(blocking=True)
     written_s = time.perf_counter() - t0

@@ -199,11 +199,18 @@ def run_loop(a, hf: str, prompts: str, run_dir: str) -> dict:
 
 
 _SAVED = re.compile(r"^\[mrl\] checkpoint step_(\d+) saved: ([\d.e+-]+) GiB in ([\d.e+-]+) s", re.M)
+_STAGED = re.compile(r"^\[mrl\] checkpoint step_(\d+): shards staged in ([\d.e+-]+) s", re.M)
+_COMPLETE = re.compile(r"^\[mrl\] checkpoint step_(\d+) complete: ([\d.e+-]+) GiB, ([\d.e+-]+) s after", re.M)
 
 
 def checkpoint_saves(log: str) -> list[dict]:
-    """The checkpoints ``mrl train`` reported saving (its console lines): step, GiB on disk, seconds."""
-    return [{"step": int(m[1]), "gib": float(m[2]), "seconds": float(m[3])} for m in _SAVED.finditer(log)]
+    """The checkpoints ``mrl train`` reported saving (its console lines): step, GiB on disk, seconds until
+    complete; an asynchronous save (``train.async_save``) also the seconds the loop waited for it (``staged_s``)."""
+    saves = [{"step": int(m[1]), "gib": float(m[2]), "seconds": float(m[3])} for m in _SAVED.finditer(log)]
+    staged = {int(m[1]): float(m[2]) for m in _STAGED.finditer(log)}
+    saves += [{"step": int(m[1]), "gib": float(m[2]), "seconds": float(m[3]), "staged_s": staged.get(int(m[1]))}
+              for m in _COMPLETE.finditer(log)]
+    return sorted(saves, key=lambda c: c["step"])
 
 
 PHASES = ("wait_seconds", "train_seconds", "drain_seconds", "sync_seconds", "step_seconds")

@@ -28,15 +28,17 @@ class AsyncCheckpoints:
         self.complete = complete
         self.pending: dict[int, tuple[str, LoopState, float]] = {}
 
-    def schedule(self, request, path: str, state: LoopState) -> None:
+    def schedule(self, request, path: str, state: LoopState, began: float | None = None) -> None:
         """Start writing ``request`` (``Policy.save(..., async_save=True)``), which completes checkpoint
-        ``path`` with ``state``. Collective; stages this rank's tensors to host memory before it returns."""
+        ``path`` with ``state``; ``began``: when the save began (``time.perf_counter``; default now), what
+        ``finalize`` counts its seconds from. Collective; stages this rank's tensors to host memory before
+        it returns."""
         idx = self.queue.schedule_async_request(request)
-        self.pending[idx] = (path, state, time.perf_counter())
+        self.pending[idx] = (path, state, time.perf_counter() if began is None else began)
 
     def finalize(self, *, blocking: bool) -> list[tuple[str, float]]:
         """Complete, oldest first, every save whose writers are done on every rank (all of them when
-        ``blocking``); the completed paths with their seconds from scheduling. Collective: every rank
+        ``blocking``); the completed paths with their seconds since the save began. Collective: every rank
         calls it at the same point, with the same saves pending (they are scheduled together)."""
         if not self.pending:
             return []

@@ -291,7 +291,7 @@ class Loop:
             state = LoopState(step=self.step, version=self.version)
             if self.saves is not None:
                 self._report(self.saves.finalize(blocking=True))  # one save writing at a time
-                self.saves.schedule(self.policy.save(path, async_save=True), path, state)
+                self.saves.schedule(self.policy.save(path, async_save=True), path, state, began=t0)
                 if rank0:
                     print(f"[mrl] checkpoint step_{self.step}: shards staged in {time.perf_counter() - t0:.3g} s, "
                           "writing while training goes on", flush=True)
@@ -317,7 +317,7 @@ class Loop:
         if self.layout.world_rank == 0:
             for path, seconds in completed:
                 print(f"[mrl] checkpoint {os.path.basename(path)} complete: {tree_bytes(path) / 2**30:.3g} GiB, "
-                      f"{seconds:.3g} s after it was scheduled", flush=True)
+                      f"{seconds:.3g} s after the save began", flush=True)
 
     def write_outputs(self) -> None:
         """At the end of a run: a LoRA run's final adapter as a Hugging Face PEFT directory, ``run_dir/adapter``

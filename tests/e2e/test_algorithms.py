@@ -6,8 +6,9 @@ must feed them what they need: DAPO's dynamic sampling keeps groups without sign
 (and counts them), overlong shaping and clip-higher run, the KL to the reference is exactly 0 while
 the policy still is the reference and grows after; GSPO's sequence-level ratio trains in sync mode
 with Keep Sampling Mask on (top-k sampling).
-The DAPO run (overlap) also syncs only every second step and saves its checkpoints asynchronously; the GSPO run (sync mode) also writes every
-output and checkpoints, and syncs in small buckets, most of them in place from the DDP buffer.
+The DAPO run (overlap) also syncs only every second step and saves its checkpoints asynchronously; the
+GSPO run (sync mode) also writes every output and checkpoints, and syncs in small buckets, most of them in
+place from the DDP buffer.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def test_dapo_overlap_with_kl_to_reference_syncing_every_second_step(tmp_path):
     for n in (2, 4, 5):
         assert (run / "checkpoints" / f"step_{n}" / "loop_state.json").is_file()
         assert (run / "checkpoints" / f"step_{n}" / ".metadata").is_file()
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import loop_e2e  # the GPU bench reads these lines into its report
+
+    saves = loop_e2e.checkpoint_saves(p.stdout)
+    assert [c["step"] for c in saves] == [2, 4, 5], saves
+    assert all(c["gib"] > 0 and 0 < c["staged_s"] <= c["seconds"] for c in saves), saves
     # weight_sync.every_n_steps=2: the version (v1 = after the warm start) advances at every second step
     # only, the other steps train on without pausing the engine; staleness is counted in versions
     assert [r["version"] for r in steps] == [1, 2, 2, 3, 3]
