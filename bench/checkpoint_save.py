@@ -70,7 +70,7 @@ def main() -> None:
         print(f"{f}: host memory +{s['peak_extra_gib']:.2f} GiB during the save "
               f"({s['peak_extra_gib'] * 2**30 / params:.1f} bytes per parameter of the rank), {s['save_s']:.1f} s"
               + (f" waited for, complete after {s['written_s']:.1f} s" if f.endswith("_async") else ""))
-    dump(result, a.json, name=f"checkpoint_save_{a.preset}_{a.nproc}proc" + ("_async" if a.async_save else ""))
+    dump(result, a.json, name=f"checkpoint_save_{a.preset}_{a.nproc}proc{'_async' if a.async_save else ''}")
 
 
 if __name__ == "__main__":
