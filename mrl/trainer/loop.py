@@ -292,11 +292,9 @@ class Loop:
             if self.saves is not None:
                 self._report(self.saves.finalize(blocking=True))  # one save writing at a time
                 self.saves.schedule(self.policy.save(path, async_save=True), path, state, began=t0)
-                if rank0:
+                if rank0:  # a stopping run completes it in run(), as any run at its end
                     print(f"[mrl] checkpoint step_{self.step}: shards staged in {time.perf_counter() - t0:.3g} s, "
                           "writing while training goes on", flush=True)
-                if stop:  # a stopping run leaves with its checkpoint complete
-                    self._report(self.saves.finalize(blocking=True))
                 return stop
             if rank0:  # a large model's save takes minutes: say what the job is doing
                 print(f"[mrl] saving checkpoint {path} (optimizer state: {t.optimizer_checkpoint})", flush=True)
