@@ -16,8 +16,11 @@ import time
 from _engine_log import full_batch_decode, log_size, stats_lines
 
 async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab: int, seed: int,
-                   timing: dict | None = None):
-    """``timing``: filled with where the run's wall time went per request (``request_timing``)."""
+                   timing: dict | None = None, samples: int | None = None, spread: float = 0.0):
+    """``batch`` samples in flight; ``samples`` in all (default ``batch``; more: a stream, each finished
+    sample's slot taken by the next at once); each sample's new tokens uniform in ``new`` x [1 - spread,
+    1 + spread] (seeded: the same for every kind of a repetition). ``timing``: filled with where the run's
+    wall time went per request (``request_timing``)."""
     from mrl.rollout.manager import RolloutManager
     from mrl.rollout.sample import SamplingSpec
 
@@ -26,9 +29,12 @@ async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab
     codec = _TimedCodec(codec) if codec is not None else None
     mgr = RolloutManager([client], codec=codec, max_inflight_per_engine=batch,
                          sampling=SamplingSpec(max_new_tokens=new, temperature=1.0, ignore_eos=True))
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch // 8)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range((samples or batch) // 8)]
+    lo, hi = max(1, round(new * (1 - spread))), round(new * (1 + spread))
+    budgets = [[rng.randint(lo, hi) for _ in range(8)] if spread else None for _ in prompts]
     t = time.perf_counter()
-    groups = await asyncio.gather(*(mgr.generate_group(p, n=8, group_id=i) for i, p in enumerate(prompts)))
+    groups = await asyncio.gather(*(mgr.generate_group(p, n=8, group_id=i, max_new_tokens=b)
+                                    for i, (p, b) in enumerate(zip(prompts, budgets))))
     dt = time.perf_counter() - t
     await client.close()
     if timing is not None:
@@ -189,9 +195,12 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
     their log files, from which each run also gets the decode tokens/s SGLang reported while the batch was
     full (``engine_decode_tokens_per_s``: decode alone, without the prefills in ``tokens_per_s``)."""
     extra = [k for k in urls if k not in ("routes", "plain")]
-    kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls] + extra
+    skip = ("off",) if getattr(a, "skip_off", False) else ()
+    kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls and k not in skip] + extra
+    samples, spread = getattr(a, "samples", None), getattr(a, "new_spread", 0.0)
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
-           "pairs": list(getattr(a, "pair", [])), "runs": [], "dropped": {}}
+           "samples": samples, "new_spread": spread, "pairs": list(getattr(a, "pair", [])), "runs": [],
+           "dropped": {}}
 
     def drop(kind: str, e: Exception) -> None:
         """An engine compared with the routes one (an FP8 kernel variant) that fails a request loses its
@@ -221,7 +230,8 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                 timing: dict = {}
                 try:
                     _, tps, dt, dec = asyncio.run(workload(urls[engine], codec if routes else None, batch,
-                                                            a.prompt_len, a.new, vocab, seed=rep, timing=timing))
+                                                            a.prompt_len, a.new, vocab, seed=rep, timing=timing,
+                                                            samples=samples, spread=spread))
                 except Exception as e:
                     drop(kind, e)
                     continue
@@ -249,9 +259,11 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
     for batch in a.batches:
         med = {k: statistics.median(r["tokens_per_s"] for r in res["runs"] if r["batch"] == batch and r["kind"] == k)
                for k in kinds}
-        s = {"routes_off_median": med["off"], "routes_on_median": med["on"]}
-        r = _ratios(res["runs"], batch, "on", "off")
-        s |= {"on_vs_off_median": r["median"], "on_vs_off_min": r["min"], "on_vs_off_max": r["max"]}
+        s = {"routes_on_median": med["on"]}
+        if "off" in kinds:
+            r = _ratios(res["runs"], batch, "on", "off")
+            s |= {"routes_off_median": med["off"], "on_vs_off_median": r["median"], "on_vs_off_min": r["min"],
+                  "on_vs_off_max": r["max"]}
         if "plain" in kinds:  # the fair baseline: an engine that does not capture routes at all
             r = _ratios(res["runs"], batch, "on", "plain")
             s |= {"plain_median": med["plain"], "routes_on_vs_plain_median": r["median"],

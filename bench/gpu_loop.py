@@ -227,19 +227,21 @@ def headline(report: dict, name: str) -> str:
     if name == "rollout":
         parts = []
         for b, s in r["summary"].items():
-            x = f"{b}: on/off {s['on_vs_off_median']:.3f} ({s['on_vs_off_min']:.3f}-{s['on_vs_off_max']:.3f})"
+            x = [f"on {s['routes_on_median']:.0f} tok/s"]
+            if "on_vs_off_median" in s:
+                x.append(f"on/off {s['on_vs_off_median']:.3f} ({s['on_vs_off_min']:.3f}-{s['on_vs_off_max']:.3f})")
             if "routes_on_vs_plain_median" in s:
-                x += (f", on/plain {s['routes_on_vs_plain_median']:.3f} ({s['routes_on_vs_plain_min']:.3f}-"
-                      f"{s['routes_on_vs_plain_max']:.3f}), plain {s['plain_median']:.0f} tok/s")
-            for k in r["kinds"][3 if "plain" in r["kinds"] else 2:]:
-                x += f", {k}/on {s[f'{k}_vs_on_median']:.3f} ({s[f'{k}_vs_on_min']:.3f}-{s[f'{k}_vs_on_max']:.3f})"
+                x.append(f"on/plain {s['routes_on_vs_plain_median']:.3f} ({s['routes_on_vs_plain_min']:.3f}-"
+                         f"{s['routes_on_vs_plain_max']:.3f}), plain {s['plain_median']:.0f} tok/s")
+            for k in (k for k in r["kinds"] if k not in ("off", "on", "plain")):
+                x.append(f"{k}/on {s[f'{k}_vs_on_median']:.3f} ({s[f'{k}_vs_on_min']:.3f}-{s[f'{k}_vs_on_max']:.3f})")
                 if f"{k}_decode_vs_on_median" in s:
-                    x += f" [decode alone {s[f'{k}_decode_vs_on_median']:.3f}]"
+                    x[-1] += f" [decode alone {s[f'{k}_decode_vs_on_median']:.3f}]"
             for p in r.get("pairs", []):
                 num, den = p.split(":")
                 if f"{num}_vs_{den}_median" in s:
-                    x += f", {num}/{den} {s[f'{num}_vs_{den}_median']:.3f}"
-            parts.append(x + f", on {s['routes_on_median']:.0f} tok/s")
+                    x.append(f"{num}/{den} {s[f'{num}_vs_{den}_median']:.3f}")
+            parts.append(f"{b}: " + ", ".join(x))
         starts = ", ".join(f"{k.removesuffix('_engine_start_s')} {v:.0f} s" for k, v in r.items()
                            if k.endswith("_engine_start_s"))
         return f"[rollout] {'; '.join(parts)}; engine start {starts}"
@@ -313,6 +315,15 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--samples", type=int, default=None,
+                    help="rollout: samples per run (default: the batch); more than the batch makes each run a "
+                         "stream at that many in flight, a finished sample's slot refilled at once, as an "
+                         "asynchronous run's engines see it (the batch's start and tail once per run, not per batch)")
+    ap.add_argument("--new-spread", type=float, default=0.0,
+                    help="rollout: each sample's new tokens drawn uniformly from new x [1 - F, 1 + F] (the same "
+                         "draws for every kind of a repetition): responses of RL's unequal lengths")
+    ap.add_argument("--skip-off", action="store_true",
+                    help="rollout: no routes-off runs (mrl requests routes whenever Keep Routing is on)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--replay-samples", type=int, default=32)
     ap.add_argument("--replay-prompt-len", type=int, default=128)
@@ -332,6 +343,11 @@ def main() -> int:
                     help="rollout: also an engine started with these extra server args (routes captured), on "
                          "--variant-gpu, e.g. noprefill='{\"disable_prefill_cuda_graph\": true}': kind NAME "
                          "against on, its start phases from its log")
+    ap.add_argument("--engine-args", default="{}", metavar="JSON",
+                    help="server args for the routes (and plain) engine, as --variant's: e.g. FA3 for the "
+                         "baseline kinds on/off themselves")
+    ap.add_argument("--fp8-engine-args", default="{}", metavar="JSON",
+                    help="server args for the --fp8-engine-gpu engine, as --fp8-variant's")
     ap.add_argument("--fp8-variant", action="append", default=[], metavar="NAME=JSON",
                     help="rollout: one more FP8 engine (the --fp8-engine-gpu export, on that GPU) with these "
                          "server args, e.g. fp8cutlass='{\"moe_runner_backend\":\"cutlass\"}' or "
@@ -385,9 +401,17 @@ def main() -> int:
     a = ap.parse_args()
     if any("=" not in kv for kv in a.engine_env):
         ap.error(f"--engine-env takes KEY=VALUE: got {a.engine_env}")
+    if a.samples is not None and a.samples < max(a.batches):
+        ap.error(f"--samples {a.samples}: a run needs at least its batch's samples ({max(a.batches)})")
+    if not 0 <= a.new_spread < 1:
+        ap.error(f"--new-spread {a.new_spread}: give a fraction in [0, 1)")
+    try:
+        engine_args, fp8_engine_args = json.loads(a.engine_args), json.loads(a.fp8_engine_args)
+    except ValueError as e:
+        ap.error(f"--engine-args / --fp8-engine-args: not JSON: {e}")
     if a.py_spy and not shutil.which(a.py_spy_bin):
         ap.error(f"--py-spy: no py-spy at {a.py_spy_bin!r} (give --py-spy-bin)")
-    named = {"on", "off", *(["plain"] if a.plain_engine_gpu is not None else []),
+    named = {"on", *([] if a.skip_off else ["off"]), *(["plain"] if a.plain_engine_gpu is not None else []),
              *(["fp8"] if a.fp8_engine_gpu is not None else []),
              *(v.partition("=")[0] for v in a.variant + a.fp8_variant)}
     for p in a.pair:
@@ -412,13 +436,14 @@ def main() -> int:
         engine_device = ",".join(f"cuda:{seen.index(g)}" for g in _engine_gpus(a))
     bridge = get_bridge(hf)
     codec = RoutesCodec.from_bridge(bridge)
-    engines = {"routes": _engine(a, hf, "engine", True, a.engine_gpu)}
+    engines = {"routes": _engine(a, hf, "engine", True, a.engine_gpu, server_args=engine_args)}
     if a.plain_engine_gpu is not None and "rollout" in a.sections.split(","):
-        engines["plain"] = _engine(a, hf, "plain_engine", False, a.plain_engine_gpu)
+        engines["plain"] = _engine(a, hf, "plain_engine", False, a.plain_engine_gpu, server_args=engine_args)
     fp8_export = None
     if a.fp8_engine_gpu is not None:
         fp8_hf, fp8_export = _fp8_checkpoint(hf, a)
-        engines["fp8"] = _engine(a, fp8_hf, "fp8_engine", True, a.fp8_engine_gpu, quantization="fp8")
+        engines["fp8"] = _engine(a, fp8_hf, "fp8_engine", True, a.fp8_engine_gpu, quantization="fp8",
+                                 server_args=fp8_engine_args)
     for v in a.variant:
         name, _, args = v.partition("=")
         engines[name] = _engine(a, hf, f"{name}_engine", True, a.variant_gpu or a.engine_gpu,

@@ -161,11 +161,16 @@ def loop_e2e(d):
 def _rollout(r):
     out = []
     for b, s in sorted((r.get("summary") or {}).items(), key=lambda kv: int(kv[0][5:])):
-        line = (f"{b}: routes on/off {s['on_vs_off_median']:.2f} ({s['on_vs_off_min']:.2f}-{s['on_vs_off_max']:.2f}), "
-                f"{k(s['routes_on_median'])} / {k(s['routes_off_median'])} tokens/s")
+        if "on_vs_off_median" in s:
+            line = (f"{b}: routes on/off {s['on_vs_off_median']:.2f} ({s['on_vs_off_min']:.2f}-"
+                    f"{s['on_vs_off_max']:.2f}), {k(s['routes_on_median'])} / {k(s['routes_off_median'])} tokens/s")
+        else:  # a run without routes-off kinds (--skip-off)
+            line = f"{b}: routes on {k(s['routes_on_median'])} tokens/s"
+        if r.get("samples"):
+            line += f" ({r['samples']} samples a run, a stream)"
         if s.get("routes_on_vs_plain_median") is not None:
             line += f"; on vs plain engine {s['routes_on_vs_plain_median']:.2f}"
-        for kind in (r.get("kinds") or [])[2:]:  # other engines, routes on, against the routes engine
+        for kind in (x for x in r.get("kinds") or [] if x not in ("off", "on", "plain")):  # other engines, routes on
             if f"{kind}_vs_on_median" in s:
                 line += (f"; **{kind} / on {s[f'{kind}_vs_on_median']:.2f}** ({s[f'{kind}_vs_on_min']:.2f}-"
                          f"{s[f'{kind}_vs_on_max']:.2f})")

@@ -188,7 +188,7 @@ def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, 
 
     served = []
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, **kw):
         served.append((url, batch))
         if url == "http://bad" and batch > 8:  # passes its warm-up, fails the first timed request
             raise RuntimeError("engine died: CUDA error in the variant's MoE kernel")
@@ -222,7 +222,7 @@ def test_rollout_section_does_not_drop_the_routes_engine(tmp_path, monkeypatch):
     import _rollout_section as rollouts
     import pytest
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, **kw):
         raise RuntimeError("routes engine down")
 
     monkeypatch.setattr(rollouts, "workload", workload)
@@ -362,7 +362,7 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
     logs = {"routes": str(tmp_path / "engine.log"), "fp8": str(tmp_path / "fp8_engine.log")}
     decode = {"http://routes": 30000.0, "http://fp8": 39000.0}
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, **kw):
         with open(logs["fp8" if "fp8" in url else "routes"], "a") as f:  # the engine logging as it serves
             f.write("\n".join([_PREFILL] + [_decode(batch, decode[url] + seed)] * 3) + "\n")
         return [], {"http://routes": 1000.0, "http://fp8": 1200.0}[url], 1.0, 0.0
@@ -395,7 +395,7 @@ def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
     logs = {k: str(tmp_path / f"{k}.log") for k in urls}
     speed = {"routes": 1000.0, "fa3": 1100.0, "fp8fa3": 1430.0}
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, **kw):
         kind = url.removeprefix("http://")
         if kind == "bad" and batch > 8:
             raise RuntimeError("engine died")
@@ -479,3 +479,60 @@ def test_timing_medians_give_each_kind_its_seconds_outside_full_batch_decode():
     # 4000 tokens at 1250/s decode = 3.2 s of a 4.0 s run; 4000 at 1000/s = 4.0 s of 5.0 s
     assert abs(m["on"]["outside_full_batch_decode_s"] - 0.9) < 1e-9 and abs(m["on"]["last_post_s"] - 0.2) < 1e-9
     assert m["fp8"] == {}
+
+
+def test_a_stream_workload_refills_the_batch_and_draws_unequal_lengths():
+    """--samples beyond the batch: the run keeps ``batch`` requests in flight and posts the next one when a
+    sample finishes (so posts go on after the first answers), each sample's new tokens drawn from the
+    spread, the same draws for the same repetition; the whole batch at once posts everything first."""
+    import asyncio
+
+    import _rollout_section as rollouts
+
+    from tests.fakes.fake_sglang import FakeSGLang
+
+    with FakeSGLang() as srv:
+        def run(samples, seed):
+            timing: dict = {}
+            out, tps, dt, _ = asyncio.run(rollouts.workload(srv.url, None, 8, 4, 20, 512, seed=seed, timing=timing,
+                                                            samples=samples, spread=0.5))
+            return [len(s.response_ids) for s in out], timing, tps, dt
+
+        lengths, timing, tps, dt = run(32, seed=3)
+        assert len(lengths) == 32 and timing["requests"] == 32
+        assert all(10 <= n <= 30 for n in lengths) and len(set(lengths)) > 3
+        assert timing["last_post_s"] > timing["first_answer_s"]  # a stream: refilled as samples finished
+        assert tps == sum(lengths) / dt
+        assert run(32, seed=3)[0] == lengths and run(32, seed=4)[0] != lengths
+        _, once, _, _ = run(None, seed=3)
+        assert once["requests"] == 8 and once["last_post_s"] < once["first_answer_s"]
+
+
+def test_rollout_section_without_routes_off_runs(tmp_path, monkeypatch):
+    """--skip-off: no routes-off runs and no on/off figures; the compared kinds keep their ratios to on,
+    and the section passes --samples and --new-spread to every timed run."""
+    import types
+
+    import _rollout_section as rollouts
+
+    seen = []
+
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, samples=None, spread=0.0):
+        seen.append((url, codec is not None, samples, spread))
+        return [], {"http://routes": 1000.0, "http://fp8": 1300.0}[url], 1.0, 0.0
+
+    async def payload(url, codec, prompt_len, new, vocab):
+        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
+
+    monkeypatch.setattr(rollouts, "workload", workload)
+    monkeypatch.setattr(rollouts, "routes_payload", payload)
+    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
+                              engine_profile=0, skip_off=True, samples=1024, new_spread=0.5)
+    res = rollouts.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a)
+    assert res["kinds"] == ["on", "fp8"] and res["samples"] == 1024
+    assert {r["kind"] for r in res["runs"]} == {"on", "fp8"}
+    s = res["summary"]["batch256"]
+    assert "on_vs_off_median" not in s and "routes_off_median" not in s
+    assert s["fp8_vs_on_median"] == 1.3 and s["routes_on_median"] == 1000.0
+    timed = [x for x in seen if x[2] is not None]
+    assert len(timed) == 4 and all(x[1] and x[3] == 0.5 for x in timed)  # routes requested in every run
