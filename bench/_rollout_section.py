@@ -16,12 +16,10 @@ import time
 from _engine_log import full_batch_decode, log_size, stats_lines
 
 async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab: int, seed: int,
-                   timing: dict | None = None, samples: int | None = None, spread: float = 0.0,
-                   admit_batch: int = 1, admit_wait_s: float = 0.5):
+                   timing: dict | None = None, samples: int | None = None, spread: float = 0.0):
     """``batch`` samples in flight; ``samples`` in all (default ``batch``; more: a stream, each finished
     sample's slot taken by the next at once); each sample's new tokens uniform in ``new`` x [1 - spread,
-    1 + spread] (seeded: the same for every kind of a repetition); ``admit_batch``: the manager's
-    ``rollout.admit_batch`` (``admit_wait_s`` its wait). ``timing``: filled with where the run's
+    1 + spread] (seeded: the same for every kind of a repetition). ``timing``: filled with where the run's
     wall time went per request (``request_timing``)."""
     from mrl.rollout.manager import RolloutManager
     from mrl.rollout.sample import SamplingSpec
@@ -29,8 +27,7 @@ async def workload(url: str, codec, batch: int, prompt_len: int, new: int, vocab
     rng = random.Random(seed)
     client = _timed_client(url)
     codec = _TimedCodec(codec) if codec is not None else None
-    mgr = RolloutManager([client], codec=codec, max_inflight_per_engine=batch, admit_batch=admit_batch,
-                         admit_wait_s=admit_wait_s,
+    mgr = RolloutManager([client], codec=codec, max_inflight_per_engine=batch,
                          sampling=SamplingSpec(max_new_tokens=new, temperature=1.0, ignore_eos=True))
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range((samples or batch) // 8)]
     lo, hi = max(1, round(new * (1 - spread))), round(new * (1 + spread))
@@ -172,15 +169,12 @@ def scheduler_gpu_wait(summary: dict) -> float | None:
 
 # the kinds of rollout run: (engine, routes requested). "on"/"off": the routes engine with and without
 # routes in the requests; "plain": the engine started without route capture (--plain-engine-gpu); any other
-# engine (--fp8-engine-gpu, --variant) is its own kind, routes requested, compared with "on"; "<kind>_adm":
-# that kind through a manager that admits queued samples together (--admit-batch, rollout.admit_batch)
+# engine (--fp8-engine-gpu, --variant) is its own kind, routes requested, compared with "on"
 KINDS = {"off": ("routes", False), "on": ("routes", True), "plain": ("plain", False)}
-ADMIT = "_adm"
 
 
 def _kind(name: str) -> tuple[str, bool]:
-    base = name.removesuffix(ADMIT)
-    return KINDS.get(base, (base, True))
+    return KINDS.get(name, (name, True))
 
 
 def _ratios(runs: list[dict], batch: int, num: str, den: str, key: str = "tokens_per_s") -> dict:
@@ -204,13 +198,8 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
     skip = ("off",) if getattr(a, "skip_off", False) else ()
     kinds = [k for k in ("off", "on", "plain") if KINDS[k][0] in urls and k not in skip] + extra
     samples, spread = getattr(a, "samples", None), getattr(a, "new_spread", 0.0)
-    admit, admit_wait = getattr(a, "admit_batch", 1), getattr(a, "admit_wait", 0.5)
-    if admit > 1:  # each kind with routes also through the admitting manager, on the same engine
-        kinds += [k + ADMIT for k in kinds if k not in ("off", "plain")]
-        extra = [k for k in kinds if k not in ("off", "on", "plain")]
     res = {"batches": a.batches, "prompt_len": a.prompt_len, "new": a.new, "reps": a.reps, "kinds": kinds,
-           "samples": samples, "new_spread": spread, "admit_batch": admit, "admit_wait_s": admit_wait,
-           "pairs": list(getattr(a, "pair", [])), "runs": [],
+           "samples": samples, "new_spread": spread, "pairs": list(getattr(a, "pair", [])), "runs": [],
            "dropped": {}}
 
     def drop(kind: str, e: Exception) -> None:
@@ -242,9 +231,7 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
                 try:
                     _, tps, dt, dec = asyncio.run(workload(urls[engine], codec if routes else None, batch,
                                                             a.prompt_len, a.new, vocab, seed=rep, timing=timing,
-                                                            samples=samples, spread=spread,
-                                                            admit_batch=admit if kind.endswith(ADMIT) else 1,
-                                                            admit_wait_s=admit_wait))
+                                                            samples=samples, spread=spread))
                 except Exception as e:
                     drop(kind, e)
                     continue
@@ -282,8 +269,7 @@ def rollout_section(urls: dict[str, str], codec, vocab, a, pids: dict[str, int] 
             s |= {"plain_median": med["plain"], "routes_on_vs_plain_median": r["median"],
                   "routes_on_vs_plain_min": r["min"], "routes_on_vs_plain_max": r["max"],
                   "routes_off_vs_plain_median": _ratios(res["runs"], batch, "off", "plain")["median"]}
-        pairs = [(k, "on") for k in extra] + [tuple(p.split(":", 1)) for p in res["pairs"]] + \
-            [(k, k.removesuffix(ADMIT)) for k in extra if k.endswith(ADMIT) and k != "on" + ADMIT]
+        pairs = [(k, "on") for k in extra] + [tuple(p.split(":", 1)) for p in res["pairs"]]
         for num, den in pairs:  # the same workload, routes on, on another engine (or between two such)
             if num in res["dropped"] or den in res["dropped"]:
                 continue  # a dropped kind: no ratio
@@ -333,7 +319,7 @@ def engine_profiles(urls: dict[str, str], kinds: list[str], codec, vocab: int, a
     from _engine_profile import start_after, summarize_trace, wait_for_trace
 
     out: dict = {}
-    for kind in (k for k in kinds if k != "off" and not k.endswith(ADMIT)):  # the same engines' kernels
+    for kind in (k for k in kinds if k != "off"):
         engine, routes = _kind(kind)
         where = os.path.join(os.path.abspath(a.out), "engine_profile", kind)
         os.makedirs(where, exist_ok=True)

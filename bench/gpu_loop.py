@@ -322,10 +322,6 @@ def main() -> int:
     ap.add_argument("--new-spread", type=float, default=0.0,
                     help="rollout: each sample's new tokens drawn uniformly from new x [1 - F, 1 + F] (the same "
                          "draws for every kind of a repetition): responses of RL's unequal lengths")
-    ap.add_argument("--admit-batch", type=int, default=1,
-                    help="rollout: also every kind with routes through a manager with rollout.admit_batch=N (kind "
-                         "<kind>_adm, the same engine): queued samples let in together once N slots are free")
-    ap.add_argument("--admit-wait", type=float, default=0.5, help="rollout: rollout.admit_wait_s of the _adm kinds")
     ap.add_argument("--skip-off", action="store_true",
                     help="rollout: no routes-off runs (mrl requests routes whenever Keep Routing is on)")
     ap.add_argument("--reps", type=int, default=3)
@@ -418,10 +414,6 @@ def main() -> int:
     named = {"on", *([] if a.skip_off else ["off"]), *(["plain"] if a.plain_engine_gpu is not None else []),
              *(["fp8"] if a.fp8_engine_gpu is not None else []),
              *(v.partition("=")[0] for v in a.variant + a.fp8_variant)}
-    if a.admit_batch > 1:
-        named |= {k + "_adm" for k in named - {"off", "plain"}}
-    if not 1 <= a.admit_batch <= max(a.batches):
-        ap.error(f"--admit-batch {a.admit_batch}: give 1 (off) up to the batch ({max(a.batches)})")
     for p in a.pair:
         num, sep, den = p.partition(":")
         if not sep or num not in named or den not in named:

@@ -183,13 +183,6 @@ class RolloutConfig:
     max_running_requests: int = 8
     """Requests one engine decodes at once (SGLang ``--max-running-requests``); the rollout manager keeps
     at most this many on each engine, the rest queue on the trainer side (abortable, re-routable)."""
-    admit_batch: int = 1
-    """Once an engine is full, the samples queued for it go in together when this many of its slots are
-    free (or the oldest has waited ``admit_wait_s``), not one as each finishes: the engine then prefills
-    them in one forward instead of pausing its whole decode batch for a prefill per finished sample
-    (``mrl.rollout.admission``). 1 = each as its slot frees."""
-    admit_wait_s: float = 0.5
-    """The longest a queued sample waits for ``admit_batch`` free slots."""
     cpus: Optional[list[int]] = None
     """CPU mode: cores the engines are pinned to (null = all). The trainer ranks then keep to the other
     cores, so generation and training overlap without fighting over the same cores (``train.mode=overlap``
@@ -245,11 +238,6 @@ class RolloutConfig:
             _fail("rollout.restart_engines", f"must be >= 0, got {self.restart_engines}")
         if self.max_running_requests < 1:
             _fail("rollout.max_running_requests", f"must be >= 1, got {self.max_running_requests}")
-        if not 1 <= self.admit_batch <= self.max_running_requests:
-            _fail("rollout.admit_batch", f"must be in [1, max_running_requests={self.max_running_requests}], "
-                  f"got {self.admit_batch}")
-        if not self.admit_wait_s >= 0:
-            _fail("rollout.admit_wait_s", f"must be >= 0, got {self.admit_wait_s}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             _fail("rollout.cpu_threads", f"must be >= 1 or null, got {self.cpu_threads}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):

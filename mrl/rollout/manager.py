@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from mrl.rollout.admission import AdmissionGate
 from mrl.rollout.client import EngineClient, liveness, watched
 from mrl.rollout.lora import AdapterRouter
 from mrl.rollout.protocol import EngineHTTPError, EngineHung, EngineProtocolError, EngineUnavailable, GenerateOutput
@@ -63,7 +62,7 @@ class NoEngineAvailable(RuntimeError):
 @dataclass
 class _Slot:
     client: EngineClient
-    sem: AdmissionGate
+    sem: asyncio.Semaphore
     inflight: int = 0
     healthy: bool = True
     failures: int = 0
@@ -107,22 +106,21 @@ class RolloutManager:
     def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
                  max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None,
                  top_logprobs_num: int = 0, adapters: AdapterRouter | None = None, probe_timeout_s: float = 15.0,
-                 vocab_size: int | None = None, admit_batch: int = 1, admit_wait_s: float = 0.5):
+                 vocab_size: int | None = None):
         """``top_logprobs_num`` > 0: ask for that many top logprobs per token and rebuild each token's
         sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``). ``adapters``: LoRA
         runs, one router shared by every manager on these engines. ``probe_timeout_s``: an engine with
         requests in flight and no answer for this long is probed, and judged hung when the probe is not
         answered within it (``weight_sync.probe_timeout_s``). ``vocab_size``: a reply with a token id at or
-        above it is refused (the sample retried elsewhere, counted), never trained on. ``admit_batch`` /
-        ``admit_wait_s``: calls waiting for a full engine are let in together (``AdmissionGate``)."""
+        above it is refused (the sample retried elsewhere, counted), never trained on."""
         if probe_timeout_s <= 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
         self.probe_timeout_s = probe_timeout_s
         self.vocab_size = vocab_size
         if not clients:
             raise ValueError("RolloutManager needs at least one engine client")
-        self._gate_args = (max_inflight_per_engine, admit_batch, admit_wait_s)
-        self.slots = [_Slot(c, AdmissionGate(*self._gate_args)) for c in clients]
+        self._per_engine = max_inflight_per_engine
+        self.slots = [_Slot(c, asyncio.Semaphore(max_inflight_per_engine)) for c in clients]
         self.sampling = sampling
         self.codec = codec
         self.max_retries = max_retries
@@ -140,7 +138,7 @@ class RolloutManager:
     def add_engine(self, client: EngineClient) -> None:
         """A new engine (a restarted one, its weights already current) takes requests from now on. Call it
         on the loop that runs the manager."""
-        self.slots.append(_Slot(client, AdmissionGate(*self._gate_args)))
+        self.slots.append(_Slot(client, asyncio.Semaphore(self._per_engine)))
         if self.adapters is not None:
             self.adapters.add_engine(client)
 

@@ -191,8 +191,7 @@ class LocalRollout:
         self.manager = RolloutManager(clients, sampling=sampling, codec=codec if t.replay else None,
                                       max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top,
                                       adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s,
-                                      vocab_size=state.get("vocab_size"), admit_batch=r.admit_batch,
-                                      admit_wait_s=r.admit_wait_s)
+                                      vocab_size=state.get("vocab_size"))
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids),
             adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s)

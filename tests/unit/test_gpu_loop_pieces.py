@@ -517,8 +517,7 @@ def test_rollout_section_without_routes_off_runs(tmp_path, monkeypatch):
 
     seen = []
 
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, samples=None, spread=0.0,
-                       **kw):
+    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, samples=None, spread=0.0):
         seen.append((url, codec is not None, samples, spread))
         return [], {"http://routes": 1000.0, "http://fp8": 1300.0}[url], 1.0, 0.0
 
@@ -537,37 +536,3 @@ def test_rollout_section_without_routes_off_runs(tmp_path, monkeypatch):
     assert s["fp8_vs_on_median"] == 1.3 and s["routes_on_median"] == 1000.0
     timed = [x for x in seen if x[2] is not None]
     assert len(timed) == 4 and all(x[1] and x[3] == 0.5 for x in timed)  # routes requested in every run
-
-
-def test_rollout_section_runs_each_kind_again_through_the_admitting_manager(tmp_path, monkeypatch):
-    """--admit-batch N: every kind with routes runs again as <kind>_adm on the same engine, its manager
-    admitting queued samples N at a time; each _adm kind is compared with its own kind and with on."""
-    import types
-
-    import _rollout_section as rollouts
-
-    seen = []
-
-    async def workload(url, codec, batch, prompt_len, new, vocab, seed, timing=None, samples=None, spread=0.0,
-                       admit_batch=1, admit_wait_s=0.5):
-        seen.append((url, admit_batch, admit_wait_s))
-        speed = {"http://routes": 1000.0, "http://fp8": 1100.0}[url]
-        return [], speed * (1.5 if admit_batch > 1 else 1.0), 1.0, 0.0
-
-    async def payload(url, codec, prompt_len, new, vocab):
-        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
-
-    monkeypatch.setattr(rollouts, "workload", workload)
-    monkeypatch.setattr(rollouts, "routes_payload", payload)
-    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
-                              engine_profile=0, skip_off=True, samples=1024, admit_batch=32, admit_wait=0.25,
-                              pair=["fp8_adm:on_adm"])
-    res = rollouts.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a)
-    assert res["kinds"] == ["on", "fp8", "on_adm", "fp8_adm"]
-    runs = {(r["kind"], r["rep"]): r for r in res["runs"]}
-    assert runs[("fp8_adm", 1)]["engine"] == "fp8" and runs[("on_adm", 0)]["engine"] == "routes"
-    timed = [x for x in seen[2:]]  # after the two engines' warm-ups
-    assert sorted({x[1] for x in timed}) == [1, 32] and all(x[2] == 0.25 for x in timed)
-    s = res["summary"]["batch256"]
-    assert s["on_adm_vs_on_median"] == 1.5 and s["fp8_adm_vs_fp8_median"] == 1.5
-    assert abs(s["fp8_adm_vs_on_adm_median"] - 1.1) < 1e-12 and abs(s["fp8_vs_on_median"] - 1.1) < 1e-12
