@@ -19,7 +19,10 @@ the trainer side runs on ``--trainer-gpus`` (megatron-core, bf16, NCCL). Section
   same engine (started with route capture); with ``--plain-engine-gpu`` also on a second engine
   started at the same time without route capture (the fair baseline: ``routes_on_vs_plain``). The
   kinds alternate within each repetition, in an order that turns from one repetition to the next.
-  Each run also records where its wall time went per request (posted, answered, SGLang's own
+  ``--samples`` beyond the batch makes each run a stream (a finished sample's slot refilled at once, as
+  an asynchronous run's engines serve), ``--new-spread`` gives the samples unequal lengths, ``--skip-off``
+  leaves out the routes-off runs, ``--engine-args`` / ``--fp8-engine-args`` start the on/off and fp8
+  engines with other server args (FA3 for all). Each run also records where its wall time went per request (posted, answered, SGLang's own
   ``e2e_latency``): the spread of the requests' arrivals at the engine, the time outside the engine (HTTP
   both ways), the client's work after the last answer, and the seconds outside full-batch decode.
   Also the routes payload of one response as the engine sends it (base64 bytes per token, bytes per

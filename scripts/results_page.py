@@ -168,6 +168,8 @@ def _rollout(r):
             line = f"{b}: routes on {k(s['routes_on_median'])} tokens/s"
         if r.get("samples"):
             line += f" ({r['samples']} samples a run, a stream)"
+        elif r.get("new") not in (None, 512):
+            line += f" ({r['new']} new tokens a sample)"
         if s.get("routes_on_vs_plain_median") is not None:
             line += f"; on vs plain engine {s['routes_on_vs_plain_median']:.2f}"
         for kind in (x for x in r.get("kinds") or [] if x not in ("off", "on", "plain")):  # other engines, routes on
@@ -549,7 +551,8 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
     ("FP8 rollouts / bf16, batch 256", ">=", 1.3,
      "fp8/2026-11-29_gpu_loop_fp8_fa3_deepgemm_qwen3_30b_a3b_l12_2xH200.json", lambda d: d["fp8_vs_bf16_rollout"],
      "1x H200 a run, 30B slice, FA3 on both, DeepGEMM on FP8, whole runs, 8 repetitions; decode alone 1.30; "
-     "triton (mrl's default) 1.18 and 1.23; 24 layers (triton): 1.23"),
+     "triton (mrl's default) 1.18 and 1.23; 24 layers (triton): 1.23; 2,048 new tokens: 1.21 (decode alone 1.24); "
+     "a stream of 1,024 samples: 0.97"),
     ("rollouts with routes / a plain engine, batch 256", ">=", 0.95,
      "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json", lambda d: d["routes_on_vs_plain"],
      "2x H200, full 48-layer Qwen3-30B-A3B"),
