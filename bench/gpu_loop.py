@@ -23,8 +23,9 @@ the trainer side runs on ``--trainer-gpus`` (megatron-core, bf16, NCCL). Section
   an asynchronous run's engines serve), ``--new-spread`` gives the samples unequal lengths, ``--skip-off``
   leaves out the routes-off runs, ``--engine-args`` / ``--fp8-engine-args`` start the on/off and fp8
   engines with other server args (FA3 for all). Each run also records where its wall time went per
-  request (posted, answered, SGLang's own ``e2e_latency``): the spread of the requests' arrivals at the engine, the time outside the engine (HTTP
-  both ways), the client's work after the last answer, and the seconds outside full-batch decode.
+  request (posted, answered, SGLang's own ``e2e_latency``): the spread of the requests' arrivals at the
+  engine, the time outside the engine (HTTP both ways), the client's work after the last answer, and the
+  seconds outside full-batch decode.
   Also the routes payload of one response as the engine sends it (base64 bytes per token, bytes per
   expert id: 1 with mrl's compact routes, 4 with SGLang's int32 under ``--routes-int32``, the baseline
   to compare with on the same machine).
