@@ -179,10 +179,25 @@ def test_fp8_checker_view_is_what_sglangs_weight_checker_hashes():
     assert (view.float() - w.float()).abs().max() < 0.1 * w.float().abs().max()
 
 
+def _section_args(monkeypatch, workload, tmp_path, **args):
+    """The rollout section's workload replaced by ``workload`` and its routes payload by a fixed one; the
+    section's arguments (256 in flight, 2 repetitions unless ``args`` say otherwise)."""
+    import types
+
+    import _rollout_section as rollouts
+
+    async def payload(url, codec, prompt_len, new, vocab):
+        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
+
+    monkeypatch.setattr(rollouts, "workload", workload)
+    monkeypatch.setattr(rollouts, "routes_payload", payload)
+    return types.SimpleNamespace(**({"batches": [256], "prompt_len": 4, "new": 4, "reps": 2, "out": str(tmp_path),
+                                     "py_spy": 0, "engine_profile": 0} | args))
+
+
 def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, monkeypatch):
     """A compared engine (an FP8 kernel variant) failing its requests loses its kind, with the error in the
     report; the routes engine's kinds and a working variant keep their per-repetition ratios."""
-    import types
 
     import _rollout_section as rollouts
 
@@ -195,13 +210,7 @@ def test_rollout_section_drops_a_failing_variant_and_keeps_the_others(tmp_path, 
         speed = {"http://routes": 1000.0, "http://good": 1250.0}.get(url, 900.0)
         return [], speed * (0.9 if codec is None else 1.0), 1.0, 0.0
 
-    async def payload(url, codec, prompt_len, new, vocab):
-        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
-
-    monkeypatch.setattr(rollouts, "workload", workload)
-    monkeypatch.setattr(rollouts, "routes_payload", payload)
-    a = types.SimpleNamespace(batches=[16, 32], prompt_len=4, new=4, reps=3, out=str(tmp_path), py_spy=0,
-                              engine_profile=0)
+    a = _section_args(monkeypatch, workload, tmp_path, batches=[16, 32], reps=3)
     res = rollouts.rollout_section({"routes": "http://routes", "good": "http://good", "bad": "http://bad"},
                                    object(), 64, a)
     assert res["kinds"] == ["off", "on", "good"]
@@ -355,7 +364,6 @@ def test_full_batch_decode_keeps_only_lines_of_decode_alone(tmp_path):
 def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, monkeypatch):
     """Each run reads the decode lines its engine logged during it; the compared kind's decode-alone ratio
     against the routes engine goes in the summary beside the whole-run ratio."""
-    import types
 
     import _rollout_section as rollouts
 
@@ -367,13 +375,7 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
             f.write("\n".join([_PREFILL] + [_decode(batch, decode[url] + seed)] * 3) + "\n")
         return [], {"http://routes": 1000.0, "http://fp8": 1200.0}[url], 1.0, 0.0
 
-    async def payload(url, codec, prompt_len, new, vocab):
-        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
-
-    monkeypatch.setattr(rollouts, "workload", workload)
-    monkeypatch.setattr(rollouts, "routes_payload", payload)
-    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
-                              engine_profile=0)
+    a = _section_args(monkeypatch, workload, tmp_path)
     res = rollouts.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a,
                                    logs=logs)
     runs = {(r["kind"], r["rep"]): r for r in res["runs"]}
@@ -387,7 +389,6 @@ def test_rollout_section_reports_decode_alone_from_the_engines_logs(tmp_path, mo
 def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
     """--pair NUM:DEN: an FP8 engine against the bf16 engine with the same server args, per repetition and
     for decode alone; a pair with a dropped kind gives no ratio."""
-    import types
 
     import _rollout_section as rollouts
 
@@ -403,13 +404,7 @@ def test_rollout_section_pairs_two_compared_kinds(tmp_path, monkeypatch):
             f.write("\n".join([_PREFILL] + [_decode(batch, 30 * speed.get(kind, 1.0))] * 3) + "\n")
         return [], speed.get(kind, 900.0), 1.0, 0.0
 
-    async def payload(url, codec, prompt_len, new, vocab):
-        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
-
-    monkeypatch.setattr(rollouts, "workload", workload)
-    monkeypatch.setattr(rollouts, "routes_payload", payload)
-    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
-                              engine_profile=0, pair=["fp8fa3:fa3", "bad:fa3"])
+    a = _section_args(monkeypatch, workload, tmp_path, pair=["fp8fa3:fa3", "bad:fa3"])
     s = rollouts.rollout_section(urls, object(), 64, a, logs=logs)["summary"]["batch256"]
     assert s["fp8fa3_vs_fa3_median"] == 1.3 and len(s["fp8fa3_vs_fa3_per_rep"]) == 2
     assert abs(s["fp8fa3_decode_vs_fa3_median"] - 1.3) < 1e-12
@@ -511,7 +506,6 @@ def test_a_stream_workload_refills_the_batch_and_draws_unequal_lengths():
 def test_rollout_section_without_routes_off_runs(tmp_path, monkeypatch):
     """--skip-off: no routes-off runs and no on/off figures; the compared kinds keep their ratios to on,
     and the section passes --samples and --new-spread to every timed run."""
-    import types
 
     import _rollout_section as rollouts
 
@@ -521,13 +515,7 @@ def test_rollout_section_without_routes_off_runs(tmp_path, monkeypatch):
         seen.append((url, codec is not None, samples, spread))
         return [], {"http://routes": 1000.0, "http://fp8": 1300.0}[url], 1.0, 0.0
 
-    async def payload(url, codec, prompt_len, new, vocab):
-        return {"bytes_per_token": 128.0, "bytes_per_expert_id": 1}
-
-    monkeypatch.setattr(rollouts, "workload", workload)
-    monkeypatch.setattr(rollouts, "routes_payload", payload)
-    a = types.SimpleNamespace(batches=[256], prompt_len=4, new=4, reps=2, out=str(tmp_path), py_spy=0,
-                              engine_profile=0, skip_off=True, samples=1024, new_spread=0.5)
+    a = _section_args(monkeypatch, workload, tmp_path, skip_off=True, samples=1024, new_spread=0.5)
     res = rollouts.rollout_section({"routes": "http://routes", "fp8": "http://fp8"}, object(), 64, a)
     assert res["kinds"] == ["on", "fp8"] and res["samples"] == 1024
     assert {r["kind"] for r in res["runs"]} == {"on", "fp8"}
