@@ -1,6 +1,6 @@
 """Shared pieces of the Keep Routing / RL-step benchmarks: checkpoints, torchrun, natural routes.
 
-    python bench/_bench_common.py make-model DIR [--preset gpu|qwen3_30b_a3b_l12|tiny]   # write a checkpoint
+    python bench/_bench_common.py make-model DIR [--preset gpu|qwen3_30b_a3b_l12|qwen3_30b_a3b|tiny]   # a checkpoint
 
 The ``gpu`` preset: Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8,
 norm_topk_prob, vocab 32768, ~490M parameters, transformers' own random init (std 0.02, norms 1),
@@ -32,12 +32,19 @@ SHAPES = {"gpu": GPU_PRESET, "bench490": GPU_PRESET,
                                     max_position_embeddings=40960),
           # a CPU-sized MoE whose optimizer state is large enough to show host memory in a checkpoint save
           "cpu_ckpt": dict(GPU_PRESET, num_hidden_layers=2)}
+# shapes written by bench/_random_checkpoint.py instead (no model instantiated): Qwen3-30B-A3B at its full depth
+# (30.5B parameters, 61 GB in bf16), and a CPU-sized one with many experts for the flow's tests
+RANDOM_SHAPES = ("qwen3_30b_a3b", "cpu_wide")
 
 
 def make_model(path: str, preset: str = "gpu", seed: int = 0) -> str:
     """A random Qwen3-MoE HF checkpoint at ``path`` (kept if its config.json already exists)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    if preset in RANDOM_SHAPES:  # tensor by tensor, sharded: the full 48-layer model needs no model in memory
+        from _random_checkpoint import make_checkpoint
+
+        return make_checkpoint(path, preset, None, seed=seed)
     if preset not in SHAPES:
         from mrl.config.schema import TinyPreset
         from mrl.models.tiny import make_tiny_model

@@ -69,6 +69,9 @@ class TrainConfig:
     """A natural-routing (record) forward every N steps: disagreement and replay-on/off KL."""
     save_every: int = 0
     """Checkpoint (megatron dist_checkpointing + loop state) every N steps; 0 = only on SIGUSR1/end."""
+    save_at_end: bool = True
+    """Checkpoint at the last step. false: a run that will not be resumed skips it (a benchmark of a model
+    whose weights and optimizer states outsize the disk); a stop (SIGUSR1, ``stop_after``) still saves."""
     keep_checkpoints: int = 0
     """Keep the newest N complete checkpoints: older ones are deleted once a newer one is complete (its
     files synced to disk before its marker is written); 0 = keep every one."""

@@ -277,14 +277,14 @@ class Loop:
                 "sync_verify_unreachable": float(len(unreachable))}
 
     def maybe_checkpoint(self) -> bool:
-        """Checkpoint every ``train.save_every`` steps, at the end, and before stopping (SIGUSR1,
-        ``train.stop_after``); whether to stop. With ``train.async_save`` the save is scheduled here and
-        completed at a later step's end (or before the next save, or at the run's end)."""
+        """Checkpoint every ``train.save_every`` steps, at the end (``train.save_at_end``), and before
+        stopping (SIGUSR1, ``train.stop_after``); whether to stop. With ``train.async_save`` the save is
+        scheduled here and completed at a later step's end (or before the next save, or at the run's end)."""
         t = self.cfg.train
         if self.saves is not None:
             self._report(self.saves.finalize(blocking=False))
         stop = broadcast_object(self.preempted or (t.stop_after is not None and self.step >= t.stop_after))
-        if stop or (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
+        if stop or (t.save_every and self.step % t.save_every == 0) or (self.step == t.steps and t.save_at_end):
             path = os.path.join(checkpoint_dir(self.cfg), f"step_{self.step}")
             check_finite_weights(self.policy.module, f"checkpoint {path}")
             rank0, t0 = self.layout.world_rank == 0, time.perf_counter()

@@ -113,9 +113,13 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
 def test_dapo_on_multi_turn_episodes(tmp_path):
     """DAPO (dynamic sampling, overlong shaping, clip-higher) in the async loop on multi-turn episodes
     (data=lookup after a warm start that makes the policy call its tool in most episodes): no trained
-    group lacks signal, the skipped ones are counted, and the episodes really had several turns."""
-    _, rows = mrl_train(tmp_path / "dapo_mt", "data=lookup", "algo=dapo", "algo.max_response_len=32",
-                        "train.sft_warmup_steps=70", "algo.lr=3e-4", "train.steps=4", "train.eval_every=0")
+    group lacks signal, the skipped ones are counted, and the episodes really had several turns. Run with
+    train.save_at_end=false: it ends without a checkpoint."""
+    run = tmp_path / "dapo_mt"
+    p, rows = mrl_train(run, "data=lookup", "algo=dapo", "algo.max_response_len=32", "train.sft_warmup_steps=70",
+                        "algo.lr=3e-4", "train.steps=4", "train.eval_every=0", "train.save_at_end=false")
+    assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints"), os.listdir(run / "checkpoints")
+    assert "saving checkpoint" not in p.stdout
     steps = [r for r in rows if "step_seconds" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["groups_without_signal"] == 0 for r in steps)

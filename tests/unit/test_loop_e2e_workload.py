@@ -69,3 +69,27 @@ def test_summary_counts_only_timed_steps_and_times_the_first_step_from_the_start
     assert s["sync_phase_median_s"] == {"check_seconds": 0.0, "pause_seconds": 0.05, "push_seconds": 0.3,
                                         "finish_seconds": 0.0, "barrier_seconds": 0.0}
     assert s["steps"][1]["sync/push_seconds"] == 0.3
+
+
+def test_the_full_depth_model_is_written_tensor_by_tensor(tmp_path):
+    """--model of bench/_random_checkpoint.py's shapes (qwen3_30b_a3b at full depth for the 8-GPU loop) goes
+    through its sharded writer, not a model in memory: config, index and shards as the bridge reads them. The
+    CPU-sized shape of the same path stands in for the 61 GB one."""
+    import subprocess
+
+    import _bench_common
+    from mrl.models import get_bridge
+
+    hf = str(tmp_path / "model")
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(loop_e2e.__file__), "_bench_common.py"),
+                    "make-model", hf, "--preset", "cpu_wide"], check=True, capture_output=True, timeout=300)
+    with open(os.path.join(hf, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert len(set(index["weight_map"].values())) >= 1 and not os.path.exists(os.path.join(hf, "model.safetensors"))
+    bridge = get_bridge(hf)
+    assert bridge.hf_config.num_experts == 64 and bridge.num_layers == 2
+    assert "qwen3_30b_a3b" in _bench_common.RANDOM_SHAPES
+    # the full depth's preset composes into the 8-GPU layout the loop bench asks of mrl train
+    a = _args(cpu=False, trainer_procs=4, set=["parallel=ep4", "rollout.num_engines=2", "rollout.engine_tp=2"])
+    cfg = compose(loop_e2e.overrides(a, hf, str(tmp_path / "p.jsonl"), str(tmp_path / "run"), 3))
+    assert cfg.rollout.base_gpu_id == 4 and cfg.rollout.engine_tp == 2 and cfg.parallel.ep == 4
