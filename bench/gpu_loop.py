@@ -405,8 +405,8 @@ def main() -> int:
     a = ap.parse_args()
     if any("=" not in kv for kv in a.engine_env):
         ap.error(f"--engine-env takes KEY=VALUE: got {a.engine_env}")
-    if a.samples is not None and a.samples < max(a.batches):
-        ap.error(f"--samples {a.samples}: a run needs at least its batch's samples ({max(a.batches)})")
+    if a.samples is not None and (a.samples < max(a.batches) or a.samples % 8):
+        ap.error(f"--samples {a.samples}: give a multiple of 8 (groups of 8) of at least the batch ({max(a.batches)})")
     if not 0 <= a.new_spread < 1:
         ap.error(f"--new-spread {a.new_spread}: give a fraction in [0, 1)")
     try:

@@ -422,6 +422,16 @@ def test_gpu_loop_refuses_a_pair_of_unknown_kinds():
     assert "--pair 'fp8fa3np:fa3np'" in r.stderr and "'fa3np'" in r.stderr
 
 
+@pytest.mark.parametrize("samples", ["20", "8"])
+def test_gpu_loop_refuses_a_stream_of_partial_groups_or_below_the_batch(samples):
+    import subprocess
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_loop.py")
+    r = subprocess.run([sys.executable, bench, "--cpu", "--batches", "16", "--samples", samples,
+                        "--out", "/nonexistent/never"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"--samples {samples}: give a multiple of 8" in r.stderr, r.stderr
+
+
 def test_a_compared_engine_slower_to_start_than_the_timeout_is_dropped():
     import gpu_loop
 
