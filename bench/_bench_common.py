@@ -484,7 +484,7 @@ def engine_call(url: str, fn):
     """``fn(client)`` against one engine from synchronous bench code, the client closed after it."""
     import asyncio
 
-    from mrl.rollout.client import EngineClient
+    from mrl.sglang.client import EngineClient
 
     async def go():
         c = EngineClient(url)

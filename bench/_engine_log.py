@@ -73,10 +73,10 @@ def engine_timeline(log_dir: str) -> dict[str, list[str]]:
 
 
 def engine_load_lines(log_dir: str) -> dict:
-    """What the engine logs say about its bucket loads (``mrl.engine.patches``): layouts replayed
+    """What the engine logs say about its bucket loads (``mrl.engine.server.patches``): layouts replayed
     as copies, layouts left to ``load_weights`` and why (a refused layout costs the model's per-tensor
     load on every sync)."""
-    from mrl.engine.patches import REPLAYED_LOAD_MARK
+    from mrl.sglang.wire import REPLAYED_LOAD_MARK
 
     out = {"replayed_as_copies": 0, "load_weights": 0, "load_weights_reasons": []}
     for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:

@@ -59,7 +59,7 @@ def summarize_trace(path: str, steps: int, top: int = 15) -> dict:
 
 async def start_after(url: str, out_dir: str, steps: int, delay_s: float, cpu: bool) -> None:
     """Ask the engine at ``url`` to profile its next ``steps`` forward steps, ``delay_s`` from now."""
-    from mrl.rollout.client import EngineClient
+    from mrl.sglang.client import EngineClient
 
     await asyncio.sleep(delay_s)
     c = EngineClient(url)

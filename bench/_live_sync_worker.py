@@ -46,12 +46,12 @@ from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
-from mrl.engine.launcher import free_port
+from mrl.sglang.endpoint import free_port
 from _engine_shards import engine_shard, expert_layouts, fp8_checker_view, sampled_names
-from mrl.engine.update_stats import STATS_OFF, top_ops
+from mrl.engine.server.update_stats import STATS_OFF, top_ops
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
 from mrl.weight_sync.sync import EngineSync, make_transport
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

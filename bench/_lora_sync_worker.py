@@ -27,11 +27,11 @@ from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from _bench_common import engine_call
 from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
-from mrl.rollout.lora import adapter_name
-from mrl.rollout.protocol import EngineHTTPError
+from mrl.sglang.wire import adapter_name
+from mrl.sglang.protocol import EngineHTTPError
 from mrl.weight_sync.lora import AdapterSync, random_adapter
 from mrl.weight_sync.sync import EngineSync, make_transport
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 
 PROMPT = [1, 17, 42, 99, 7, 300, 5, 11, 12, 13, 250, 251, 64, 3, 77, 401] * 4
 

@@ -49,7 +49,7 @@ def _timed_client(url: str):
     """mrl's engine client, recording for each /generate when it was posted and answered (perf_counter)
     and SGLang's own ``e2e_latency`` for it (from the request's arrival at its tokenizer manager to the
     last token)."""
-    from mrl.rollout.client import EngineClient
+    from mrl.sglang.client import EngineClient
 
     class TimedClient(EngineClient):
         def __init__(self, url):
@@ -111,7 +111,7 @@ async def routes_payload(url: str, codec, prompt_len: int, new: int, vocab: int)
     """Bytes of one reply's routes as the engine sends them (base64), per token, and per expert id."""
     import base64
 
-    from mrl.rollout.client import EngineClient
+    from mrl.sglang.client import EngineClient
 
     c = EngineClient(url)
     ids = [3 + i % (vocab - 3) for i in range(prompt_len)]

@@ -179,7 +179,7 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
 
     env = {"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1", "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"}
     if a.sync_profile:
-        from mrl.engine.update_stats import SYNC_STATS_ENV
+        from mrl.engine.server.update_stats import SYNC_STATS_ENV
 
         os.makedirs(_profile_dir(a), exist_ok=True)
         env[SYNC_STATS_ENV] = _profile_dir(a)

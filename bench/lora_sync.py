@@ -29,7 +29,7 @@ from _bench_common import dump, make_model, torchrun  # noqa: E402
 
 from mrl.engine.launcher import Engine  # noqa: E402
 from mrl.config.lora_engine import ATTENTION, LoraEngineSpec  # noqa: E402
-from mrl.engine.secrets import ensure_run_secrets  # noqa: E402
+from mrl.sglang.keys import ensure_run_secrets  # noqa: E402
 
 
 def summary(xs: list[float]) -> dict:

@@ -1,4 +1,4 @@
-"""Paired A/B of one expert bucket's replayed load on the engine side (``mrl.engine.replayed_load``): the
+"""Paired A/B of one expert bucket's replayed load on the engine side (``mrl.engine.server.replayed_load``): the
 recorded copies as one ``_foreach_copy_`` per step (what replays did before copies were merged) against
 ``LoadPlan.replay`` (contiguous pairs fused, one tensor of every expert merged into one copy).
 
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mrl.engine.replayed_load import bucket_views, record_load  # noqa: E402
+from mrl.engine.server.replayed_load import bucket_views, record_load  # noqa: E402
 
 
 class Experts(torch.nn.Module):

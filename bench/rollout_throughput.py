@@ -5,7 +5,7 @@
 Both engines (TP1 each, CPU mode, tiny model) start once; the workload (GRPO groups, temperature 1,
 one request per sample) runs through mrl's RolloutManager first on engine 0 alone, then on both.
 Routes: bytes per token as the engine sends them (base64 over all layers, in JSON; uint8 ids from
-mrl's engines, ``mrl.engine.patches``) vs after mrl's codec (uint8, MoE layers only).
+mrl's engines, ``mrl.engine.server.patches``) vs after mrl's codec (uint8, MoE layers only).
 """
 
 import argparse
@@ -22,7 +22,7 @@ from _bench_common import dump
 
 from mrl.models import get_bridge
 from mrl.models.tiny import make_tiny_model
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.engine.launcher import Engine
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec

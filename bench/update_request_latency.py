@@ -5,7 +5,7 @@
 Before an engine posts its first receive of a sync, the request that announces the sync's buckets travels
 through SGLang's HTTP server, tokenizer manager and scheduler to the model runner. Every tensor of the sync
 has its name, dtype and shape in it (4,700 for the Qwen3-30B-A3B 12-layer slice) unless the engine kept
-them from an earlier sync (``mrl.engine.patches.KEEPS_LAYOUTS_MARK``): then the request names their key.
+them from an earlier sync (``mrl.engine.server.patches.KEEPS_LAYOUTS_MARK``): then the request names their key.
 Both are timed here as the whole round trip of a request the model runner refuses without receiving
 (a group it does not have; a key it does not hold), so no trainer is needed: the way in and the answer
 out, the same path an accepted request takes before its receives. A CPU engine serves them (the tiny
@@ -33,7 +33,7 @@ from _bench_common import environment  # noqa: E402
 
 def body(n: int | None) -> bytes:
     """A batched request with ``n`` expert tensors of the slice's shape, or (None) one naming a kept key."""
-    from mrl.engine.patches import BATCHED_BUCKETS_FORMAT
+    from mrl.sglang.wire import BATCHED_BUCKETS_FORMAT
 
     if n is None:
         lists, spec = dict(names=[], dtypes=[], shapes=[]), {"key": "0123456789abcdef"}
@@ -47,7 +47,7 @@ def body(n: int | None) -> bytes:
 
 
 async def _round_trip(client, payload: bytes) -> float:
-    from mrl.weight_sync.http_pipeline import post_pipelined
+    from mrl.sglang.pipeline import post_pipelined
 
     t = time.perf_counter()
     (status, raw), = await post_pipelined(client.url, "/update_weights_from_distributed", [payload], timeout=60,
@@ -67,7 +67,7 @@ def main() -> int:
     a = ap.parse_args()
     from mrl.engine.launcher import Engine
     from mrl.models.tiny import make_tiny_model
-    from mrl.rollout.client import EngineClient
+    from mrl.sglang.client import EngineClient
 
     kinds = {"kept_key": body(None)} | {f"names_{n}": body(n) for n in a.names}
     times: dict[str, list[float]] = {k: [] for k in kinds}

@@ -135,7 +135,7 @@ def train(cfg: Config) -> int:
     path = ensure_model(cfg)
     if cfg.model.hf_path != path:
         cfg.model.hf_path = path
-    from mrl.engine.secrets import ensure_run_secrets
+    from mrl.sglang.keys import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)  # engine keys: a 0600 file named by $MRL_ENGINE_KEYS_FILE, never the config
     resolved = os.path.join(cfg.run_dir, "config.yaml")
@@ -179,9 +179,9 @@ def engine(cfg: Config) -> int:
     # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
     # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the
     # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
-    from mrl.engine.launcher import interface_address
+    from mrl.sglang.endpoint import interface_address
     from mrl.config.lora_engine import lora_engine_spec
-    from mrl.engine.secrets import ensure_run_secrets
+    from mrl.sglang.keys import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)
     url_dir = r.engine_url_dir

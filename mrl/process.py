@@ -255,3 +255,15 @@ def open_files(pids: list[int], prefix: str) -> set[str]:
             if target.startswith(prefix):
                 out.add(target)
     return out
+
+
+def child_setup(cpus: list[int] | None):
+    """``preexec_fn`` for a child that must die with this process (and optionally keep to ``cpus``)."""
+
+    def setup() -> None:  # runs in the child between fork and exec
+        die_with_parent()
+        ignore_usr1()
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # inherited by the scheduler/detokenizer processes
+
+    return setup

@@ -29,6 +29,6 @@ echo "[setup] installing mrl and its stack into $VENV (first time: ~12 GB, sever
 # sglang 0.5.14 pins torch 2.11.0 / transformers 5.8.1 (pyproject.toml); megatron-core 0.19.2 runs on that torch.
 "$VENV/bin/pip" install -q -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import mrl, megatron.core, sglang, transformers, hydra; print('[setup] ok: torch', __import__('torch').__version__, 'megatron-core', megatron.core.__version__, 'sglang', sglang.__version__)"
-# SGLang CPU mode: compile the CUDA driver stub from mrl/engine/cpu/cudastub.c into the venv
+# SGLang CPU mode: compile the CUDA driver stub from mrl/engine/server/cpu/cudastub.c into the venv
 "$VENV/bin/python" -m mrl.engine.cpu_mode >/dev/null
 echo "$want" > "$STAMP"

@@ -94,7 +94,7 @@ def main(argv: list[str], preflight: Callable[[Config], int] | None = None) -> i
         return 2
     if preflight is not None and (code := preflight(cfg)):  # each bad input: one line; nothing written or submitted
         return code
-    from mrl.engine.secrets import ensure_run_secrets
+    from mrl.sglang.keys import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)  # once, before any node starts: every node then loads the same file
     path = write_run_dir(cfg, script)

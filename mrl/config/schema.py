@@ -119,7 +119,7 @@ class RolloutConfig:
     """Run engines on CPU (fp32, torch_native attention, CUDA driver stub)."""
     cpu_batched_attention: bool = True
     """CPU mode: SGLang's torch_native attention takes the whole batch in one SDPA call
-    (``mrl.engine.cpu_attention``) instead of looping over sequences in Python, which made a CPU
+    (``mrl.engine.server.cpu_attention``) instead of looping over sequences in Python, which made a CPU
     engine's cost grow linearly with its batch. false = SGLang's own loop."""
     memory_saver: bool = False
     """GPU only: --enable-memory-saver (colocated runs release/resume engine memory)."""

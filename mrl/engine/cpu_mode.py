@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server", "cpu")
 STUB_SRC = os.path.join(HERE, "cudastub.c")
 PYSHIM_DIR = os.path.join(HERE, "pyshim")
 
@@ -53,7 +53,7 @@ def cpu_env(tp: int, base: dict[str, str] | None = None, cpus: list[int] | None 
     two engines on one box must not both spin threads on every core. ``threads``: each rank's pool
     (default: its share of ``cpus``); a small model's operators are too small to split, and an OpenMP
     worker waiting for its share spins on a core the trainer needs. ``batched_attention`` switches
-    SGLang's torch_native backend to ``mrl.engine.cpu_attention`` (through the pyshim).
+    SGLang's torch_native backend to ``mrl.engine.server.cpu_attention`` (through the pyshim).
     """
     env = dict(base if base is not None else os.environ)
     stub = ensure_cuda_stub()

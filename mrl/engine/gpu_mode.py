@@ -10,8 +10,8 @@
   the renormalised probabilities); flashinfer's fused sampler is kept otherwise.
 - ``NCCL_CUMEM_ENABLE=0`` in the server's environment: the NCCL weight-update group fails with
   "Cuda failure 'invalid argument'" on cuMem-backed buffers on some hosts, leaving weights half updated.
-- ``PYTHONPATH`` starts with ``mrl/engine/shim``: the patches every mrl engine gets
-  (``mrl.engine.patches``), without CPU mode's.
+- ``PYTHONPATH`` starts with ``mrl/engine/server/shim``: the patches every mrl engine gets
+  (``mrl.engine.server.patches``), without CPU mode's.
 - placement: ``--base-gpu-id``; several engines on a node take consecutive blocks of ``tp * dp`` GPUs,
   after the GPUs of the trainer ranks started on the same node.
 - compile caches: SGLang compiles its piecewise prefill CUDA graphs with torch inductor and its MoE and
@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 from mrl.compile_cache import cache_env
-from mrl.engine.patches import SHIM_DIR
+from mrl.engine.server.patches import SHIM_DIR
 
 INSTALL_HINT = ("pip install 'sglang==0.5.14' (brings sglang-kernel 0.4.4 for CUDA 13 and torch 2.11.0); "
                 "on a host without network: scripts/gpu/fetch_parts.sh on a machine with the registry, then "

@@ -4,7 +4,7 @@
         eng.wait_healthy()
         ... EngineClient(eng.url) ...
 
-Every server requires the run's keys (``mrl.engine.secrets``): SGLang reads them from the 0600 keys
+Every server requires the run's keys (``mrl.sglang.keys``): SGLang reads them from the 0600 keys
 file (``--config``), so they are on no command line, and its output goes to the log through a filter
 that redacts them (SGLang logs its server args, keys included). Servers bind to loopback unless given
 ``host`` (on clusters: the job's interface, ``interface_address``).
@@ -20,7 +20,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,56 +28,16 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl.process import (become_subreaper, die_with_parent, ignore_usr1, on_lasting_thread, open_files,
-                         reap_zombies)
-from mrl.engine import cpu_mode, gpu_mode, patches
+from mrl.process import become_subreaper, child_setup, on_lasting_thread, open_files, reap_zombies
+from mrl.engine import cpu_mode, gpu_mode
+from mrl.engine.server import patches
 from mrl.config.lora_engine import LoraEngineSpec
-from mrl.engine.endpoint import EngineEndpoint
-from mrl.engine.secrets import EngineSecrets, ensure_run_secrets
+from mrl.sglang.endpoint import EngineEndpoint, free_port
+from mrl.sglang.keys import EngineSecrets, ensure_run_secrets
 
 
 class EngineStartError(RuntimeError):
     pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def child_setup(cpus: list[int] | None):
-    """``preexec_fn`` for a child that must die with this process (and optionally keep to ``cpus``)."""
-
-    def setup() -> None:  # runs in the child between fork and exec
-        die_with_parent()
-        ignore_usr1()
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # inherited by the scheduler/detokenizer processes
-
-    return setup
-
-
-def route_address(peer: str) -> str:
-    """This node's address on the interface the kernel routes to ``peer`` (a host name or address) by."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))  # UDP: no packet is sent, the kernel only picks the route
-        return s.getsockname()[0]
-
-
-def interface_address(peer: str | None = None) -> str:
-    """This node's address on the interface that reaches ``peer`` (default: the address its hostname
-    resolves to, loopback excluded): where a cluster engine binds so that only the job's network reaches
-    it, instead of 0.0.0.0. ``$MRL_ENGINE_HOST`` overrides."""
-    if os.environ.get("MRL_ENGINE_HOST"):
-        return os.environ["MRL_ENGINE_HOST"]
-    if peer:
-        return route_address(peer)
-    for *_, addr in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-        if not addr[0].startswith("127."):
-            return addr[0]
-    raise RuntimeError(f"{socket.gethostname()} resolves only to loopback: "
-                       "set MRL_ENGINE_HOST to this node's address")
 
 
 def pump_log(src, log, secrets: EngineSecrets) -> None:
@@ -136,7 +95,7 @@ class Engine:
     plain data parallelism = several Engines."""
     cpu_mode: bool = True
     cpu_batched_attention: bool = True
-    """CPU mode: batched torch_native attention (``mrl.engine.cpu_attention``)."""
+    """CPU mode: batched torch_native attention (``mrl.engine.server.cpu_attention``)."""
     memory_saver: bool = False
     """GPU: --enable-memory-saver, so release/resume_memory_occupation really free memory (colocated runs)."""
     base_gpu_id: int = 0
@@ -199,7 +158,7 @@ class Engine:
         reserved = [k for k in _RESERVED_SERVER_ARGS if k in self.server_args]
         if reserved:
             raise ValueError(f"rollout.server_args: {reserved} are set by mrl from the run's keys file "
-                             "(mrl.engine.secrets), never from the config")
+                             "(mrl.sglang.keys), never from the config")
         if not self.port:
             self.port, self._port_retries = free_port(self.host), 3
 

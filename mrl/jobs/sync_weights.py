@@ -25,9 +25,9 @@ from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
 from mrl.config.schema import WeightTransport
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.weight_sync.sync import EngineSync, make_transport
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 
 
 def parse_engines(s: str) -> list[EngineEndpoint]:

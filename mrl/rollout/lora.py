@@ -16,27 +16,10 @@ rollout side is drained for a weight sync. This module imports neither torch nor
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import Counter
 from typing import Any, Iterable
 
-NAME_PREFIX = "policy"
-_NAME = re.compile(rf"^{NAME_PREFIX}@v(\d+)$")
-
-
-def adapter_name(version: int) -> str:
-    """The engine-side name of policy version ``version`` (one adapter per version: no in-place update)."""
-    if version < 0:
-        raise ValueError(f"adapter version must be >= 0, got {version}")
-    return f"{NAME_PREFIX}@v{version}"
-
-
-def adapter_version(name: str) -> int:
-    m = _NAME.match(name)
-    if m is None:
-        raise ValueError(f"{name!r} is not an mrl adapter name ({NAME_PREFIX}@v<n>)")
-    return int(m.group(1))
-
+from mrl.sglang.wire import adapter_version
 
 class AdapterRouter:
     """Which adapter new requests name, and which old versions each engine may unload (rollout side).
@@ -119,7 +102,7 @@ class AdapterRouter:
                 del self._retired[name]
 
     async def _unload(self, url: str, name: str) -> None:
-        from mrl.rollout.protocol import EngineError, EngineHTTPError
+        from mrl.sglang.protocol import EngineError, EngineHTTPError
 
         client = self._clients.get(url)
         if client is None:

@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from mrl.rollout.client import EngineClient, liveness, watched
+from mrl.sglang.client import EngineClient, liveness, watched
 from mrl.rollout.lora import AdapterRouter
-from mrl.rollout.protocol import EngineHTTPError, EngineHung, EngineProtocolError, EngineUnavailable, GenerateOutput
+from mrl.sglang.protocol import EngineHTTPError, EngineHung, EngineProtocolError, EngineUnavailable, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.routing.codec import RoutesCodec, RoutesError
 from mrl.routing.sampling_mask import engine_support

@@ -54,7 +54,7 @@ class RolloutService:
         # the trainer runs as ``python -m mrl.jobs.train`` from the job's directory: reward fns by dotted path
         # (e.g. tests.e2e.reward_fns) resolve against it, so the child gets it on its path too
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
-        from mrl.engine.launcher import child_setup
+        from mrl.process import child_setup
 
         # dies with this process (PR_SET_PDEATHSIG), even while it serves a long call (a batch wait)
         proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.service"], env=env, preexec_fn=child_setup(None))
@@ -169,7 +169,7 @@ class LocalRollout:
         from mrl.config.schema import LoopMode, StalePolicy
         from mrl.data import build_prompt_source
         from mrl.reward.scorer import RewardScorer
-        from mrl.rollout.client import EngineClient
+        from mrl.sglang.client import EngineClient
         from mrl.config.lora_engine import lora_engine_spec
         from mrl.rollout.lora import AdapterRouter
         from mrl.rollout.manager import RolloutManager
@@ -261,7 +261,7 @@ class LocalRollout:
         self.producer.counts[key] += n
 
     def add_engine(self, url: str) -> None:
-        from mrl.rollout.client import EngineClient
+        from mrl.sglang.client import EngineClient
 
         client = EngineClient(url, routes_always=True)
 
@@ -309,7 +309,7 @@ class LocalRollout:
         return self.producer.next_index, buffered, [i for i in unfinished if i not in done]
 
     def stop(self) -> None:
-        from mrl.rollout.client import close_clients
+        from mrl.sglang.client import close_clients
 
         if self.producer.running:  # its loop owns the clients' connections
             self.producer.run(close_clients([s.client for s in self.manager.slots]))

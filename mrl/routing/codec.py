@@ -4,7 +4,7 @@ Wire format (sglang 0.5.10 and 0.5.14, tests/fixtures/sglang-0.5.10/gen_routed.j
 little-endian integers, logical shape ``[prompt + completion - 1, num_hidden_layers, num_experts_per_tok]``
 (every input position; the last sampled token is never fed through the model). With ``max_new_tokens=0``
 the engine returns ``prompt`` rows. Plain SGLang sends int32; engines started by mrl send the smallest
-type that holds the request's ids (uint8, else int16; ``mrl.engine.patches``). The row count is
+type that holds the request's ids (uint8, else int16; ``mrl.engine.server.patches``). The row count is
 known here, so the payload's length tells the item size (1, 2 or 4 bytes); anything else is refused.
 Length alone cannot catch a row count off by the ratio of two item sizes: int32 of a quarter of the
 rows reads as uint8, of half the rows as 16-bit. The second is refused (16-bit ids that all fit in

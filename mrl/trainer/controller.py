@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 from mrl.config.schema import BadRoutes, Config, LoopMode
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.engine.launcher import start_job_engines
 from mrl.engine.restart import EngineRestarter, kill_engines
 from mrl.megatron.policy import Policy, RLBatch

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.schema import Config, LoopMode, WeightTransport
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.engine.launcher import launch_job_engines
 from mrl.megatron import compat
 from mrl.megatron.batch_scatter import BatchScatter

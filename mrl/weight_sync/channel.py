@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 
 
 @dataclass

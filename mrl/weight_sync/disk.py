@@ -13,7 +13,7 @@ from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import export_hf
 from mrl.models.bridge import ModelBridge
 from mrl.models.checkpoint import save_hf
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.quant.export import quantization_config
 from mrl.weight_sync.fp8 import quantize_checkpoint
 from mrl.weight_sync.transport import PushStats, Transport, run_on

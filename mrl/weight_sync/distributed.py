@@ -18,7 +18,7 @@ picked up different senders' requests first would wait on each other forever. So
 controller, trainer rank 0 -- posts every engine's requests (group inits, bucket updates, destroys)
 in a single global order, one request at a time per engine, while each sender broadcasts its own
 buckets in that same order. The requests of one engine are pipelined on one HTTP connection
-(``http_pipeline``): the server takes them strictly in order, and bucket k+1's request is already
+(``mrl.sglang.pipeline``): the server takes them strictly in order, and bucket k+1's request is already
 waiting in the engine when bucket k completes.
 """
 
@@ -39,16 +39,16 @@ from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
 from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import EngineClient, close_clients
-from mrl.engine.launcher import free_port, route_address
-from mrl.engine.patches import BATCHED_BUCKETS_FORMAT, LAYOUT_KEPT_MARK
-from mrl.rollout.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError,
+from mrl.sglang.client import EngineClient, close_clients
+from mrl.sglang.endpoint import free_port, route_address
+from mrl.sglang.wire import BATCHED_BUCKETS_FORMAT, LAYOUT_KEPT_MARK
+from mrl.sglang.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError,
                                   EngineUnavailable, error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
 from mrl.weight_sync.group import abort_sender_group, create_sender_group, destroy_sender_group
-from mrl.weight_sync.http_pipeline import post_pipelined
+from mrl.sglang.pipeline import post_pipelined
 from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank, union_failures
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -357,7 +357,7 @@ class DistributedWeightSync:
         return self._bodies
 
     def _batched_body(self, version: str | None, form: str = "keep") -> bytes:
-        """Every bucket in one request, in the global order (``mrl.engine.patches.BATCHED_BUCKETS_FORMAT``), with the
+        """Every bucket in one request, in the global order (``mrl.sglang.wire.BATCHED_BUCKETS_FORMAT``), with the
         weight version the engine takes on success; the rest is encoded once. ``form``: ``keep`` (the tensor
         lists, kept by the engine under ``layout_key``), ``kept`` (only that key: the engine answered it as
         kept) or ``plain`` (the lists, for an engine that keeps none)."""

@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mrl.rollout.client import ClientTimeouts, EngineClient
+from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.config.lora_engine import LoraEngineSpec
-from mrl.rollout.lora import NAME_PREFIX, adapter_name, adapter_version
-from mrl.rollout.protocol import EngineError, EngineHTTPError
+from mrl.sglang.wire import NAME_PREFIX, adapter_name, adapter_version
+from mrl.sglang.protocol import EngineError, EngineHTTPError
 from mrl.weight_sync.channel import SyncReport, WeightChannel
 from mrl.weight_sync.transport import dead_engines
 
 if TYPE_CHECKING:
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.endpoint import EngineEndpoint
 
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 

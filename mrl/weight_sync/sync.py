@@ -18,12 +18,12 @@ from mrl.config.schema import WeightTransport
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
-from mrl.rollout.client import ClientTimeouts, EngineClient, close_clients, watched
-from mrl.rollout.protocol import EngineHung
+from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients, watched
+from mrl.sglang.protocol import EngineHung
 from mrl.weight_sync.disk import DiskTransport
 from mrl.weight_sync.distributed import DistributedTransport, DistributedWeightSync
 from mrl.weight_sync.tensor import TensorTransport
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.weight_sync.channel import SyncReport, WeightChannel
 from mrl.weight_sync.transport import LoopThread, Transport, dead_engines, run_on
 
@@ -76,7 +76,7 @@ def verify_engines(module: torch.nn.Module, layout: Layout, engines: list[Engine
     error} of engines that could not be asked: a dead one is the next sync's to drop); raises
     ``SyncMismatch`` on every rank when an engine differs by more than ``tol``: it would generate every
     later sample from weights that are not the trainer's, and nothing else would show it. LoRA runs pass
-    ``lora_path``, the adapter name of ``version`` (``mrl.rollout.lora.adapter_name``). An engine that
+    ``lora_path``, the adapter name of ``version`` (``mrl.sglang.wire.adapter_name``). An engine that
     does not answer its probe within ``timeout_s`` counts as unreachable (a one-token request: a hung
     engine must not hold every rank for the client's generation limit of an hour)."""
     from mrl.megatron import compat

@@ -15,11 +15,11 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from mrl.models.bridge import split_full
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.weight_sync.distributed import TORCH_DTYPES, DistributedWeightSync
 from mrl.weight_sync.fp8 import quantize_checkpoint
-from mrl.engine.endpoint import EngineEndpoint
-from mrl.engine.patches import FLAT_TENSOR_FORMAT, FLAT_TENSOR_MARK
+from mrl.sglang.endpoint import EngineEndpoint
+from mrl.sglang.wire import FLAT_TENSOR_FORMAT, FLAT_TENSOR_MARK
 from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank, run_on, union_failures
 
 
@@ -69,7 +69,7 @@ class TensorTransport(Transport):
     it as CUDA IPC handles. No collective with the engines, so any order of requests is safe.
 
     Engines started by mrl announce in their answers that they take a bucket as one flat buffer
-    (``mrl.engine.patches.FLAT_TENSOR_FORMAT``): from the next sync on, each bucket goes as the distributed
+    (``mrl.engine.server.patches.FLAT_TENSOR_FORMAT``): from the next sync on, each bucket goes as the distributed
     transport's send buffer (the same copy plan, FP8 quantization included) and the engine loads it by
     replayed copies instead of SGLang's per-tensor ``load_weights``. Other engines (attached by URL, or
     started with ``MRL_REPLAYED_LOAD=0``) get the bucket's tensors one by one."""

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mrl.engine.endpoint import EngineEndpoint
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
-from mrl.rollout.client import ClientTimeouts, EngineClient, liveness
+from mrl.sglang.client import ClientTimeouts, EngineClient, liveness
 
 
 @dataclass

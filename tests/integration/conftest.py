@@ -12,7 +12,7 @@ import pytest
 
 from mrl.process import open_files
 from mrl.engine.launcher import Engine
-from mrl.engine.secrets import ENV_VAR, ensure_run_secrets
+from mrl.sglang.keys import ENV_VAR, ensure_run_secrets
 
 
 @pytest.fixture(scope="session")

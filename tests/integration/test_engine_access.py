@@ -17,8 +17,8 @@ import httpx
 import pytest
 import sglang
 
-from mrl.rollout.client import EngineClient
-from mrl.engine.secrets import REDACTED, EngineSecrets
+from mrl.sglang.client import EngineClient
+from mrl.sglang.keys import REDACTED, EngineSecrets
 
 # (endpoint, query): each takes a JSON body; the probes send it malformed, so an authorized probe gets 400/422.
 ADMIN = [("/init_weights_update_group", None), ("/update_weights_from_distributed", None),

@@ -8,7 +8,7 @@ import asyncio
 import os
 import sys
 
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from _engine_profile import start_after, summarize_trace, wait_for_trace  # noqa: E402

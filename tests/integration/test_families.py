@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from mrl.models import get_bridge
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.engine.launcher import Engine
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
-from mrl.engine.secrets import ensure_run_secrets
+from mrl.sglang.keys import ensure_run_secrets
 from mrl.routing.codec import RoutesCodec
 from tests.conftest import run_torchrun
 from tests.integration.test_keep_routing import _check_routers, _logprobs_by_seq, _run

@@ -10,7 +10,7 @@ packed (first-fit rows of 32 tokens, block-diagonal causal mask) in the same run
 - replay off (natural routing) disagrees with the engine; replay on does not (KL of the training
   logprobs vs the engine's reported for both);
 - the routes these checks replay reached mrl as uint8, a quarter of SGLang's int32
-  (``mrl.engine.patches``).
+  (``mrl.engine.server.patches``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mrl.models import get_bridge
-from mrl.rollout.client import EngineClient
-from mrl.engine.patches import COMPACT_ROUTES_MARK
+from mrl.sglang.client import EngineClient
+from mrl.sglang.wire import COMPACT_ROUTES_MARK
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec

@@ -25,15 +25,16 @@ import megatron.core  # noqa: F401  (see the module doc)
 import pytest
 import torch
 
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
 from tests.peek import adapters_in_use, wait_unloads
-from mrl.rollout.lora import AdapterRouter, adapter_name
+from mrl.rollout.lora import AdapterRouter
+from mrl.sglang.wire import adapter_name
 from mrl.rollout.manager import RolloutManager
-from mrl.rollout.protocol import EngineHTTPError
+from mrl.sglang.protocol import EngineHTTPError
 from mrl.rollout.sample import Sample, SamplingSpec
-from mrl.engine.secrets import ensure_run_secrets
+from mrl.sglang.keys import ensure_run_secrets
 from mrl.weight_sync.lora import AdapterSync, AdapterSyncError, random_adapter, serialize_adapter
 
 RANK, ALPHA, MAX_RANK = 4, 8.0, 8

@@ -20,7 +20,7 @@ import pytest
 from mrl.data.prompt import Prompt
 from mrl.env.base import Environment, Step
 from mrl.models import get_bridge
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
 from mrl.rollout.sample import SamplingSpec

@@ -15,7 +15,7 @@ import asyncio
 import pytest
 import torch
 
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from tests.peek import count_support_mismatch
 from mrl.routing.sampling_mask import (
     masked_logprobs,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mrl.models import get_bridge
-from mrl.rollout.client import EngineClient
-from mrl.engine.cpu_attention import INSTALLED_MARK
+from mrl.sglang.client import EngineClient
+from mrl.engine.server.cpu_attention import INSTALLED_MARK
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec

@@ -42,7 +42,7 @@ def _worker(hf: str, url: str, out: str) -> None:
     from mrl.jobs.common import add_layout_args, load_model
     from mrl.megatron.parallel import destroy
     from mrl.weight_sync.sync import SyncMismatch, verify_engines
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.endpoint import EngineEndpoint
 
     ap = argparse.ArgumentParser()
     add_layout_args(ap)

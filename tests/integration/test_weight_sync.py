@@ -13,8 +13,8 @@ import json
 import pytest
 
 from mrl.models.tiny import make_tiny_model
-from mrl.engine.patches import REPLAYED_LOAD_MARK
-from mrl.rollout.client import EngineClient
+from mrl.sglang.wire import REPLAYED_LOAD_MARK
+from mrl.sglang.client import EngineClient
 from tests.conftest import run_torchrun
 
 # PP2 on the 3-layer tiny model: megatron's uneven split (2 layers on stage 0, 1 on stage 1)
@@ -70,7 +70,7 @@ def _load_lines(engine) -> list[str]:
 
 
 def test_later_syncs_replay_the_recorded_loads(engines, other_weights, ckpt_dir, restore, tmp_path):
-    """The engines record each bucket layout's load once (``mrl.engine.replayed_load``) and replay it as
+    """The engines record each bucket layout's load once (``mrl.engine.server.replayed_load``) and replay it as
     copies afterwards: a second sync of the same layout adds no load line to the engine logs, and the
     engines still end on exactly the trainer's weights (their probe logprobs equal megatron's). Each job
     syncs twice: the second request carries only the key of the tensor lists the engines kept."""

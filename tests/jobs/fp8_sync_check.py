@@ -68,7 +68,7 @@ def main() -> int:
     from mrl.config.schema import WeightTransport
     from mrl.engine.fp8_model import ensure_fp8_model
     from mrl.engine.launcher import Engine
-    from mrl.engine.secrets import ensure_run_secrets
+    from mrl.sglang.keys import ensure_run_secrets
     from mrl.jobs.common import load_model
     from mrl.megatron.forward import forward_logits, token_logprobs
     from mrl.megatron.parallel import destroy

@@ -139,7 +139,7 @@ def test_run_dir_loads_the_composed_config_on_the_nodes(tmp_path):
 
 def test_secrets_are_never_rendered(monkeypatch, tmp_path):
     """mrl launch makes the run's engine keys (0600 file); neither key reaches the script or config dumps."""
-    from mrl.engine.secrets import EngineSecrets
+    from mrl.sglang.keys import EngineSecrets
 
     monkeypatch.setenv("MRL_ENGINE_KEYS_FILE", "")  # restored after the test, whatever launch exports
     monkeypatch.delenv("MRL_ENGINE_KEYS_FILE")

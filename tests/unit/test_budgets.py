@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from mrl.data.prompt import Prompt
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.producer import row_budget
 from mrl.rollout.sample import SamplingSpec

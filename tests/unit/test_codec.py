@@ -6,7 +6,7 @@ import base64
 import numpy as np
 import pytest
 
-from mrl.rollout.protocol import EngineProtocolError, parse_generate, parse_generate_item
+from mrl.sglang.protocol import EngineProtocolError, parse_generate, parse_generate_item
 from mrl.routing.codec import RoutesCodec, RoutesError, repeats
 from tests.fakes.fake_sglang import fixture
 

@@ -1,11 +1,11 @@
-"""Batched CPU attention (mrl.engine.cpu_attention) against SGLang's own per-sequence torch_native loop."""
+"""Batched CPU attention (mrl.engine.server.cpu_attention) against SGLang's own per-sequence torch_native loop."""
 
 import types
 
 import pytest
 import torch
 
-from mrl.engine import cpu_attention
+from mrl.engine.server import cpu_attention
 
 native = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 LOOP = native.TorchNativeAttnBackend  # the methods as SGLang ships them (tests never install the patch here)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mrl.engine.cpu_attention import extend_given_kv
+from mrl.engine.server.cpu_attention import extend_given_kv
 
 
 def test_prefill_attends_over_the_given_keys_and_values():

@@ -7,7 +7,7 @@ after ``undrain`` the samples resume -- equal to uninterrupted ones, each token 
 
 import asyncio
 
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from tests.fakes.fake_sglang import FakeSGLang

@@ -1,4 +1,4 @@
-"""Patches mrl applies inside the SGLang servers it starts (``mrl.engine.patches``): compact routes,
+"""Patches mrl applies inside the SGLang servers it starts (``mrl.engine.server.patches``): compact routes,
 on GPU engines (``engine_shim``) and CPU engines (CPU mode's pyshim), without CPU mode's patches on GPUs.
 The engines themselves: tests/integration/test_keep_routing.py (routes of a real CPU engine are uint8)."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from mrl.engine import cpu_mode, gpu_mode
-from mrl.engine import patches as engine_patches
-from mrl.engine.patches import COMPACT_ROUTES_ENV, COMPACT_ROUTES_MARK, ROUTES_MODULE, SHIM_DIR, compact_ids
+from mrl.engine.server import patches as engine_patches
+from mrl.engine.server.patches import COMPACT_ROUTES_ENV, ROUTES_MODULE, SHIM_DIR, compact_ids
+from mrl.sglang.wire import COMPACT_ROUTES_MARK
 
 
 @pytest.mark.parametrize("values,dtype", [([0, 5, 255], torch.uint8), ([0, 256, 32767], torch.int16),
@@ -124,7 +125,7 @@ class _Runner:
 def _patched_runner(monkeypatch, arriving):
     """A runner class patched as in an engine; ``arriving``: the flat buffers the broadcasts deliver, in order
     (the collective itself runs in tests/integration/test_weight_sync.py, against real engines)."""
-    from mrl.engine.patches import BATCHED_BUCKETS_FORMAT
+    from mrl.sglang.wire import BATCHED_BUCKETS_FORMAT
 
     cls = type("ModelRunner", (_Runner,), {})
     engine_patches.replayed_load(types.SimpleNamespace(__name__="fake", ModelRunner=cls))
@@ -171,7 +172,7 @@ def test_a_batch_that_does_not_add_up_is_refused_before_any_receive(monkeypatch,
 
 
 def test_the_group_answer_announces_batched_buckets_and_kept_layouts(monkeypatch):
-    from mrl.engine.patches import BATCHED_BUCKETS_MARK, KEEPS_LAYOUTS_MARK
+    from mrl.sglang.wire import BATCHED_BUCKETS_MARK, KEEPS_LAYOUTS_MARK
 
     runner, _, _ = _patched_runner(monkeypatch, [])
     answer = runner.init_weights_update_group()[1]
@@ -183,7 +184,7 @@ def test_the_group_answer_announces_batched_buckets_and_kept_layouts(monkeypatch
 def test_a_kept_layout_is_sent_once_and_named_by_its_key_after(monkeypatch):
     """``{"key", "layout"}`` keeps the request's lists (the answer says so); ``{"key"}`` with empty lists
     loads the next sync's buckets by them; a key the engine does not hold is refused before any receive."""
-    from mrl.engine.patches import LAYOUT_KEPT_MARK
+    from mrl.sglang.wire import LAYOUT_KEPT_MARK
 
     a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
     runner, received, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a + 1), _flat(b + 1)])
@@ -203,7 +204,7 @@ def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, t
     """``MRL_SYNC_STATS_DIR``: one JSON line per update with when it entered and every bucket's phases, load
     path and bytes; a ``profile_next.tp0`` file there puts the next update under torch.profiler (and is used
     up); a ``stats_off`` file there turns the figures off."""
-    from mrl.engine.update_stats import STATS_OFF, SYNC_STATS_ENV
+    from mrl.engine.server.update_stats import STATS_OFF, SYNC_STATS_ENV
 
     a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
     runner, _, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a), _flat(b), _flat(a), _flat(b)])
@@ -250,13 +251,13 @@ def _tensor_runner():
 def _flat_format(key, names, dtypes, shapes):
     import json
 
-    from mrl.engine.patches import FLAT_TENSOR_FORMAT
+    from mrl.sglang.wire import FLAT_TENSOR_FORMAT
 
     return FLAT_TENSOR_FORMAT + json.dumps(dict(key=key, names=names, dtypes=dtypes, shapes=shapes))
 
 
 def test_flat_ipc_buckets_load_by_replayed_copies_and_per_tensor_answers_announce_them(capsys):
-    from mrl.engine.patches import FLAT_TENSOR_MARK, REPLAYED_LOAD_MARK
+    from mrl.sglang.wire import FLAT_TENSOR_MARK, REPLAYED_LOAD_MARK
 
     runner = _tensor_runner()
     ok, msg = runner.update_weights_from_tensor([("a", torch.ones(4))])  # SGLang's own path, marked

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mrl.rollout.protocol import (
+from mrl.sglang.protocol import (
     EngineHTTPError,
     EngineProtocolError,
     FinishReason,
@@ -204,7 +204,7 @@ def test_codec_round_trip(case):
 def test_codec_round_trip_on_the_compact_wire(case):
     """What mrl's engines send (``engine_patches.compact_ids``): the smallest type holding every id."""
     torch = pytest.importorskip("torch")
-    from mrl.engine.patches import compact_ids
+    from mrl.engine.server.patches import compact_ids
 
     codec, ids, p, r = case
     small = compact_ids(torch.from_numpy(ids)).numpy()

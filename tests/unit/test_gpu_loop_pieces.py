@@ -143,7 +143,7 @@ def test_sync_profile_summaries(tmp_path):
     from _live_sync_worker import _medians
     from _engine_log import engine_load_lines
 
-    from mrl.engine.patches import REPLAYED_LOAD_MARK
+    from mrl.sglang.wire import REPLAYED_LOAD_MARK
 
     rows = [[{"bucket": 0, "path": "replayed", "fill_s": f, "issue_s": 1.0}, {"bucket": None, "settle_last_s": 2 * f}]
             for f in (1.0, 3.0, 2.0)]

@@ -28,9 +28,9 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from mrl.rollout.client import EngineClient, close_clients, liveness, watched
+from mrl.sglang.client import EngineClient, close_clients, liveness, watched
 from mrl.rollout.manager import RolloutManager
-from mrl.rollout.protocol import EngineHung
+from mrl.sglang.protocol import EngineHung
 from mrl.rollout.sample import SamplingSpec
 from tests.fakes.fake_sglang import FakeSGLang, Faults
 from tests.unit.test_rollout_fake import CODEC, PROMPT, greedy_reference
@@ -67,7 +67,7 @@ def _verdict(url: str, timeout: float = PROBE) -> tuple[str | None, float]:
 
 
 def test_liveness_verdict(stoppable, reliability):
-    from mrl.engine.launcher import free_port
+    from mrl.sglang.endpoint import free_port
 
     url, pgid = stoppable
     assert _verdict(url)[0] is None
@@ -207,7 +207,7 @@ def world(tmp_path):
 
 def _sync(urls: list[str]):
     from mrl.weight_sync.sync import EngineSync
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.endpoint import EngineEndpoint
     from mrl.weight_sync.transport import PushStats, Transport
 
     seen = {"forgot": [], "rebuilt": [], "pushed": 0}
@@ -330,8 +330,8 @@ def test_the_verify_probe_of_a_hung_engine_ends_at_its_limit():
     """``weight_sync.verify`` asks each engine for a one-token probe with ``weight_sync.timeout_s`` as its
     limit (``run_on(..., timeouts=...)``): an engine that accepts the request and never answers is reported
     unreachable after that limit, not after the client's hour-long generation limit."""
-    from mrl.rollout.client import ClientTimeouts
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.client import ClientTimeouts
+    from mrl.sglang.endpoint import EngineEndpoint
     from mrl.weight_sync.transport import run_on
 
     async def probe(c):

@@ -16,9 +16,10 @@ from mrl.config.schema import LoraConfig, RolloutConfig, WeightSyncConfig, Weigh
 from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, MLP, LoraEngineSpec, hf_targets, lora_engine_spec
 from tests.peek import adapters_in_use, wait_unloads
-from mrl.rollout.lora import AdapterRouter, adapter_name, adapter_version
+from mrl.rollout.lora import AdapterRouter
+from mrl.sglang.wire import adapter_name, adapter_version
 from mrl.rollout.manager import RolloutManager
-from mrl.rollout.protocol import EngineHTTPError, EngineUnavailable, FinishReason, GenerateOutput
+from mrl.sglang.protocol import EngineHTTPError, EngineUnavailable, FinishReason, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.weight_sync.lora import AdapterSync, AdapterSyncError, check_adapter_tensors, random_adapter, serialize_adapter
 
@@ -251,7 +252,7 @@ def test_adapter_channel_drops_dead_engines_and_stops_on_a_live_refusal(monkeypa
     and the others get the version; one that answers the probe stops the sync before the rollout side
     switches (it would serve another policy). A joining engine gets the version once it is current."""
     import mrl.weight_sync.lora as wl
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.endpoint import EngineEndpoint
 
     spec = LoraEngineSpec(max_rank=8, targets=ATTENTION)
     ch = wl.AdapterChannel(None, SimpleNamespace(world_rank=0), [EngineEndpoint("http://a"), EngineEndpoint("http://b")],

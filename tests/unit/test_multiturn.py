@@ -20,7 +20,7 @@ from mrl.data.prompt import Prompt
 from mrl.data.tasks import lookup_value
 from mrl.env import Environment, Step, ToolError, make_env, parse_tool_call
 from mrl.env.lookup import LookupEnv
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
 from mrl.rollout.sample import SamplingSpec

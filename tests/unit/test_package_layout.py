@@ -23,7 +23,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _package(module: str) -> str:
-    """``mrl.rollout.client`` -> ``mrl.rollout``; top-level modules (``mrl.cli``) are their own."""
+    """``mrl.sglang.client`` -> ``mrl.rollout``; top-level modules (``mrl.cli``) are their own."""
     return ".".join(module.split(".")[:2])
 
 
@@ -97,19 +97,26 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
 
 # -- folders are processes -----------------------------------------------------------------------------
 PROCESS_FOLDERS = {
-    # what runs inside an SGLang server mrl starts, or starts, watches and stops one
-    "engine": ["launcher", "restart", "endpoint", "secrets", "patches", "replayed_load", "cpu_mode", "cpu_attention",
-               "gpu_mode", "fp8_model", "cpu/pyshim/sitecustomize", "shim/sitecustomize"],
+    # starts, watches and stops SGLang servers (rank 0, engine nodes)
+    "engine": ["launcher", "restart", "cpu_mode", "gpu_mode", "fp8_model", "moe_tuning"],
+    # loaded into the SGLang servers mrl starts
+    "engine/server": ["patches", "replayed_load", "cpu_attention", "cpu/pyshim/sitecustomize",
+                      "shim/sitecustomize"],
+    # speaks SGLang's wire protocol from outside the server
+    "sglang": ["client", "protocol", "endpoint", "keys", "pipeline", "wire"],
     # the rollout process
-    "rollout": ["client", "protocol", "manager", "producer", "buffer", "service", "multiturn", "sample", "lora"],
+    "rollout": ["manager", "producer", "buffer", "service", "multiturn", "sample", "lora"],
     # the trainer ranks
     "trainer": ["loop", "controller", "state", "batch", "warm_start"],
 }
-ENGINE_SIDE_IMPORTS = ("mrl.engine", "mrl.process", "mrl.config", "mrl.quant", "mrl.compile_cache")
-"""All that ``mrl/engine`` may import of mrl: code loaded into SGLang's servers pulls in no trainer or
-rollout code. ``mrl.quant``: the block-FP8 export FP8 engines start from (torch, safetensors and the HF
-checkpoint reader only); ``mrl.compile_cache``: the compile caches' environment, shared with the trainer
-ranks (``os`` only)."""
+SERVER_IMPORTS = ("mrl.engine.server", "mrl.sglang.wire")
+"""All that ``mrl/engine/server`` may import of mrl: code loaded into SGLang's servers pulls in nothing of
+the trainer, the rollout process or the launcher; the wire contract is the one module both sides share."""
+SGLANG_IMPORTS = ("mrl.sglang",)
+"""``mrl/sglang`` is the floor the three sides stand on: it imports nothing else of mrl."""
+INDEPENDENT = ("mrl.rollout", "mrl.engine", "mrl.weight_sync")
+"""The rollout process, the launcher and the weight sync talk to engines through ``mrl.sglang``, never through
+each other; only the trainer (and the jobs above it) composes them."""
 MAX_LINES = 500
 
 
@@ -118,16 +125,36 @@ def test_each_process_has_its_folder():
                if not (ROOT / "mrl" / d / f"{m}.py").is_file()]
     assert not missing, missing
     assert not (ROOT / "mrl" / "train.py").exists(), "the loop lives in mrl/trainer; `mrl train` is the one entry"
-    engine_side = {"engine", "restart", "patches", "replayed_load", "cpu_mode", "cpu_attention", "gpu_mode", "secrets"}
-    strays = [f"mrl/{d}/{p.stem}.py" for d in ("rollout", "trainer") for p in (ROOT / "mrl" / d).glob("*.py")
-              if p.stem in engine_side]
-    assert not strays, f"engine-side modules outside mrl/engine: {strays}"
+    server_side = {"patches", "replayed_load", "cpu_attention", "update_stats", "sitecustomize"}
+    strays = [str(p.relative_to(ROOT)) for p in (ROOT / "mrl").rglob("*.py")
+              if p.stem in server_side and "engine/server" not in p.as_posix()]
+    assert not strays, f"engine-server modules outside mrl/engine/server: {strays}"
+    speaks = [f"mrl/{d}/{m}.py" for d in ("rollout", "engine", "weight_sync") for m in PROCESS_FOLDERS["sglang"]
+              if (ROOT / "mrl" / d / f"{m}.py").is_file()]
+    assert not speaks, f"SGLang protocol modules outside mrl/sglang: {speaks}"
 
 
-def test_engine_code_imports_no_trainer_or_rollout_code():
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
-           for module, path in _modules().items() if module.startswith("mrl.engine")
-           for target, _, line in _imports(path) if not target.startswith(ENGINE_SIDE_IMPORTS)]
+def _bad_imports(prefix: str, allowed) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line} imports {target}"
+            for module, path in _modules().items() if module == prefix or module.startswith(prefix + ".")
+            for target, _, line in _imports(path) if not allowed(target)]
+
+
+def test_engine_server_code_imports_no_trainer_rollout_or_launcher_code():
+    bad = _bad_imports("mrl.engine.server", lambda t: t.startswith(SERVER_IMPORTS))
+    assert not bad, bad
+
+
+def test_the_sglang_package_imports_nothing_else_of_mrl():
+    bad = _bad_imports("mrl.sglang", lambda t: t.startswith(SGLANG_IMPORTS))
+    assert not bad, bad
+
+
+def test_rollout_engine_and_weight_sync_do_not_import_each_other():
+    bad = []
+    for a in INDEPENDENT:
+        others = tuple(b for b in INDEPENDENT if b != a)
+        bad += _bad_imports(a, lambda t, others=others: not any(t == o or t.startswith(o + ".") for o in others))
     assert not bad, bad
 
 

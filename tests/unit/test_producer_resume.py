@@ -12,7 +12,7 @@ from mrl.config.schema import RewardConfig
 from mrl.data.tasks import build_task
 from mrl.reward.scorer import RewardScorer
 from mrl.rollout.buffer import RolloutBuffer
-from mrl.rollout.client import ClientTimeouts, EngineClient
+from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.producer import Producer
 from mrl.rollout.sample import SamplingSpec

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from mrl.rollout.protocol import (
+from mrl.sglang.protocol import (
     EngineHTTPError,
     EngineProtocolError,
     error_message,

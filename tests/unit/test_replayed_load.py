@@ -1,4 +1,4 @@
-"""A bucket's load recorded once and replayed as copies (``mrl.engine.replayed_load``), on loaders
+"""A bucket's load recorded once and replayed as copies (``mrl.engine.server.replayed_load``), on loaders
 shaped like SGLang's: fused q/k/v and stacked experts filled by views + copies, a TP shard taken by
 narrowing, and loaders the plan must refuse (a derived weight, a dtype conversion, a computed source)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.engine import replayed_load
-from mrl.engine.replayed_load import bucket_nbytes, bucket_views, record_load
+from mrl.engine.server import replayed_load
+from mrl.engine.server.replayed_load import bucket_nbytes, bucket_views, record_load
 
 H, E, FF, TP_RANK = 8, 4, 6, 1
 

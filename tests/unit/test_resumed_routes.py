@@ -13,7 +13,7 @@ import base64
 
 import numpy as np
 
-from mrl.rollout.client import EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
 from tests.fakes import fake_sglang

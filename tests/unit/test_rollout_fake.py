@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from mrl.rollout.client import ClientTimeouts, EngineClient
+from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.rollout.manager import RolloutManager
-from mrl.rollout.protocol import EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable
+from mrl.sglang.protocol import EngineGuardError, EngineHTTPError, EngineProtocolError, EngineUnavailable
 from mrl.rollout.sample import SamplingSpec
 from mrl.routing.codec import RoutesCodec
 from tests.fakes.fake_sglang import FakeSGLang, Faults, next_token

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mrl.rollout.protocol import parse_generate
+from mrl.sglang.protocol import parse_generate
 from tests.peek import count_support_mismatch
 from mrl.routing.sampling_mask import (
     IncompleteSupportError,

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from mrl.rollout.client import ClientTimeouts, EngineClient
-from mrl.rollout.protocol import EngineUnavailable
+from mrl.sglang.client import ClientTimeouts, EngineClient
+from mrl.sglang.protocol import EngineUnavailable
 from tests.conftest import run_torchrun
 from tests.jobs.outcome import record_outcome
 from tests.fakes.fake_sglang import FakeSGLang, Faults
@@ -84,7 +84,7 @@ def test_health_probe_of_a_hung_engine_returns_false_within_its_limit():
 def test_pipelined_bucket_updates_time_out_naming_engine_and_endpoint(reliability):
     """The executor's weight-update requests (one connection, pipelined): each unanswered one is an error
     naming the engine and the endpoint; the rest are reported as not answered."""
-    from mrl.weight_sync.http_pipeline import post_pipelined
+    from mrl.sglang.pipeline import post_pipelined
 
     ep = "/update_weights_from_distributed"
     with FakeSGLang(faults=Faults(hang_endpoints=(ep,))) as srv:
@@ -102,7 +102,7 @@ def test_pipelined_bucket_updates_time_out_naming_engine_and_endpoint(reliabilit
 
 
 def test_dead_engine_is_a_connection_error_naming_it():
-    from mrl.engine.launcher import free_port
+    from mrl.sglang.endpoint import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens
 
@@ -120,10 +120,10 @@ def test_weight_update_group_rendezvous_nobody_joins(reliability):
     from types import SimpleNamespace
 
     from mrl.megatron.collectives import CollectiveError
-    from mrl.engine.launcher import free_port
+    from mrl.sglang.endpoint import free_port
     from mrl.weight_sync.sync import EngineSync
     from mrl.weight_sync.group import create_sender_group
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.endpoint import EngineEndpoint
     from mrl.weight_sync.transport import Transport
 
     class Rendezvous(Transport):

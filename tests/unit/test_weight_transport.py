@@ -43,7 +43,7 @@ def _transport(monkeypatch, answers: dict[str, str]):
     posts [(url, payload, load_format)]."""
     import types
 
-    from mrl.engine.endpoint import EngineEndpoint
+    from mrl.sglang.endpoint import EngineEndpoint
     from mrl.weight_sync import tensor
     from mrl.weight_sync.planner import HFTensor
 
@@ -81,7 +81,7 @@ def _transport(monkeypatch, answers: dict[str, str]):
 
 
 def test_engines_that_announce_flat_buckets_get_them_from_the_next_sync(monkeypatch):
-    from mrl.engine.patches import FLAT_TENSOR_FORMAT, FLAT_TENSOR_MARK
+    from mrl.sglang.wire import FLAT_TENSOR_FORMAT, FLAT_TENSOR_MARK
 
     t, posts = _transport(monkeypatch, {"http://e0": f"Success {FLAT_TENSOR_MARK}",
                                         "http://e1": f"ok {FLAT_TENSOR_MARK}"})
@@ -96,7 +96,7 @@ def test_engines_that_announce_flat_buckets_get_them_from_the_next_sync(monkeypa
 
 
 def test_one_engine_without_the_patch_keeps_every_engine_on_tensors(monkeypatch):
-    from mrl.engine.patches import FLAT_TENSOR_MARK
+    from mrl.sglang.wire import FLAT_TENSOR_MARK
 
     t, posts = _transport(monkeypatch, {"http://e0": f"Success {FLAT_TENSOR_MARK}", "http://plain": "Success"})
     t.push("1")

@@ -1,6 +1,6 @@
 """Per-bucket figures of an engine's weight updates, for benchmarks (``SYNC_STATS_ENV``); inert when unset.
 
-Used by the update paths of ``mrl.engine.patches`` inside the engine's model runner.
+Used by the update paths of ``mrl.engine.server.patches`` inside the engine's model runner.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Stats:
         """A new bucket's record (None when off); ``mark`` closes each of its phases."""
         if self.dir is None:
             return None
-        from mrl.engine import replayed_load as rl
+        from mrl.engine.server import replayed_load as rl
 
         b = {"group": group, "bytes": rl.bucket_nbytes(dtypes, shapes), "tensors": len(shapes), "_t": 0.0, "_ev": []}
         self.buckets.append(b)

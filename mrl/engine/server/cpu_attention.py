@@ -35,7 +35,7 @@ the mask and gather cost more there than the loop they replace (micro-benchmark:
 is 2-4x faster)."""
 
 TARGET_MODULE = "sglang.srt.layers.attention.torch_native_backend"
-INSTALLED_MARK = "mrl: SGLang torch_native attention batched (mrl.engine.cpu_attention)"
+INSTALLED_MARK = "mrl: SGLang torch_native attention batched (mrl.engine.server.cpu_attention)"
 """Printed to the engine's log by :func:`install`, so a run (and the tests) can tell which path ran."""
 
 

@@ -41,7 +41,7 @@ class EngineUnavailable(EngineError):
 
 
 class EngineHung(EngineUnavailable):
-    """The engine did not pass a liveness probe (``mrl.rollout.client.liveness``): it refused, or accepted the
+    """The engine did not pass a liveness probe (``mrl.sglang.client.liveness``): it refused, or accepted the
     connection and answered nothing within the probe's limit (a stopped or wedged server: its kernel still
     accepts connections), or answered 5xx to every probe. Its calls are abandoned; the engine is dropped."""
 

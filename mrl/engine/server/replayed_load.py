@@ -11,7 +11,7 @@ loaded by :meth:`LoadPlan.replay` (batched copies, no per-tensor Python in the m
 Anything else refuses the plan and the bucket keeps the model's own load: a copy from a temporary (a
 converted or concatenated tensor), any other op that writes a parameter, and any op that computes on
 loaded or parameter data (a derived weight such as DeepSeek's absorbed MLA matrices would otherwise go
-stale). Pure torch: the engine patch (``mrl.engine.patches``) uses it inside SGLang's servers,
+stale). Pure torch: the engine patch (``mrl.engine.server.patches``) uses it inside SGLang's servers,
 the unit tests drive it directly.
 """
 

@@ -1,7 +1,7 @@
 """Narrow patches to SGLang inside the server processes mrl starts, CPU and GPU engines alike.
 
 Applied through a ``sitecustomize`` on the server's ``PYTHONPATH`` (``SHIM_DIR`` on GPUs; CPU mode's
-own shim, ``mrl/engine/cpu/pyshim``, calls :func:`install` too). Each patch waits for SGLang to import
+own shim, ``mrl/engine/server/cpu/pyshim``, calls :func:`install` too). Each patch waits for SGLang to import
 its module (:class:`PatchOnImport`), so processes that never load that module pay nothing, and each
 one checks its target first: an SGLang without it runs unpatched, with a line in the engine log.
 The trainer and the rollout process import only its wire constants (``BATCHED_BUCKETS_FORMAT`` and the
@@ -21,7 +21,7 @@ still send int32, which it reads as before.
 Replayed loads (``MRL_REPLAYED_LOAD=1``, the launcher's default): a ``flattened_bucket`` weight update
 is received into one flat buffer (SGLang allocates every tensor, then concatenates them into a second
 buffer of the same size) and, from the second bucket of a layout on, loaded by the copies its first
-load made (``mrl.engine.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
+load made (``mrl.engine.server.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
 that is not pure copies (derived weights, conversions) keeps ``load_weights``; the engine log says which
 happened, once per layout. The same patch lets one request carry every bucket of a sync
 (``BATCHED_BUCKETS_FORMAT``; announced in the answer to ``/init_weights_update_group``), so the engine
@@ -39,7 +39,9 @@ import json
 import os
 import sys
 
-from mrl.engine.update_stats import Stats, observed
+from mrl.engine.server.update_stats import Stats, observed
+from mrl.sglang.wire import (BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK, COMPACT_ROUTES_MARK, FLAT_TENSOR_FORMAT,
+                             FLAT_TENSOR_MARK, KEEPS_LAYOUTS_MARK, LAYOUT_KEPT_MARK, REPLAYED_LOAD_MARK)
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
@@ -48,32 +50,6 @@ REPLAYED_LOAD_ENV = "MRL_REPLAYED_LOAD"
 RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
 LOAD_STREAM_ENV = "MRL_LOAD_STREAM"
 """``0``: a batched update's copies run on the receiving stream, after each receive (for comparisons)."""
-REPLAYED_LOAD_MARK = "mrl: bucket layout replayed as copies"
-"""Printed to the engine's log with the plan's size when a bucket layout's load was recorded."""
-COMPACT_ROUTES_MARK = "mrl: routes leave the scheduler in the smallest integer type (mrl.engine.patches)"
-"""Printed to the engine's log when the patch is in place (once per server process that loads the module)."""
-BATCHED_BUCKETS_FORMAT = "mrl_buckets:"
-"""``load_format`` prefix of one ``/update_weights_from_distributed`` request that carries every bucket of a
-sync, in the senders' global order: the prefix is followed by the JSON list ``[[group name, tensor count],
-...]`` (one entry per bucket) and ``names``/``dtypes``/``shapes`` are the buckets' lists back to back. Only
-engines whose ``/init_weights_update_group`` answer carries ``BATCHED_BUCKETS_MARK`` (this patch) read it;
-others get one request per bucket."""
-BATCHED_BUCKETS_MARK = "[mrl: batched buckets]"
-KEEPS_LAYOUTS_MARK = "[mrl: kept layouts]"
-"""In the ``/init_weights_update_group`` answer: the engine keeps a batched request's tensor lists by key.
-A trainer then sends ``{"key": K, "layout": [...]}`` after the prefix with the lists once; the answer carries
-``LAYOUT_KEPT_MARK`` + K + ``]``, and later syncs send ``{"key": K}`` with empty lists: a few hundred bytes
-instead of every tensor's name, dtype and shape through SGLang's HTTP server, tokenizer manager and
-scheduler before the first receive is posted."""
-LAYOUT_KEPT_MARK = "[mrl: layout kept "
-FLAT_TENSOR_FORMAT = "mrl_flat:"
-"""``load_format`` prefix of an ``/update_weights_from_tensor`` request (CUDA IPC) whose one tensor is a
-whole bucket's flat uint8 buffer, laid out as a ``flattened_bucket`` broadcast; the prefix is followed by
-the JSON ``{"key", "names", "dtypes", "shapes"}``. The engine loads it as a broadcast bucket (replayed
-copies from the second sync of a layout on) and answers once its copies are done, so the sender may
-refill the buffer. Only engines whose answers to ``/update_weights_from_tensor`` carry ``FLAT_TENSOR_MARK``
-(this patch) get it: SGLang itself fails on an unknown ``load_format``."""
-FLAT_TENSOR_MARK = "[mrl: flat tensor buckets]"
 
 class PatchOnImport:
     """Meta-path finder that lets one SGLang module load as usual, then hands it to ``patch``."""
@@ -215,7 +191,7 @@ def _load_flat(runner, named_tensors, meta_json: str, unwrap, stats: Stats) -> s
     the copies finished before the answer (the sender reuses the buffer for a later bucket)."""
     import torch
 
-    from mrl.engine import replayed_load as rl
+    from mrl.engine.server import replayed_load as rl
 
     meta = json.loads(meta_json)
     key, names, dtypes = str(meta["key"]), list(meta["names"]), list(meta["dtypes"])
@@ -343,7 +319,7 @@ def _receive(runner, dtypes, shapes, group_name):
     import torch
     import torch.distributed as dist
 
-    from mrl.engine import replayed_load as rl
+    from mrl.engine.server import replayed_load as rl
 
     flat = torch.empty(rl.bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=runner.device)
     dist.broadcast(flat, src=0, group=runner._model_update_group[group_name])
@@ -352,7 +328,7 @@ def _receive(runner, dtypes, shapes, group_name):
 
 def _load(runner, flat, names, dtypes, shapes, group_name, info: dict | None = None) -> str:
     """Load a received bucket; ``info`` (stats) gets the path taken and, for a replay, the plan's counts."""
-    from mrl.engine import replayed_load as rl
+    from mrl.engine.server import replayed_load as rl
 
     info = {} if info is None else info
     plans = runner.__dict__.setdefault("_mrl_load_plans", {})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
-from mrl.rollout.protocol import EngineUnavailable
+from mrl.sglang.protocol import EngineUnavailable
 
 
 async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:

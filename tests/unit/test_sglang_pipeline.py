@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from mrl.rollout.protocol import EngineUnavailable
-from mrl.weight_sync.http_pipeline import post_pipelined
+from mrl.sglang.protocol import EngineUnavailable
+from mrl.sglang.pipeline import post_pipelined
 
 
 def _free_port() -> int:

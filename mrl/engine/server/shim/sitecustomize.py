@@ -1,7 +1,7 @@
 """Loaded only by SGLang server processes mrl starts on GPUs (PYTHONPATH set by the launcher).
 
-Installs the patches every mrl engine gets (``mrl.engine.patches``), none of CPU mode's (those
-live in ``mrl/engine/cpu/pyshim``). An engine that cannot import them starts unpatched: routes then
+Installs the patches every mrl engine gets (``mrl.engine.server.patches``), none of CPU mode's (those
+live in ``mrl/engine/server/cpu/pyshim``). An engine that cannot import them starts unpatched: routes then
 stay int32, which mrl's decoder reads too. A ``sitecustomize`` this one shadows (a site's own, further
 down the path) still runs afterwards.
 """
@@ -11,7 +11,7 @@ import os
 import sys
 
 try:
-    from mrl.engine.patches import install
+    from mrl.engine.server.patches import install
 
     install()
 except Exception as e:  # a server without the patches beats a server that does not start

@@ -5,7 +5,7 @@ SGLang's routed-experts host buffer asks for pinned memory unconditionally
 driver". On a host without CUDA, tensor factories ignore ``pin_memory``. Never imported by the trainer.
 
 With ``MRL_CPU_BATCHED_ATTENTION=1`` SGLang's ``torch_native`` attention backend is switched to
-``mrl.engine.cpu_attention`` (one SDPA call per batch instead of one per sequence) as soon as SGLang
+``mrl.engine.server.cpu_attention`` (one SDPA call per batch instead of one per sequence) as soon as SGLang
 imports it: a hook on the import, so processes that never load SGLang's model code (the resource
 tracker) do not pay for importing it.
 
@@ -19,14 +19,14 @@ imports torch and SGLang again, the larger part of an engine's start on a small 
 nothing forbids ``fork``, and the children start from the server's imported modules; the server has not
 started a thread or a torch thread pool when it forks them.
 
-The patches GPU engines get as well (``mrl.engine.patches``: compact routes) are installed
-here too; this file takes the place of ``mrl/engine/shim`` on a CPU engine's path.
+The patches GPU engines get as well (``mrl.engine.server.patches``: compact routes) are installed
+here too; this file takes the place of ``mrl/engine/server/shim`` on a CPU engine's path.
 """
 import os
 import sys
 
-from mrl.engine import patches as engine_patches
-from mrl.engine.patches import PatchOnImport
+from mrl.engine.server import patches as engine_patches
+from mrl.engine.server.patches import PatchOnImport
 
 try:
     import torch
@@ -49,7 +49,7 @@ except ImportError:
 
 
 def _batched_attention(module):
-    from mrl.engine.cpu_attention import install
+    from mrl.engine.server.cpu_attention import install
 
     install(module)
 

@@ -10,7 +10,7 @@ an update on a weight-update group this client did not create, ``flush_cache: tr
 after a retract/in-place pause, ``update_weights_from_tensor`` on CPU, health checks while paused.
 
 Every call authenticates (``Authorization: Bearer``): the admin key for weight updates and flow control,
-the api key for the rest (SGLang accepts only that one there, mrl.engine.secrets). Without
+the api key for the rest (SGLang accepts only that one there, mrl.sglang.keys). Without
 explicit keys the client takes the run's from ``$MRL_ENGINE_KEYS_FILE``.
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 
 import aiohttp
 
-from mrl.engine.endpoint import EngineEndpoint
-from mrl.engine.patches import BATCHED_BUCKETS_MARK, KEEPS_LAYOUTS_MARK
-from mrl.rollout.protocol import (
+from mrl.sglang.endpoint import EngineEndpoint
+from mrl.sglang.wire import BATCHED_BUCKETS_MARK, KEEPS_LAYOUTS_MARK
+from mrl.sglang.protocol import (
     EngineError,
     EngineGuardError,
     EngineHTTPError,
@@ -40,7 +40,7 @@ from mrl.rollout.protocol import (
     parse_status_ok,
     parse_success,
 )
-from mrl.engine.secrets import ENV_VAR, EngineSecrets
+from mrl.sglang.keys import ENV_VAR, EngineSecrets
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 KEEPALIVE_S = 2.0

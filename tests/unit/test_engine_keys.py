@@ -10,11 +10,11 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mrl.engine import secrets as sec
-from mrl.rollout.client import EngineClient
+from mrl.sglang import keys as sec
+from mrl.sglang.client import EngineClient
 from mrl.engine.launcher import Engine, pump_log
-from mrl.rollout.protocol import EngineHTTPError
-from mrl.engine.secrets import ENV_VAR, EngineSecrets, ensure_run_secrets
+from mrl.sglang.protocol import EngineHTTPError
+from mrl.sglang.keys import ENV_VAR, EngineSecrets, ensure_run_secrets
 from tests.fakes.fake_sglang import FakeSGLang
 
 
@@ -59,7 +59,7 @@ def test_run_secrets_are_shared_through_the_run_dir_and_the_env(tmp_path, no_run
     s = ensure_run_secrets(str(tmp_path))
     assert s.path == str(tmp_path / "secrets" / sec.FILENAME) and os.environ[ENV_VAR] == s.path
     assert ensure_run_secrets() == s  # later calls (and children, through the env) get the same keys
-    code = "from mrl.engine.secrets import EngineSecrets as S; s = S.from_env(); print(s.path, s == S.load(s.path))"
+    code = "from mrl.sglang.keys import EngineSecrets as S; s = S.from_env(); print(s.path, s == S.load(s.path))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [s.path, "True"] and s.api_key not in out
     os.environ.pop(ENV_VAR)
@@ -150,7 +150,7 @@ def test_client_takes_the_run_keys_from_the_env(tmp_path, monkeypatch):
 
 
 def test_cluster_engines_bind_to_the_job_interface(monkeypatch):
-    from mrl.engine.launcher import interface_address
+    from mrl.sglang.endpoint import interface_address
 
     monkeypatch.delenv("MRL_ENGINE_HOST", raising=False)
     assert interface_address("127.0.0.1") == "127.0.0.1"  # the interface that routes to the peer
