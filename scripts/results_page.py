@@ -6,7 +6,9 @@ figure that decides each one, then per topic every report with its date, hardwar
 
 Standard library only. Reports have several schemas (each bench wrote its own, some were written by hand):
 one extractor per bench kind (the JSON's ``bench`` field, or the shape of a report that has none) pulls the
-figures that matter; a report no extractor knows is listed with its date and no figures.
+figures that matter; a report no extractor knows is listed with its date and no figures. A topic's
+``findings.md`` (bench/reports/<topic>/, written by hand: what the runs show, each figure linking its report)
+follows its table: the docs/ pages say how things work and link here for every figure.
 tests/unit/test_results_page.py regenerates the page and compares it with the committed one.
 """
 
@@ -617,11 +619,40 @@ def render() -> str:
             fn = EXTRACTORS.get(kind(d, f)) if isinstance(d, dict) else None
             figures = "<br>".join(x.replace("|", "\\|") for x in fn(d)) if fn else "(no extractor: see the report)"
             out.append(f"| {date} | {hw} | {commit} | {figures} | [{f[:-5]}](../bench/reports/{topic}/{f}) |")
-        others = sorted(f for f in os.listdir(os.path.join(REPORTS, topic)) if not f.endswith(".json"))
+        others = sorted(f for f in os.listdir(os.path.join(REPORTS, topic))
+                        if not f.endswith(".json") and f != FINDINGS)
         if others:
             out += ["", "Other files: " + ", ".join(f"[{f}](../bench/reports/{topic}/{f})" for f in others) + "."]
+        out += findings(topic)
         out.append("")
     return "\n".join(out)
+
+
+FINDINGS = "findings.md"
+_LINK = re.compile(r"(\[[^\]]*\]\()([^)\s]+)(\))")
+
+
+def findings(topic: str) -> list[str]:
+    """The topic's ``findings.md`` (what the runs show, written by hand, each figure linking its report) under
+    a heading of its own, its relative links rewritten from the report folder to docs/."""
+    path = os.path.join(REPORTS, topic, FINDINGS)
+    if not os.path.exists(path):
+        return []
+    folder, docs = os.path.dirname(path), os.path.dirname(PAGE)
+
+    def relink(m):
+        target = m.group(2)
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            return m.group(0)
+        file, _, anchor = target.partition("#")
+        rel = os.path.relpath(os.path.normpath(os.path.join(folder, file)), docs).replace(os.sep, "/")
+        return m.group(1) + rel + ("#" + anchor if anchor else "") + m.group(3)
+
+    with open(path) as f:
+        text = f.read().strip()
+    return ["", f"### {TOPICS[topic][0]}: what the runs show", "",
+            f"From [{FINDINGS}](../bench/reports/{topic}/{FINDINGS}): every figure links its report.", "",
+            _LINK.sub(relink, text)]
 
 
 def main() -> int:
