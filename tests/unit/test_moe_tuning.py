@@ -118,7 +118,7 @@ def test_config_and_preflight_name_a_bad_tuned_folder(tmp_path, monkeypatch):
     from mrl.config.load import compose
 
     with pytest.raises(ValueError, match="engine.moe_kernel_configs"):
-        compose([f"engine.moe_kernel_configs={tmp_path}"])  # the default rollout is CPU engines
+        compose([f"engine.moe_kernel_configs={tmp_path}"])  # the default engines run on CPU
     cfg = compose(["engine=gpu", "model.dtype=bf16", f"engine.moe_kernel_configs={tmp_path}"])
     # this host as a GPU host with SGLang's kernels: only the tuned folder is left to check
     monkeypatch.setattr(gpu_mode, "check_gpu_packages", lambda: None)
