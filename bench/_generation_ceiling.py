@@ -29,7 +29,7 @@ def main() -> None:
     cfg = compose(overrides)
     hf = ensure_model(cfg)
     bridge = get_bridge(hf)
-    engines = engines_from_config(cfg.rollout, hf, log_dir=os.path.join(cfg.run_dir, "engines"))
+    engines = engines_from_config(cfg.engine, hf, log_dir=os.path.join(cfg.run_dir, "engines"))
     svc = None
     try:
         for e in engines:

@@ -1,7 +1,7 @@
 """The default run (`mrl train`) with two sets of overrides, A and B, run in turn (A B A B ...): where a step's
 time goes and what a setting buys, on a box whose speed drifts.
 
-    .venv/bin/python bench/default_run_ab.py --steps 30 --rounds 3 --a rollout.cpu_threads=2 --b ''
+    .venv/bin/python bench/default_run_ab.py --steps 30 --rounds 3 --a engine.cpu_threads=2 --b ''
     .venv/bin/python bench/default_run_ab.py --steps 150 --rounds 3 --a '' --only-a   # the whole default run
 
 (without --out the report goes to bench/reports/learning/<date>_mrl_train_default_ab_cpu.json)

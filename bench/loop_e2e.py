@@ -2,7 +2,7 @@
 
     python bench/loop_e2e.py --out DIR                                   # GPU: trainer GPU 0, engine GPU 1
     python bench/loop_e2e.py --out DIR --gpus 0,1,2,3 --trainer-gpus 2 \\
-        --set parallel=ep2 rollout.engine_tp=2                           # trainer EP2 + one TP2 engine
+        --set parallel=ep2 engine.tp=2                           # trainer EP2 + one TP2 engine
     python bench/loop_e2e.py --cpu --out DIR                             # the same flow on CPU, tiny model
 
 The workload is shaped like a reasoning RL job: ``--prompts`` prompts x ``--samples`` samples a step,
@@ -93,16 +93,16 @@ def write_prompts(path: str, tok, a, rows: int, seed: int = 0) -> dict:
 def overrides(a, hf: str, prompts: str, run_dir: str, steps: int) -> list[str]:
     """``mrl train`` overrides of the loop; the ceilings compose the same ones."""
     # engines after the trainer's GPUs, also for the engine ceiling (a process that is no trainer rank)
-    args = [] if a.cpu else ["rollout=gpu", f"rollout.base_gpu_id={a.trainer_procs}", "model.dtype=bf16",
+    args = [] if a.cpu else ["engine=gpu", f"engine.base_gpu_id={a.trainer_procs}", "model.dtype=bf16",
                              "train.optimizer_states_dtype=bf16",
                              f"train.micro_batch_size={a.micro_batch_size}", f"train.pack_max_len={a.pack_len}"]
     args += [f"model.hf_path={hf}", "model.make_tiny_if_missing=false", "data=jsonl", f"data.path={prompts}",
             f"train.steps={steps}", f"train.prompts_per_step={a.prompts}", f"rollout.n_samples_per_prompt={a.samples}",
             "train.mode=overlap", "weight_sync.every_n_steps=1", "rollout.ignore_eos=true", "train.eval_every=0",
             "train.sft_warmup_steps=0", "train.routing_metrics_every=0", f"train.max_inflight_groups={a.inflight}",
-            f"rollout.max_running_requests={a.engine_batch}", f"run_dir={run_dir}"]
+            f"engine.max_running_requests={a.engine_batch}", f"run_dir={run_dir}"]
     if a.cpu:
-        args += ["+rollout.server_args.max_total_tokens=16384"]
+        args += ["+engine.server_args.max_total_tokens=16384"]
     return args + list(a.set)
 
 
@@ -298,7 +298,7 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=32,
                     help="train.max_inflight_groups (one batch ahead: more would let the timed steps train on groups "
                     "buffered before them)")
-    ap.add_argument("--engine-batch", type=int, default=256, help="rollout.max_running_requests")
+    ap.add_argument("--engine-batch", type=int, default=256, help="engine.max_running_requests")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="train.micro_batch_size (packed rows)")
     ap.add_argument("--pack-len", type=int, default=4096, help="train.pack_max_len")
     ap.add_argument("--ceiling-batches", type=int, default=4, help="timed batches of each ceiling")

@@ -3,12 +3,12 @@
     mrl train [overrides...]              the RL loop (tiny model, CPU engine, copy_last task by default)
     mrl check [overrides...]              the preflight of train/launch alone: every input checked, nothing started
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
-    mrl engine [overrides...]             start the SGLang engines of rollout.* and serve until Ctrl-C
+    mrl engine [overrides...]             start the SGLang engines of engine.* and serve until Ctrl-C
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
     mrl export-fp8 SRC DST [--ignore M]   write the block-FP8 (e4m3, 128x128) checkpoint of a bf16/fp32 one
     mrl tune-moe HF_DIR OUT [--dtype D]   tune SGLang's fused-MoE kernel for the model on this GPU
-                                          (rollout.moe_kernel_configs=OUT)
+                                          (engine.moe_kernel_configs=OUT)
 
 Hydra flags work after the sub-command (``mrl train --cfg job``, ``parallel=tp2_ep2``, ``+experiment=...``).
 ``mrl train`` and ``mrl launch`` run the preflight (mrl/preflight.py) first: a bad input ends them with exit
@@ -29,15 +29,34 @@ from mrl.startup import stamp_launch
 def _hydra_app(fn):
     """Run ``fn(Config)`` as a Hydra app over conf/, with the remaining argv as overrides."""
     import hydra
+    from hydra.errors import CompactHydraException
     from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
 
     from mrl.config.load import to_config
+    from mrl.config.moved import MovedKeyError, check_overrides, explain
     from mrl.config.store import CONF_DIR, register
 
+    try:
+        check_overrides(sys.argv[1:])
+    except MovedKeyError as e:
+        print(f"[mrl] invalid config: {e}", file=sys.stderr)
+        sys.exit(1)
     register()
+    # Hydra reports a composition error itself unless HYDRA_FULL_ERROR is set; set, the error reaches the
+    # except below, which names a moved key's new name (a preset or experiment that sets engine.tp).
+    # The job's own errors get Hydra's usual report: the variable goes once composition is over.
+    own_full_error = "HYDRA_FULL_ERROR" not in os.environ
+    if own_full_error:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    started = False
 
     @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
     def app(cfg: DictConfig) -> None:
+        nonlocal started
+        started = True
+        if own_full_error:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
         try:
             typed = to_config(cfg)
         except ValueError as e:  # a bad value: the field and what is wrong, without a traceback
@@ -55,7 +74,21 @@ def _hydra_app(fn):
         if code:
             sys.exit(code)
 
-    return app()
+    try:
+        return app()
+    except Exception as e:
+        if started:
+            raise
+        if moved := explain(e):
+            print(f"[mrl] invalid config: {moved}", file=sys.stderr)
+            sys.exit(1)
+        if not own_full_error or not isinstance(e, CompactHydraException):
+            raise  # the user asked for full errors, or Hydra would print a traceback too
+        print(e, file=sys.stderr)  # as Hydra's own report of a composition error
+        if isinstance(e.__cause__, OmegaConfBaseException):
+            print(e.__cause__, file=sys.stderr)
+        print("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=sys.stderr)
+        sys.exit(1)
 
 
 def ensure_model(cfg: Config) -> str:
@@ -160,7 +193,7 @@ def make_tiny(argv: list[str]) -> int:
 
 
 def engine(cfg: Config) -> int:
-    """Start the rollout engines of ``cfg.rollout`` and serve until interrupted."""
+    """Start the engines of ``cfg.engine`` and serve until interrupted."""
     import signal
     import socket
     import threading
@@ -174,9 +207,9 @@ def engine(cfg: Config) -> int:
     cfg.model.hf_path = ensure_model(cfg)
     from mrl.engine.fp8_model import engine_model_path
 
-    path = engine_model_path(cfg)  # rollout.quantization=fp8: the run's block-FP8 export (shared run_dir: one)
-    r = cfg.rollout
-    # With rollout.engine_url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
+    path = engine_model_path(cfg)  # engine.quantization=fp8: the run's block-FP8 export (shared run_dir: one)
+    eng = cfg.engine
+    # With engine.url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
     # <dir>/<host>-engine<i>.url: the servers listen on this node's own interface (not 0.0.0.0) and the
     # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
     from mrl.sglang.endpoint import interface_address
@@ -184,11 +217,11 @@ def engine(cfg: Config) -> int:
     from mrl.sglang.keys import ensure_run_secrets
 
     ensure_run_secrets(cfg.run_dir)
-    url_dir = r.engine_url_dir
+    url_dir = eng.url_dir
     host = socket.gethostname()
     bind = interface_address() if url_dir else "127.0.0.1"
-    names = [f"{host}-engine{i}" for i in range(r.num_engines)] if url_dir else None
-    engines = engines_from_config(r, path, log_dir=os.path.join(cfg.run_dir, "engines"), names=names, host=bind,
+    names = [f"{host}-engine{i}" for i in range(eng.count)] if url_dir else None
+    engines = engines_from_config(eng, path, log_dir=os.path.join(cfg.run_dir, "engines"), names=names, host=bind,
                                   lora=lora_engine_spec(cfg))  # a LoRA run's trainer loads adapters into them
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

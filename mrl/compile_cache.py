@@ -1,5 +1,5 @@
 """Where torch inductor and triton keep what they compile, for the processes mrl starts: SGLang engines
-(prefill CUDA graphs, MoE and attention kernels: ``rollout.compile_cache_dir``) and trainer ranks
+(prefill CUDA graphs, MoE and attention kernels: ``engine.compile_cache_dir``) and trainer ranks
 (megatron's torch.compile'd helpers, TE's and mrl's triton kernels: ``train.compile_cache_dir``). By
 default both caches live under /tmp, which a cluster job or a container loses when it ends, so every job
 on a fresh node compiles everything again before its first step."""

@@ -195,14 +195,14 @@ def check_env_fn(cfg: Config, where: str) -> str | None:
 
 
 def _starts_engines(cfg: Config) -> bool:
-    r = cfg.rollout
-    return not (r.engine_urls or r.engine_url_dir)
+    eng = cfg.engine
+    return not (eng.urls or eng.url_dir)
 
 
 def check_gpu_stack(cfg: Config, where: str) -> str | None:
     """GPU engines started here need SGLang's GPU kernels and a GPU (what ``gpu_mode.check_gpu_stack`` later
     proves by loading them, in a child process: seconds, so not here)."""
-    if cfg.rollout.cpu_mode or where == SUBMIT or not _starts_engines(cfg):
+    if cfg.engine.cpu_mode or where == SUBMIT or not _starts_engines(cfg):
         return None
     from mrl.engine.gpu_mode import GPUStackError, check_gpu_packages
 
@@ -211,11 +211,11 @@ def check_gpu_stack(cfg: Config, where: str) -> str | None:
     except GPUStackError as e:
         return str(e)
     if not glob.glob("/dev/nvidia[0-9]*"):
-        return ("rollout.cpu_mode=false: this host has no NVIDIA GPU (no /dev/nvidia<N> device); run on a GPU "
-                "node, or use rollout=cpu")
-    tuned = cfg.rollout.moe_kernel_configs
+        return ("engine.cpu_mode=false: this host has no NVIDIA GPU (no /dev/nvidia<N> device); run on a GPU "
+                "node, or use engine=cpu")
+    tuned = cfg.engine.moe_kernel_configs
     if tuned and not os.path.isdir(os.path.join(os.path.expanduser(tuned), "configs")):
-        return _named("rollout.moe_kernel_configs", tuned, "no configs/ folder there (`mrl tune-moe HF_DIR OUT`)")
+        return _named("engine.moe_kernel_configs", tuned, "no configs/ folder there (`mrl tune-moe HF_DIR OUT`)")
     return None
 
 
@@ -231,7 +231,7 @@ def _port_in_use(port: int) -> str | None:
 
 def check_ports(cfg: Config, where: str) -> str | None:
     """The fixed ports this host would listen on are free: the rendezvous port on the first node of a
-    multi-node trainer, ports named in ``rollout.server_args`` of engines started here. (Every other port is
+    multi-node trainer, ports named in ``engine.server_args`` of engines started here. (Every other port is
     picked free when it is bound.)"""
     if where == SUBMIT:
         return None
@@ -240,7 +240,7 @@ def check_ports(cfg: Config, where: str) -> str | None:
             "PET_MASTER_PORT"):
         wanted.append(("MASTER_PORT", os.environ["PET_MASTER_PORT"], "torchrun's rendezvous on this node"))
     if _starts_engines(cfg):
-        wanted += [(f"rollout.server_args.{k}", v, "an engine's") for k, v in cfg.rollout.server_args.items()
+        wanted += [(f"engine.server_args.{k}", v, "an engine's") for k, v in cfg.engine.server_args.items()
                    if k.endswith("port") and v is not None]
     for key, value, what in wanted:
         try:
@@ -393,11 +393,11 @@ def _check_bridge(cfg: Config, path: str, json_config: bool) -> str | None:
 
 
 def check_fp8_shapes(cfg: Config, where: str) -> str | None:
-    """``rollout.quantization=fp8``: SGLang's block-FP8 layers load this model at ``rollout.engine_tp`` x
-    ``engine_ep`` (whole 128-blocks per engine rank: ``sglang_shape_problems``; the model's config.json, or the
+    """``engine.quantization=fp8``: SGLang's block-FP8 layers load this model at ``engine.tp`` x
+    ``engine.ep`` (whole 128-blocks per engine rank: ``sglang_shape_problems``; the model's config.json, or the
     tiny preset's when ``make_tiny_if_missing`` will write it), and ``fp8_ignore`` splits no fused group."""
-    r = cfg.rollout
-    if r.quantization != "fp8" or _in_image(cfg, where):
+    eng = cfg.engine
+    if eng.quantization != "fp8" or _in_image(cfg, where):
         return None
     import transformers
 
@@ -416,14 +416,14 @@ def check_fp8_shapes(cfg: Config, where: str) -> str | None:
             hf_config = getattr(transformers, config_cls)(architectures=[arch], **PRESETS[cfg.model.tiny_preset])
     except (ValueError, OSError, KeyError) as e:
         return _model_msg(path, str(e))  # check_model reports a missing model; this is a bad config.json
-    problems = sglang_shape_problems(hf_config, r.engine_tp, r.engine_ep)
+    problems = sglang_shape_problems(hf_config, eng.tp, eng.ep)
     if problems:
-        return (f"rollout.quantization=fp8: SGLang's block-FP8 layers cannot load model.hf_path={path} at "
-                f"rollout.engine_tp={r.engine_tp}, engine_ep={r.engine_ep}: {'; '.join(problems)} (another engine_tp "
-                "or engine_ep, or rollout.quantization=null)")
-    # a q/k/v, gate/up or experts group that rollout.fp8_ignore splits (the export would refuse it)
-    return ignore_problem(path, r.fp8_ignore) if r.fp8_ignore and os.path.isfile(os.path.join(path, "config.json")) \
-        else None
+        return (f"engine.quantization=fp8: SGLang's block-FP8 layers cannot load model.hf_path={path} at "
+                f"engine.tp={eng.tp}, engine.ep={eng.ep}: {'; '.join(problems)} (another engine.tp "
+                "or engine.ep, or engine.quantization=null)")
+    # a q/k/v, gate/up or experts group that engine.fp8_ignore splits (the export would refuse it)
+    has_config = os.path.isfile(os.path.join(path, "config.json"))
+    return ignore_problem(path, eng.fp8_ignore) if eng.fp8_ignore and has_config else None
 
 
 def _from_bridge(cfg: Config, where: str, fn):

@@ -7,20 +7,20 @@
 #
 # Both load $RUN_DIR/job.yaml, i.e. the config composed once by `mrl launch` (config.yaml), so every node
 # runs exactly that config. With engine nodes (NUM_ROLLOUT_NODES > 0) the trainer attaches to the announced
-# engines (rollout.engine_url_dir); without, it starts its own engines as a local run does.
+# engines (engine.url_dir); without, it starts its own engines as a local run does.
 set -euo pipefail
 role=${1:?usage: mrl_node.sh engine|train}
 : "${RUN_DIR:?RUN_DIR must be set (mrl.sbatch exports it)}"
 PY=${MRL_PYTHON:-python}
 JOB=(--config-path "$RUN_DIR" --config-name job)
 ATTACH=()
-(( ${NUM_ROLLOUT_NODES:-0} > 0 )) && ATTACH=(rollout.engine_url_dir="$RUN_DIR/engines")
+(( ${NUM_ROLLOUT_NODES:-0} > 0 )) && ATTACH=(engine.url_dir="$RUN_DIR/engines")
 echo "[mrl-node ${SLURMD_NODENAME:-$HOSTNAME}] role $role, task ${SLURM_PROCID:-0} of ${SLURM_NTASKS:-1}"
 
 case $role in
   engine)
     [[ -n ${MRL_ENGINE_CMD:-} ]] && exec bash -c "$MRL_ENGINE_CMD"
-    exec "$PY" -m mrl engine "${JOB[@]}" "${ATTACH[@]}" rollout.num_engines="${ENGINES_PER_NODE:-1}"
+    exec "$PY" -m mrl engine "${JOB[@]}" "${ATTACH[@]}" engine.count="${ENGINES_PER_NODE:-1}"
     ;;
   train)
     # torchrun takes any flag it is not given from PET_<FLAG>: static rendezvous on the first trainer node,

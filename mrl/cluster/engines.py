@@ -45,7 +45,7 @@ def read_urls(url_dir: str, allowed: set[str] | None = None) -> dict[str, str]:
     if not os.path.isdir(url_dir):
         return {}
     if allowed is not None:
-        _check_private(url_dir, "rollout.engine_url_dir")
+        _check_private(url_dir, "engine.url_dir")
     out = {}
     for fname in sorted(os.listdir(url_dir)):
         if fname.endswith(SUFFIX):

@@ -48,8 +48,8 @@ def compose(overrides: list[str]) -> Config:
     cfg.model.hf_path = os.path.abspath(cfg.model.hf_path)
     if cfg.data.path:
         cfg.data.path = os.path.abspath(cfg.data.path)
-    if cfg.rollout.engine_url_dir:
-        cfg.rollout.engine_url_dir = os.path.abspath(cfg.rollout.engine_url_dir)
+    if cfg.engine.url_dir:
+        cfg.engine.url_dir = os.path.abspath(cfg.engine.url_dir)
     if cfg.cluster.python is None:  # a virtualenv on shared storage, or the image's interpreter
         cfg.cluster.python = sys.executable if cfg.cluster.container == ContainerKind.none else "python"
     return cfg

@@ -28,7 +28,7 @@ class Layout:
     num_rollout_nodes: int
     num_train_nodes: int
     engines_per_node: int
-    """0 when there are no engine nodes (the trainer starts rollout.num_engines itself)."""
+    """0 when there are no engine nodes (the trainer starts engine.count itself)."""
     nproc_per_node: int
 
     @property
@@ -38,7 +38,7 @@ class Layout:
 
 def layout(cfg: Config) -> Layout:
     """The node split of ``cfg``; a ValueError naming the fields when the config does not fit it."""
-    c, r = cfg.cluster, cfg.rollout
+    c, eng = cfg.cluster, cfg.engine
     if c.kind != ClusterKind.slurm:
         raise ValueError(f"cluster.kind={c.kind.value}: mrl launch submits Slurm jobs (choose cluster=slurm or "
                          "a slurm_* preset); on this machine run `mrl train` directly")
@@ -52,16 +52,16 @@ def layout(cfg: Config) -> Layout:
         raise ValueError(f"cluster.nproc_per_node={c.nproc_per_node} exceeds cluster.gpus_per_node={c.gpus_per_node}")
     engines_per_node = 0
     if c.num_rollout_nodes:
-        if r.num_engines % c.num_rollout_nodes:
-            raise ValueError(f"rollout.num_engines={r.num_engines} must be a multiple of cluster.num_rollout_nodes="
+        if eng.count % c.num_rollout_nodes:
+            raise ValueError(f"engine.count={eng.count} must be a multiple of cluster.num_rollout_nodes="
                              f"{c.num_rollout_nodes} (every engine node runs the same number of engines)")
-        if r.engine_urls:
-            raise ValueError("rollout.engine_urls: engine nodes announce their own URLs; leave it empty or set "
+        if eng.urls:
+            raise ValueError("engine.urls: engine nodes announce their own URLs; leave it empty or set "
                              "cluster.num_rollout_nodes=0")
-        engines_per_node = r.num_engines // c.num_rollout_nodes
+        engines_per_node = eng.count // c.num_rollout_nodes
         gpus = c.rollout_gpus_per_node if c.rollout_gpus_per_node is not None else c.gpus_per_node
-        if not r.cpu_mode and engines_per_node * r.engine_tp > gpus:
-            raise ValueError(f"{engines_per_node} engines per node x rollout.engine_tp={r.engine_tp} GPUs do not fit "
+        if not eng.cpu_mode and engines_per_node * eng.tp > gpus:
+            raise ValueError(f"{engines_per_node} engines per node x engine.tp={eng.tp} GPUs do not fit "
                              f"{gpus} GPUs per engine node (cluster.gpus_per_node / rollout_gpus_per_node)")
     return Layout(num_rollout_nodes=c.num_rollout_nodes, num_train_nodes=c.num_train_nodes,
                   engines_per_node=engines_per_node, nproc_per_node=c.nproc_per_node)

@@ -27,7 +27,7 @@ class ClusterConfig:
     """Where processes run: this machine, or one Slurm allocation split into engine and trainer nodes.
 
     Slurm layout (``mrl launch``, mrl/cluster/): the first ``num_rollout_nodes`` nodes run ``mrl engine``
-    (``rollout.num_engines / num_rollout_nodes`` engines each), the next ``num_train_nodes`` run the
+    (``engine.count / num_rollout_nodes`` engines each), the next ``num_train_nodes`` run the
     trainer (``nproc_per_node`` ranks each). ``num_rollout_nodes=0``: no engine nodes, the trainer starts
     its engines itself on its node, as a local run does (CPU runs, colocated GPU runs).
     """

@@ -60,11 +60,11 @@ class LoraEngineSpec:
 
     def __post_init__(self) -> None:
         if self.max_rank < 1:
-            raise ValueError(f"rollout.lora_max_rank: must be >= 1, got {self.max_rank}")
+            raise ValueError(f"engine.lora_max_rank: must be >= 1, got {self.max_rank}")
         if self.slots < 2:
-            raise ValueError(f"rollout.lora_slots: must be >= 2 (the base model takes one), got {self.slots}")
+            raise ValueError(f"engine.lora_slots: must be >= 2 (the base model takes one), got {self.slots}")
         if self.backend not in (None, *LORA_BACKENDS):
-            raise ValueError(f"rollout.lora_backend: one of {LORA_BACKENDS} or null, got {self.backend!r}")
+            raise ValueError(f"engine.lora_backend: one of {LORA_BACKENDS} or null, got {self.backend!r}")
         hf_targets(self.targets)
 
     @property
@@ -78,19 +78,19 @@ class LoraEngineSpec:
                              "applies MLP/expert LoRA inside the Triton MoE runner, which has no CPU path (the "
                              "first MoE forward crashes); CPU runs train attention targets only")
         if cpu_mode and self.backend not in (None, "torch_native"):
-            raise ValueError(f"rollout.lora_backend: {self.backend!r} needs GPU kernels; CPU engines take "
+            raise ValueError(f"engine.lora_backend: {self.backend!r} needs GPU kernels; CPU engines take "
                              "torch_native (or null)")
         mine = {"enable_lora", "lora_paths", "max_lora_rank", "lora_target_modules", "max_loras_per_batch",
                 "lora_backend", "enable_lora_overlap_loading"}
         if clash := sorted(mine & set(server_args)):
-            raise ValueError(f"rollout.server_args: {clash} are set by mrl from model.lora and rollout.lora_*")
+            raise ValueError(f"engine.server_args: {clash} are set by mrl from model.lora and engine.lora_*")
         if server_args.get("max_loaded_loras") is not None:
-            raise ValueError("rollout.server_args.max_loaded_loras: with LoRA RL every policy version is an "
+            raise ValueError("engine.server_args.max_loaded_loras: with LoRA RL every policy version is an "
                              "adapter; over the cap SGLang evicts one, waiting for its requests under its LoRA "
                              "lock, and an adapter loaded from tensors cannot be reloaded after eviction")
         runner = server_args.get("moe_runner_backend")
         if self.experts and not cpu_mode and runner not in (None, "triton"):
-            raise ValueError(f"rollout.server_args.moe_runner_backend: {runner!r}: expert LoRA runs in SGLang's "
+            raise ValueError(f"engine.server_args.moe_runner_backend: {runner!r}: expert LoRA runs in SGLang's "
                              "Triton MoE runner only (triton or null)")
 
     def server_args(self, *, cpu_mode: bool) -> list[str]:
@@ -113,7 +113,7 @@ class LoraEngineSpec:
             raise ValueError(f"{where}: r={r!r} must be an int >= 1")
         if r > self.max_rank:
             raise ValueError(f"{where}: rank r={r} > the engines' --max-lora-rank {self.max_rank} "
-                             "(rollout.lora_max_rank); the engines would refuse it")
+                             "(engine.lora_max_rank); the engines would refuse it")
         if not isinstance(config.get("lora_alpha"), (int, float)):
             raise ValueError(f"{where}: lora_alpha={config.get('lora_alpha')!r} must be a number")
         for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "target_parameters",
@@ -140,16 +140,16 @@ def lora_engine_spec(cfg) -> LoraEngineSpec | None:
     lora = getattr(cfg.model, "lora", None)
     if lora is None or not getattr(lora, "enabled", True) or not (getattr(lora, "rank", 0) or 0):
         return None
-    r = cfg.rollout
+    e = cfg.engine
     rank = int(lora.rank)
-    max_rank = r.lora_max_rank if r.lora_max_rank is not None else rank
+    max_rank = e.lora_max_rank if e.lora_max_rank is not None else rank
     if rank > max_rank:
-        raise ValueError(f"model.lora.rank: {rank} > rollout.lora_max_rank {max_rank}, the engines' "
+        raise ValueError(f"model.lora.rank: {rank} > engine.lora_max_rank {max_rank}, the engines' "
                          "--max-lora-rank: they would refuse every adapter")
-    spec = LoraEngineSpec(max_rank=max_rank, targets=hf_targets(lora.targets), slots=r.lora_slots,
-                          backend=r.lora_backend)
-    spec.check_engine(cpu_mode=r.cpu_mode, server_args=dict(r.server_args))
-    if r.engine_dp > 1:
-        raise ValueError("rollout.engine_dp: SGLang loads adapters only into servers with dp_size 1 (an "
+    spec = LoraEngineSpec(max_rank=max_rank, targets=hf_targets(lora.targets), slots=e.lora_slots,
+                          backend=e.lora_backend)
+    spec.check_engine(cpu_mode=e.cpu_mode, server_args=dict(e.server_args))
+    if e.dp > 1:
+        raise ValueError("engine.dp: SGLang loads adapters only into servers with dp_size 1 (an "
                          "assert in its LoRA endpoints); start more engines instead")
     return spec

@@ -11,6 +11,7 @@ from mrl.config import schema
 GROUPS = {
     "model": schema.ModelConfig,
     "parallel": schema.ParallelConfig,
+    "engine": schema.EngineConfig,
     "rollout": schema.RolloutConfig,
     "algo": schema.AlgoConfig,
     "data": schema.DataConfig,

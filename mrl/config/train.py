@@ -115,7 +115,7 @@ class TrainConfig:
     away (``mrl.megatron.warm_up``): the first step's one-time kernel and allocator costs are paid while the
     engines boot. No trace in training. null = on with CUDA (a GPU's first step costs seconds more than the
     next ones), off on CPU."""
-    compile_cache_dir: Optional[str] = "${rollout.compile_cache_dir}"
+    compile_cache_dir: Optional[str] = "${engine.compile_cache_dir}"
     """GPU trainer ranks: where torch inductor and triton keep what they compile (megatron's torch.compile'd
     helpers compile again for new shapes during the first RL steps), so the next job's ranks find it
     (``mrl.compile_cache``); the engines' directory by default. null: their defaults under /tmp. The

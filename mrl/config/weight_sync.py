@@ -33,7 +33,7 @@ class WeightSyncConfig:
     fails a sync step, does not answer a control call within a second, or has had rollout requests in flight
     this long without answering any, is probed; no answer within this limit (or a 5xx to each of 3 probes)
     and it is dropped like a killed one -- its requests resume on the others, the job's own engines are
-    killed and replaced (``rollout.restart_engines``)."""
+    killed and replaced (``engine.max_restarts``)."""
     verify: Optional[bool] = None
     """After every sync, compare engine and trainer logprobs of a fixed probe (both routing naturally); over
     ``verify_tol`` stops the run naming the engines. null = on for float32 engines, off for bf16/fp16 ones,

@@ -1,4 +1,4 @@
-"""The checkpoint FP8 engines start from (``rollout.quantization=fp8``): ``model.hf_path`` exported to block
+"""The checkpoint FP8 engines start from (``engine.quantization=fp8``): ``model.hf_path`` exported to block
 FP8 (``mrl.quant.export``) once per run, into the run directory.
 
 SGLang's ``fp8`` method serves block-wise scales only from an FP8-serialized checkpoint: given a bf16 one
@@ -10,7 +10,7 @@ Completeness: the export is written into ``fp8_model.partial`` and renamed to ``
 last file, the marker ``mrl_fp8_export.json`` (the source and its fingerprint), is written: a directory of
 that name is whole. A partial export left by a killed job is removed and redone; an export of another source
 (``model.hf_path`` changed between two starts of the run), or with other modules kept in high precision
-(``rollout.fp8_ignore``), is redone too. Concurrent starts (engine nodes of
+(``engine.fp8_ignore``), is redone too. Concurrent starts (engine nodes of
 one run sharing its directory) take a lock file, so one exports and the others reuse its result.
 """
 
@@ -65,7 +65,7 @@ def _locked(path: str):
 def ensure_fp8_model(src: str, run_dir: str, *, ignored: Sequence[str] = (), device: str | None = None,
                      log=print) -> str:
     """The block-FP8 checkpoint of ``src`` in ``run_dir`` (module docstring), ``ignored``'s modules in high
-    precision (``rollout.fp8_ignore``): reused when whole, of ``src`` and of the same ``ignored``, else
+    precision (``engine.fp8_ignore``): reused when whole, of ``src`` and of the same ``ignored``, else
     (re)written. Returns its path."""
     dst = fp8_model_dir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
@@ -94,9 +94,9 @@ def ensure_fp8_model(src: str, run_dir: str, *, ignored: Sequence[str] = (), dev
 
 def engine_model_path(cfg) -> str:
     """Where the run's engines load their weights from: ``model.hf_path``, or its block-FP8 export for
-    ``rollout.quantization=fp8``."""
-    if cfg.rollout.quantization == "fp8":
-        return ensure_fp8_model(cfg.model.hf_path, cfg.run_dir, ignored=tuple(cfg.rollout.fp8_ignore),
+    ``engine.quantization=fp8``."""
+    if cfg.engine.quantization == "fp8":
+        return ensure_fp8_model(cfg.model.hf_path, cfg.run_dir, ignored=tuple(cfg.engine.fp8_ignore),
                                 device=_export_device())
     return cfg.model.hf_path
 

@@ -1,6 +1,6 @@
 """SGLang GPU mode: what an unmodified SGLang server needs to run on a node's GPUs.
 
-- attention backend: triton unless ``rollout.attention_backend`` names another. SGLang itself takes FA3 on
+- attention backend: triton unless ``engine.attention_backend`` names another. SGLang itself takes FA3 on
   Hopper, but SGLang 0.5.14's FA3 backend fails while the piecewise prefill CUDA graphs are captured
   (docs/gpu.md), so an FA3 engine starts without them (the launcher); triton has no JIT step at start-up,
   unlike flashinfer. ``fa3`` is refused where SGLang's kernel package lacks it (a network-less bundle may
@@ -56,9 +56,9 @@ def has_fa3() -> bool:
 
 
 def attention_backend(asked: str | None = None) -> str:
-    """The ``--attention-backend`` of a GPU engine: ``asked`` (``rollout.attention_backend``) or triton."""
+    """The ``--attention-backend`` of a GPU engine: ``asked`` (``engine.attention_backend``) or triton."""
     if asked == "fa3" and not has_fa3():
-        raise GPUStackError("rollout.attention_backend=fa3, but SGLang's kernel package has no FA3 library "
+        raise GPUStackError("engine.attention_backend=fa3, but SGLang's kernel package has no FA3 library "
                             "(sgl_kernel/flash_ops*.so): install the full sglang-kernel wheel, or add "
                             "scripts/gpu/fetch_fa3.sh's parts to the offline stack")
     return asked or "triton"
@@ -68,9 +68,9 @@ def check_gpu_packages() -> None:
     """The cheap part of ``check_gpu_stack`` (nothing imported, no GPU touched): SGLang and its GPU kernel
     package are installed."""
     if _package_dir("sglang") is None:
-        raise GPUStackError(f"rollout.cpu_mode=false: SGLang is not installed; {INSTALL_HINT}")
+        raise GPUStackError(f"engine.cpu_mode=false: SGLang is not installed; {INSTALL_HINT}")
     if _package_dir("sgl_kernel") is None:
-        raise GPUStackError(f"rollout.cpu_mode=false: SGLang's GPU kernels (package sgl_kernel, from "
+        raise GPUStackError(f"engine.cpu_mode=false: SGLang's GPU kernels (package sgl_kernel, from "
                             f"sglang-kernel) are not installed; {INSTALL_HINT}")
 
 
@@ -87,7 +87,7 @@ def check_gpu_stack() -> None:
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or [res.stdout.strip()])[-1]
-        raise GPUStackError(f"rollout.cpu_mode=false: SGLang's GPU kernels do not load here ({last}); "
+        raise GPUStackError(f"engine.cpu_mode=false: SGLang's GPU kernels do not load here ({last}); "
                             f"they need torch 2.11.0 with CUDA 13 and an NVIDIA driver; {INSTALL_HINT}")
 
 

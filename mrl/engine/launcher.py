@@ -54,10 +54,10 @@ _RESERVED_SERVER_ARGS = ("api_key", "admin_api_key", "config")
 
 _GRAPH_SIZE_KEYS = {"cuda_graph_max_bs", "cuda_graph_max_bs_decode", "cuda_graph_bs", "cuda_graph_bs_decode",
                     "cuda_graph_config", "disable_cuda_graph", "disable_decode_cuda_graph"}
-"""``rollout.server_args`` keys that size or switch off the decode CUDA graphs: the user's choice stands."""
+"""``engine.server_args`` keys that size or switch off the decode CUDA graphs: the user's choice stands."""
 
 _PREFILL_GRAPH_KEYS = {"disable_prefill_cuda_graph", "cuda_graph_backend_prefill", "disable_cuda_graph"}
-"""``rollout.server_args`` keys that decide SGLang's prefill CUDA graphs: the user's choice stands."""
+"""``engine.server_args`` keys that decide SGLang's prefill CUDA graphs: the user's choice stands."""
 
 
 def server_args_to_cli(args: dict[str, Any]) -> list[str]:
@@ -145,19 +145,19 @@ class Engine:
 
     def __post_init__(self) -> None:
         if self.cpu_mode and self.ep > 1:
-            raise ValueError("rollout.engine_ep: SGLang CPU mode does not support ep > 1 (its native MoE path crashes)")
+            raise ValueError("engine.ep: SGLang CPU mode does not support ep > 1 (its native MoE path crashes)")
         if self.cpu_mode and self.quantization:
-            raise ValueError(f"rollout.quantization={self.quantization}: CPU engines cannot serve it (docs/fp8.md)")
+            raise ValueError(f"engine.quantization={self.quantization}: CPU engines cannot serve it (docs/fp8.md)")
         if self.cpu_mode and self.memory_saver:
-            raise ValueError("rollout.memory_saver: needs GPUs (torch_memory_saver); not available in CPU mode")
+            raise ValueError("engine.memory_saver: needs GPUs (torch_memory_saver); not available in CPU mode")
         if self.dp > 1 and not self.server_args.get("enable_dp_attention"):
-            raise ValueError("rollout.engine_dp > 1 needs server_args.enable_dp_attention (SGLang's weight updates "
+            raise ValueError("engine.dp > 1 needs server_args.enable_dp_attention (SGLang's weight updates "
                              "assert dp_size == 1 otherwise); for plain data parallelism start more engines")
         if self.lora is not None:
             self.lora.check_engine(cpu_mode=self.cpu_mode, server_args=self.server_args)
         reserved = [k for k in _RESERVED_SERVER_ARGS if k in self.server_args]
         if reserved:
-            raise ValueError(f"rollout.server_args: {reserved} are set by mrl from the run's keys file "
+            raise ValueError(f"engine.server_args: {reserved} are set by mrl from the run's keys file "
                              "(mrl.sglang.keys), never from the config")
         if not self.port:
             self.port, self._port_retries = free_port(self.host), 3
@@ -387,35 +387,35 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def engines_from_config(r, model_path: str, *, log_dir: str, names: list[str] | None = None,
+def engines_from_config(eng, model_path: str, *, log_dir: str, names: list[str] | None = None,
                         host: str = "127.0.0.1", lora: LoraEngineSpec | None = None) -> list["Engine"]:
-    """The ``rollout.num_engines`` servers of a ``RolloutConfig`` (not started). On GPUs, engine i takes
-    the ``engine_tp * engine_dp`` GPUs from ``base_gpu_id + i * engine_tp * engine_dp``; ``base_gpu_id``
-    null = after the GPUs of the trainer ranks on this node. ``lora``: ``mrl.config.lora_engine.lora_engine_spec``
-    of the run's config (None: LoRA off)."""
-    names = names or [f"engine{i}" for i in range(r.num_engines)]
-    per = r.engine_tp * r.engine_dp
-    base = r.base_gpu_id if r.base_gpu_id is not None else gpu_mode.trainer_gpus_on_this_node()
-    return [Engine(model_path=model_path, tp=r.engine_tp, ep=r.engine_ep, dp=r.engine_dp, cpu_mode=r.cpu_mode,
-                   cpu_batched_attention=r.cpu_batched_attention, memory_saver=r.memory_saver, name=n, host=host,
-                   log_dir=log_dir, server_args=dict(r.server_args),
-                   max_running_requests=r.max_running_requests,
-                   max_total_tokens=r.max_total_tokens or (4096 if r.cpu_mode else None),
-                   base_gpu_id=base + i * per, mem_fraction_static=r.mem_fraction_static,
-                   attention_backend=r.attention_backend, sampling_backend=r.sampling_backend, dtype=r.engine_dtype,
-                   kv_cache_dtype=r.kv_cache_dtype, quantization=r.quantization, cpu_threads=r.cpu_threads, lora=lora,
-                   compile_cache_dir=r.compile_cache_dir, moe_kernel_configs=r.moe_kernel_configs,
-                   cpus=list(r.cpus) if r.cpus is not None and r.cpu_mode else None)
+    """The ``count`` servers of an ``EngineConfig`` (not started). On GPUs, engine i takes the ``tp * dp``
+    GPUs from ``base_gpu_id + i * tp * dp``; ``base_gpu_id`` null = after the GPUs of the trainer ranks on
+    this node. ``lora``: ``mrl.config.lora_engine.lora_engine_spec`` of the run's config (None: LoRA off)."""
+    names = names or [f"engine{i}" for i in range(eng.count)]
+    per = eng.tp * eng.dp
+    base = eng.base_gpu_id if eng.base_gpu_id is not None else gpu_mode.trainer_gpus_on_this_node()
+    return [Engine(model_path=model_path, tp=eng.tp, ep=eng.ep, dp=eng.dp, cpu_mode=eng.cpu_mode,
+                   cpu_batched_attention=eng.cpu_batched_attention, memory_saver=eng.memory_saver, name=n, host=host,
+                   log_dir=log_dir, server_args=dict(eng.server_args),
+                   max_running_requests=eng.max_running_requests,
+                   max_total_tokens=eng.max_total_tokens or (4096 if eng.cpu_mode else None),
+                   base_gpu_id=base + i * per, mem_fraction_static=eng.mem_fraction_static,
+                   attention_backend=eng.attention_backend, sampling_backend=eng.sampling_backend, dtype=eng.dtype,
+                   kv_cache_dtype=eng.kv_cache_dtype, quantization=eng.quantization, cpu_threads=eng.cpu_threads,
+                   lora=lora,
+                   compile_cache_dir=eng.compile_cache_dir, moe_kernel_configs=eng.moe_kernel_configs,
+                   cpus=list(eng.cpus) if eng.cpus is not None and eng.cpu_mode else None)
             for i, n in enumerate(names)]
 
 
 def start_job_engines(cfg) -> list["Engine"]:
-    """Start the engines of a run's ``cfg.rollout`` that the job owns; the caller awaits their health. FP8
+    """Start the engines of a run's ``cfg.engine`` that the job owns; the caller awaits their health. FP8
     engines start from the run's block-FP8 export of ``model.hf_path`` (made here on the first start)."""
     from mrl.config.lora_engine import lora_engine_spec
     from mrl.engine.fp8_model import engine_model_path
 
-    engines = engines_from_config(cfg.rollout, engine_model_path(cfg), log_dir=os.path.join(cfg.run_dir, "engines"),
+    engines = engines_from_config(cfg.engine, engine_model_path(cfg), log_dir=os.path.join(cfg.run_dir, "engines"),
                                   lora=lora_engine_spec(cfg))
     for e in engines:
         e.start()
@@ -425,9 +425,9 @@ def start_job_engines(cfg) -> list["Engine"]:
 def launch_job_engines(cfg) -> list["Engine"]:
     """Rank 0, first thing: start the engines the job owns, so that they boot while the rank imports
     megatron, builds the model and warms up. None for engines found by URL, nor for colocated GPU runs
-    (``rollout.memory_saver``): there the trainer takes its memory first, and starts them itself."""
-    r = cfg.rollout
-    return [] if r.engine_urls or r.engine_url_dir or r.memory_saver else start_job_engines(cfg)
+    (``engine.memory_saver``): there the trainer takes its memory first, and starts them itself."""
+    eng = cfg.engine
+    return [] if eng.urls or eng.url_dir or eng.memory_saver else start_job_engines(cfg)
 
 
 def stop_all() -> None:

@@ -5,7 +5,7 @@ name) in a folder per triton version, and when the running triton has no table i
 table or its built-in default, and tiles tuned under one triton version need not be the best under
 another. ``mrl tune-moe`` times the kernel for the model's expert shapes over a search space on this GPU,
 under this triton, against SGLang's own choice, and writes the best configuration per token count in
-SGLang's own file format and folder layout; ``rollout.moe_kernel_configs`` points the engines at such a folder
+SGLang's own file format and folder layout; ``engine.moe_kernel_configs`` points the engines at such a folder
 (``merged_config_dir``: SGLang's own tables stay visible for every shape the folder does not cover).
 
     mrl tune-moe HF_DIR OUT [--dtype bf16|fp8] [--tp N] [--tokens 1 8 ... ] [--space full|quick]
@@ -134,7 +134,7 @@ def merged_config_dir(tuned: str, dst: str, sglang_root: str | None = None) -> s
     SGLang reads only this folder once the variable is set, so its own tables must be in it too."""
     tuned_configs = os.path.join(tuned, "configs")
     if not os.path.isdir(tuned_configs):
-        raise ValueError(f"rollout.moe_kernel_configs={tuned}: no configs/ folder in it (write one with "
+        raise ValueError(f"engine.moe_kernel_configs={tuned}: no configs/ folder in it (write one with "
                          "`mrl tune-moe`)")
     sources = [os.path.join(sglang_root or sglang_config_root(), "configs"), tuned_configs]
     for src in sources:  # later sources win
@@ -260,9 +260,9 @@ def sglang_choice(shape: MoeShape, fp8: bool) -> Callable[[int], dict]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="mrl tune-moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("hf_dir", help="the model's Hugging Face checkpoint (only config.json is read)")
-    ap.add_argument("out", help="folder to write the tables into (rollout.moe_kernel_configs)")
+    ap.add_argument("out", help="folder to write the tables into (engine.moe_kernel_configs)")
     ap.add_argument("--dtype", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"],
-                    help="expert weights: bf16, block-FP8 (rollout.quantization=fp8), or both")
+                    help="expert weights: bf16, block-FP8 (engine.quantization=fp8), or both")
     ap.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel size (splits the experts' N)")
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKEN_COUNTS))
     ap.add_argument("--space", choices=sorted(_SPACE), default="quick")

@@ -85,13 +85,13 @@ def check_fused_groups(names: Iterable[str], ignored: Sequence[str] = ()) -> Non
 
 def ignore_problem(hf_dir: str, ignored: Sequence[str]) -> str | None:
     """``check_fused_groups`` of the checkpoint in ``hf_dir`` (its tensor names, from the safetensors
-    headers), as one line naming ``rollout.fp8_ignore``, or None."""
+    headers), as one line naming ``engine.fp8_ignore``, or None."""
     from mrl.models.checkpoint import HFCheckpoint
 
     try:
         check_fused_groups(HFCheckpoint(hf_dir).shapes, ignored)
     except ValueError as e:
-        return f"rollout.fp8_ignore={list(ignored)}: {e}"
+        return f"engine.fp8_ignore={list(ignored)}: {e}"
     return None
 
 

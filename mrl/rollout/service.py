@@ -1,6 +1,6 @@
 """The rollout side of the loop in a process of its own: engine clients, producer, rewards, buffer.
 
-    svc = start_rollout(cfg, hf_path, urls, codec, state)   # trainer rank 0: this process or a child
+    svc = start_rollout(cfg, hf_path, urls, codec, state)   # trainer rank 0: a child process
     svc.allow(16); groups = svc.take(8, version, timeout=600)
     n = svc.drain(60); ...weight sync...; svc.undrain()
     svc.stats(); svc.state(); svc.evaluate(32); svc.stop()
@@ -135,10 +135,8 @@ class RolloutService:
 
 
 def start_rollout(cfg, hf_path: str, urls: list[str], codec, state: dict):
-    """The rollout side for ``mrl train``: in its own process (``rollout.client_process``) or in this one."""
-    if cfg.rollout.client_process:
-        return RolloutService.start(cfg, hf_path, urls, codec, state)
-    return LocalRollout(cfg, hf_path, urls, codec, state)
+    """The rollout side for ``mrl train``, in a process of its own."""
+    return RolloutService.start(cfg, hf_path, urls, codec, state)
 
 
 def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float) -> Connection:
@@ -159,8 +157,8 @@ def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float) -> Con
 
 # -- the child ---------------------------------------------------------------------------------------
 class LocalRollout:
-    """The rollout side's objects; the child holds one (``rollout.client_process=true``), else the trainer's
-    rank 0 does, with the producer in a thread of its own."""
+    """The rollout side's objects, held by the child (``RolloutService``), the producer in a thread of its
+    own."""
 
     def __init__(self, cfg, hf_path: str, urls: list[str], codec, state):
         from tokenizers import Tokenizer
@@ -189,7 +187,7 @@ class LocalRollout:
         top = top_logprobs_to_request(temperature=r.temperature, top_k=r.top_k, top_logprobs_num=r.top_logprobs_num) \
             if t.sampling_mask else 0
         self.manager = RolloutManager(clients, sampling=sampling, codec=codec if t.replay else None,
-                                      max_inflight_per_engine=r.max_running_requests, top_logprobs_num=top,
+                                      max_inflight_per_engine=cfg.engine.max_running_requests, top_logprobs_num=top,
                                       adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s,
                                       vocab_size=state.get("vocab_size"))
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(

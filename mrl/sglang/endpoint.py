@@ -2,7 +2,7 @@
 weight-update group.
 
     Engine(...).endpoint                 # the launcher's engines (and the restarter's replacements) have one
-    EngineEndpoint(url, tp=2)            # an engine attached by URL (rollout.engine_urls, mrl engine nodes)
+    EngineEndpoint(url, tp=2)            # an engine attached by URL (engine.urls, mrl engine nodes)
     EngineClient(endpoint)               # the rollout process and the weight sync talk to it over HTTP
 
 The weight sync keeps a list of them on every trainer rank (narrowed by the verdict each sync broadcasts);

@@ -95,15 +95,15 @@ class Controller(RankDuties):
     def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint]:
         from mrl.rollout.service import start_rollout
 
-        r = self.cfg.rollout
-        endpoints = [EngineEndpoint(u, r.engine_tp) for u in list(r.engine_urls) or self._discover(r)]
+        eng = self.cfg.engine
+        endpoints = [EngineEndpoint(u, eng.tp) for u in list(eng.urls) or self._discover(eng)]
         if not endpoints:
             self.engines = self.engines or start_job_engines(self.cfg)
             for e in self.engines:
                 e.wait_healthy()
             endpoints = [e.endpoint for e in self.engines]
         self.clock.mark("engines_healthy")
-        self.restarter = EngineRestarter(self.engines, r.restart_engines) if restarts_engines(self.cfg) else None
+        self.restarter = EngineRestarter(self.engines, eng.max_restarts) if restarts_engines(self.cfg) else None
         self.codec = policy.codec
         self.rollout = start_rollout(self.cfg, hf_path, [e.url for e in endpoints], policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
@@ -113,20 +113,20 @@ class Controller(RankDuties):
         return endpoints
 
     @staticmethod
-    def _discover(r) -> list[str]:
+    def _discover(eng) -> list[str]:
         """Engines announced by ``mrl engine`` on cluster engine nodes (``<dir>/<name>.url``)."""
         from mrl.cluster.engines import job_addresses, read_urls
 
-        if not r.engine_url_dir:
+        if not eng.url_dir:
             return []
         allowed = job_addresses()
         deadline = time.time() + 900
         while time.time() < deadline:
-            found = list(read_urls(r.engine_url_dir, allowed).values())
-            if len(found) >= r.num_engines:
-                return found[:r.num_engines]
+            found = list(read_urls(eng.url_dir, allowed).values())
+            if len(found) >= eng.count:
+                return found[:eng.count]
             time.sleep(2)
-        raise TimeoutError(f"rollout.engine_url_dir={r.engine_url_dir}: fewer than {r.num_engines} engines "
+        raise TimeoutError(f"engine.url_dir={eng.url_dir}: fewer than {eng.count} engines "
                            "announced themselves within 15 min")
 
     def take_batch(self, version: int) -> list[Group]:
@@ -271,5 +271,5 @@ class OtherRank(RankDuties):
 
 def restarts_engines(cfg: Config) -> bool:
     """Dead engines are replaced: the job started them (not attached by URL) and may restart some."""
-    r = cfg.rollout
-    return r.restart_engines > 0 and not (r.engine_urls or r.engine_url_dir)
+    eng = cfg.engine
+    return eng.max_restarts > 0 and not (eng.urls or eng.url_dir)

@@ -80,10 +80,10 @@ class NonFiniteSteps:
 
 
 def _keep_off_engine_cores(cfg: Config) -> None:
-    """CPU mode with ``rollout.cpus``: trainer ranks run on the other cores (if any are left)."""
-    r = cfg.rollout
-    if r.cpu_mode and r.cpus and not (r.engine_urls or r.engine_url_dir):
-        rest = sorted(os.sched_getaffinity(0) - set(r.cpus))
+    """CPU mode with ``engine.cpus``: trainer ranks run on the other cores (if any are left)."""
+    eng = cfg.engine
+    if eng.cpu_mode and eng.cpus and not (eng.urls or eng.url_dir):
+        rest = sorted(os.sched_getaffinity(0) - set(eng.cpus))
         if rest:
             os.sched_setaffinity(0, rest)
 
@@ -206,8 +206,8 @@ class Loop:
             padded_vocab=self.policy.padded_vocab, engines=engines, bucket_bytes=int(ws.bucket_mb * (1 << 20)),
             export_dir=ws.export_dir or os.path.join(self.cfg.run_dir, "weights"), config_src=self.hf_path,
             timeout_s=ws.timeout_s, group_prefix=broadcast_object(f"mrl-{os.urandom(4).hex()}"),
-            dtype=self.cfg.rollout.engine_dtype, master_address=ws.master_address,
-            fp8=self.cfg.rollout.quantization == "fp8", fp8_ignore=tuple(self.cfg.rollout.fp8_ignore))
+            dtype=self.cfg.engine.dtype, master_address=ws.master_address,
+            fp8=self.cfg.engine.quantization == "fp8", fp8_ignore=tuple(self.cfg.engine.fp8_ignore))
 
     def _adapter_channel(self, engines: list[EngineEndpoint]) -> AdapterChannel:
         """LoRA: versions go to the engines as adapters, over HTTP whatever ``weight_sync.transport`` (``disk``
@@ -217,7 +217,7 @@ class Loop:
             if ws.transport == WeightTransport.disk else None
         return AdapterChannel(self.policy, self.layout, engines, spec=lora_engine_spec(self.cfg),
                               timeout_s=ws.timeout_s, probe_timeout_s=ws.probe_timeout_s, export_dir=export_dir,
-                              dtype=getattr(torch, self.cfg.rollout.engine_dtype), on_loaded=self.duties.set_adapter)
+                              dtype=getattr(torch, self.cfg.engine.dtype), on_loaded=self.duties.set_adapter)
 
     def take_batch(self) -> tuple[RLBatch, float, dict]:
         """Rank 0 takes ``train.prompts_per_step`` groups within the staleness bound; every rank gets the samples
@@ -267,7 +267,7 @@ class Loop:
         """``weight_sync.verify``: every engine's logprobs of a fixed probe equal the trainer's, within
         ``weight_sync.verify_tol``, or the run stops naming them (``verify_engines``)."""
         ws = self.cfg.weight_sync
-        if not (ws.verify if ws.verify is not None else self.cfg.rollout.engine_dtype == "float32"):
+        if not (ws.verify if ws.verify is not None else self.cfg.engine.dtype == "float32"):
             return {}
         diffs, unreachable = verify_engines(self.policy.module, self.layout, self.syncer.engines,
                                             vocab_size=self.policy.bridge.vocab_size, tol=ws.verify_tol,

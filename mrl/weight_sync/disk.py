@@ -30,7 +30,7 @@ class DiskTransport(Transport):
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], export_dir: str | None, config_src: str, keep: int = 2,
                  fp8_dtype: torch.dtype | None = None, fp8_ignore: tuple[str, ...] = ()):
-        """``fp8_dtype``: the engines serve a block-FP8 checkpoint (``rollout.quantization=fp8``), so each export
+        """``fp8_dtype``: the engines serve a block-FP8 checkpoint (``engine.quantization=fp8``), so each export
         is one, its targets (but ``fp8_ignore``'s modules) cast to this dtype (the sync dtype) and quantized
         (``quantize_checkpoint``)."""
         self.model, self.layout, self.bridge, self.vp = model, layout, bridge, padded_vocab

@@ -65,9 +65,9 @@ class DistributedWeightSync:
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
                  master_address: str | None = None, group_prefix: str = "mrl", timeout_s: float = 300.0,
                  chunk_bytes: int = 0, fp8: bool = False, fp8_ignore: tuple[str, ...] = ()):
-        """``fp8``: the engines serve a block-FP8 checkpoint (``rollout.quantization=fp8``): its targets go as
+        """``fp8``: the engines serve a block-FP8 checkpoint (``engine.quantization=fp8``): its targets go as
         e4m3 weights with fp32 scales, quantized by the senders from ``dtype`` (``mrl.weight_sync.fp8``), but
-        the modules ``fp8_ignore`` keeps in high precision (``rollout.fp8_ignore``, as the export)."""
+        the modules ``fp8_ignore`` keeps in high precision (``engine.fp8_ignore``, as the export)."""
         self.layout, self.engines, self.dtype, self.timeout_s = layout, engines, dtype, timeout_s
         self.fp8, self.fp8_ignore = fp8, tuple(fp8_ignore)
         self.chunk_bytes = chunk_bytes  # shard transfers split into chunks of this size (copy_plan.build_steps)

@@ -73,7 +73,7 @@ class BucketQuantizer:
     def __init__(self, bucket: Bucket, staging: torch.Tensor, flat: torch.Tensor, dtype: str,
                  backend: str = "auto"):
         self.tensors = staged_bucket(bucket, dtype).tensors
-        # the plan says which targets go in FP8 (rollout.fp8_ignore keeps some in high precision): the
+        # the plan says which targets go in FP8 (engine.fp8_ignore keeps some in high precision): the
         # rule's targets it sends as they are are the ones this quantizer leaves alone
         planned = {e.name for e in bucket.tensors if e.dtype == FP8_DTYPE}
         self.ignored = tuple(t.name.removesuffix(".weight") for t in self.tensors

@@ -319,8 +319,8 @@ def make_transport(kind: WeightTransport, *, model: torch.nn.Module, layout: Lay
                    group_prefix: str = "mrl", fp8: bool = False, fp8_ignore: tuple[str, ...] = (),
                    **executor_kw) -> tuple[Transport, Transport]:
     """The configured transport and the disk transport that repairs it (the same object for disk). ``fp8``:
-    the engines serve block-FP8 weights (``rollout.quantization=fp8``), with ``fp8_ignore``'s modules in
-    high precision (``rollout.fp8_ignore``); every transport sends them so."""
+    the engines serve block-FP8 weights (``engine.quantization=fp8``), with ``fp8_ignore``'s modules in
+    high precision (``engine.fp8_ignore``); every transport sends them so."""
     disk = DiskTransport(model=model, layout=layout, bridge=bridge, padded_vocab=padded_vocab, engines=engines,
                          export_dir=export_dir, config_src=config_src, fp8_dtype=getattr(torch, dtype) if fp8 else None,
                          fp8_ignore=fp8_ignore)

@@ -2,7 +2,7 @@
 # FA3, SGLang's default attention backend on Hopper, for a network-less GPU host: sglang-kernel 0.4.4's
 # flash_ops library (1.8 GB, left out of fetch_parts.sh's bundle) xz-compressed into parts of PART_MB (default
 # 52). Send them into the same STASH as the bundle's parts; install_stack.sh puts the library in place
-# (FA3_SHA256=$(cat DIR/fa3.sha256) checks it) and engines started with rollout.attention_backend=fa3 can use it.
+# (FA3_SHA256=$(cat DIR/fa3.sha256) checks it) and engines started with engine.attention_backend=fa3 can use it.
 # Compressing takes minutes on a small machine.
 # Usage: scripts/gpu/fetch_fa3.sh DIR        -> DIR/fa3/fa3.aa, fa3.ab, ... and DIR/fa3.sha256
 set -euo pipefail

@@ -6,7 +6,7 @@
 # so leaving it off the path runs the local spec on the same host. DeepGEMM goes to TARGET/deepgemm, on no path
 # (engines that should use it get it prepended: bench/gpu_loop.py's "mrl_pythonpath" server arg).
 # FA3 (SGLang's default attention on Hopper, left out of the bundle for its size) is added when STASH also
-# holds the parts of fetch_fa3.sh (fa3.aa, fa3.ab, ...; their sha256 as FA3_SHA256): rollout.attention_backend=fa3 then works.
+# holds the parts of fetch_fa3.sh (fa3.aa, fa3.ab, ...; their sha256 as FA3_SHA256): engine.attention_backend=fa3 then works.
 # Usage: scripts/gpu/install_stack.sh STASH TARGET [SHA256]
 set -euo pipefail
 S=${1:?stash}; T=${2:?target}; want=${3:-}

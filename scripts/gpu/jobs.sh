@@ -4,9 +4,9 @@
 #   learn   mrl train (GRPO, model=tiny_gpu, bf16) with the trainer on the first GPU and a GPU engine on the
 #           second, weights synced into the live engine every step over NCCL (LEARN_ARGS: more overrides; one
 #           GPU shared by both needs a transport that can share it: weight_sync.transport=tensor (CUDA IPC)
-#           rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3); learn<x>: the same with LEARN_ARGS_learn<x>, in
-#           WORK/learn<x>, e.g. an FP8 run beside a bf16 one on one GPU each (LEARN_ARGS_learnfp8="rollout.quantization=fp8
-#           weight_sync.transport=tensor rollout.base_gpu_id=0 rollout.mem_fraction_static=0.3")
+#           engine.base_gpu_id=0 engine.mem_fraction_static=0.3); learn<x>: the same with LEARN_ARGS_learn<x>, in
+#           WORK/learn<x>, e.g. an FP8 run beside a bf16 one on one GPU each (LEARN_ARGS_learnfp8="engine.quantization=fp8
+#           weight_sync.transport=tensor engine.base_gpu_id=0 engine.mem_fraction_static=0.3")
 #   speed   bench/rl_step_vs_megatron.py once per ';'-separated argument list in SPEED_RUNS
 #           Issue 34's runs (2x H200, job speed=0,1,te; tp1 takes the first GPU): the Qwen3-30B-A3B 12-layer slice,
 #           CUTLASS grouped GEMM, mrl's fused-router replay off then on, 8 ABBA pairs a layout (--reps 4 --rounds 1;
@@ -32,7 +32,7 @@
 #           engine start variants "... --variant noprefill={"disable_prefill_cuda_graph":true}" (JSON without spaces)
 #   e2e*    bench/loop_e2e.py (the whole loop, `mrl train`, against its engine and trainer ceilings) on the job's
 #           GPUs, with the arguments in E2E_ARGS_<name> (e.g. E2E_ARGS_e2e4="--trainer-procs 2 --set parallel=ep2
-#           rollout.engine_tp=2"); output in WORK/<name>/
+#           engine.tp=2"); output in WORK/<name>/
 #   delivery bench/batch_delivery.py: a step's batch to the trainer ranks, whole and pickled vs each DP rank's share
 #   parity  tests/gpu/parity.sh: the megatron model vs transformers per layout (TE spec when "te" is given)
 #   fp8quant tests/gpu/fp8_quant.sh: the block-FP8 triton kernel against the torch path, bit for bit (one GPU)
@@ -63,7 +63,7 @@ job() {  # name gpus te
     case $name in
       learn*) args_var="LEARN_ARGS_$name"
               # shellcheck disable=SC2086
-              timeout "$TIMEOUT" python3 -m mrl train model=tiny_gpu rollout=gpu "model.dtype=${LEARN_DTYPE:-bf16}" \
+              timeout "$TIMEOUT" python3 -m mrl train model=tiny_gpu engine=gpu "model.dtype=${LEARN_DTYPE:-bf16}" \
                 "run_dir=$WORK/$name" train.steps="${LEARN_STEPS:-120}" ${!args_var:-${LEARN_ARGS:-}} ;;
       speed) i=0; IFS=';' read -ra runs <<< "${SPEED_RUNS:---shape bench490}"
              for args in "${runs[@]}"; do i=$((i + 1))

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
 FAULT = "fault injection (kill engine during sync"  # what tests.jobs.train_with_faults prints when it kills
 QUICK = ["train.sft_warmup_steps=0", "train.eval_every=0", "train.prompts_per_step=4"]
-N = 4  # rollout.n_samples_per_prompt of conf/rollout/cpu.yaml
+N = 4  # rollout.n_samples_per_prompt of conf/rollout/default.yaml
 
 pytestmark = pytest.mark.reliability
 
@@ -139,7 +139,7 @@ def test_engines_killed_mid_rollout_and_between_buckets_are_survived(tmp_path, r
     version, and rewards by length move the weights every step -- so engine logprobs equal to the
     trainer's at every step mean the survivor really holds the trainer's weights."""
     run = tmp_path / "kills"
-    proc = _start(run, "rollout.num_engines=3", "train.steps=6", "train.max_staleness=0", "rollout.restart_engines=0",
+    proc = _start(run, "engine.count=3", "train.steps=6", "train.max_staleness=0", "engine.max_restarts=0",
                   "weight_sync.bucket_mb=0.25", "weight_sync.timeout_s=60",
                   "reward.fn=tests.e2e.reward_fns.response_length", *QUICK, kill_during_sync="5:1:1")
     t_kill, killed_at = _kill_engine_at_step_2(proc, run, "engine2")
@@ -204,7 +204,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     ranks, the rollout process and the engines, replacements included, which run in sessions of their
     own, so the launcher must end them itself."""
     run = tmp_path / "restart"
-    proc = _start(run, "rollout.num_engines=2", "train.steps=400", "train.max_staleness=0",
+    proc = _start(run, "engine.count=2", "train.steps=400", "train.max_staleness=0",
                   "weight_sync.probe_timeout_s=5", "reward.fn=tests.e2e.reward_fns.response_length", *QUICK)
     t_kill, killed_at = _kill_engine_at_step_2(proc, run, "engine1")
 

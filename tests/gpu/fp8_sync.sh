@@ -8,7 +8,7 @@
 # only: on Blackwell SGLang requantizes block scales for DeepGEMM at load, which a weight update does not
 # redo (docs/fp8.md). Needs the whole GPU stack (SGLang's GPU kernels): scripts/gpu/install_stack.sh.
 #   bash tests/gpu/fp8_sync.sh [OUT_DIR]        -> OUT_DIR/fp8_sync.json, OUT_DIR/run/engines/*.log
-#   FP8_IGNORE="model.layers.0" bash tests/gpu/fp8_sync.sh ...   (rollout.fp8_ignore: those modules stay bf16)
+#   FP8_IGNORE="model.layers.0" bash tests/gpu/fp8_sync.sh ...   (engine.fp8_ignore: those modules stay bf16)
 set -uo pipefail
 OUT=${1:-${OUT:-runs/gpu_fp8_sync}}
 mkdir -p "$OUT"

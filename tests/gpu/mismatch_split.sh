@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The engine-vs-trainer mismatch split by cause (mismatch/* metrics, docs/keep_routing.md) on 2 GPUs in bf16:
-# `mrl train model=tiny_gpu rollout=gpu` in overlap mode, trainer on GPU 0 and one engine on GPU 1, weights
+# `mrl train model=tiny_gpu engine=gpu` in overlap mode, trainer on GPU 0 and one engine on GPU 1, weights
 # synced every step over NCCL, twice:
 #   launched  the engine mrl starts itself (with its engine patches: compact routes, replayed loads)
-#   attached  a plain `python -m sglang.launch_server` started here and attached through rollout.engine_urls
+#   attached  a plain `python -m sglang.launch_server` started here and attached through engine.urls
 #             (no patch of mrl's: int32 routes, SGLang's own weight loading)
 # Prints each run's medians over its steps -- numerics (lag-0 tokens, replay on), routing (replay off minus
 # on), staleness (older tokens, with the correction weights) -- and writes OUT_DIR/mismatch_split.json.
@@ -21,7 +21,7 @@ python3 -c "import torch, sglang, megatron.core as m; from mrl._compat.te import
 M=/tmp/mrl_models/tiny_gpu
 [ -f $M/config.json ] || python3 -m mrl make-tiny-model $M --preset tiny_gpu >/dev/null || exit 1
 # overlap mode is the preset's default (conf/train/default.yaml); said here because it is the point
-COMMON=(model=tiny_gpu "model.hf_path=$M" rollout=gpu train.mode=overlap "train.steps=$STEPS" train.eval_every=0)
+COMMON=(model=tiny_gpu "model.hf_path=$M" engine=gpu train.mode=overlap "train.steps=$STEPS" train.eval_every=0)
 fails=0
 
 # 1. the engine mrl launches: GPU 1, after the trainer rank's GPU 0
@@ -49,7 +49,7 @@ for _ in $(seq 1 120); do  # 10 minutes at most
 done
 if [ $up = 1 ]; then
   # shellcheck disable=SC2086
-  timeout "$LIMIT" python3 -m mrl train "${COMMON[@]}" "run_dir=$OUT/attached" "rollout.engine_urls=[http://127.0.0.1:$PORT]" \
+  timeout "$LIMIT" python3 -m mrl train "${COMMON[@]}" "run_dir=$OUT/attached" "engine.urls=[http://127.0.0.1:$PORT]" \
     ${EXTRA:-} > "$OUT/attached.log" 2>&1 || { fails=$((fails+1)); echo "FAIL attached"; tail -20 "$OUT/attached.log"; }
 else
   fails=$((fails+1)); echo "FAIL attached: the plain SGLang server did not come up"; tail -20 "$OUT/plain_server.log"

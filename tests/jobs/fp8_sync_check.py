@@ -3,7 +3,7 @@
     CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node 1 -m tests.jobs.fp8_sync_check \\
         --hf MODEL --run-dir DIR --out DIR/fp8_sync.json
 
-Trainer (megatron, bf16, TP1) on GPU 0; an engine on GPU 1 started as ``rollout.quantization=fp8`` starts
+Trainer (megatron, bf16, TP1) on GPU 0; an engine on GPU 1 started as ``engine.quantization=fp8`` starts
 one: from the run's block-FP8 export (``mrl.engine.fp8_model``) with ``--quantization fp8 --dtype bfloat16``
 (``--engine-gpu 0 --transport tensor``: both on one GPU, the sync over CUDA IPC).
 The trainer's weights are perturbed (so the sync has something to change), synced over NCCL (or IPC) as FP8
@@ -87,7 +87,7 @@ def main() -> int:
                     help="tensor: CUDA IPC into an engine on the trainer's GPU (--engine-gpu 0: one GPU)")
     ap.add_argument("--probe-tol", type=float, default=0.1, help="max |logprob diff| vs the dequantized trainer")
     ap.add_argument("--fp8-ignore", nargs="*", default=[], metavar="MODULE",
-                    help="rollout.fp8_ignore: modules the export and the sync keep in bf16")
+                    help="engine.fp8_ignore: modules the export and the sync keep in bf16")
     a = ap.parse_args()
     os.makedirs(a.run_dir, exist_ok=True)
     ensure_run_secrets(a.run_dir)

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"model.lora.targets=[{a.targets}]", f"model.lora.init_from={a.adapter}", "algo.lr=1e-3",
                    "train.micro_batch_size=4", "train.steps=10",
                    # no engine here; expert adapters are served by GPU engines only (refused for CPU ones)
-                   "rollout=gpu", "rollout.engine_dtype=bfloat16", *a.overrides])
+                   "engine=gpu", "engine.dtype=bfloat16", *a.overrides])
     layout = init_parallel(cfg.parallel, seed=cfg.seed)
     policy = Policy(cfg, layout, a.hf)
     rep: dict = {"layout": a.overrides}

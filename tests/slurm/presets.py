@@ -3,18 +3,18 @@
 Paths are fixed (/shared/...) so the rendering is the same on every machine.
 """
 
-GPU_RUN = ["model=qwen3_30b_a3b", "model.hf_path=/shared/models/Qwen3-30B-A3B", "parallel=tp4_ep8", "rollout=gpu_tp8"]
+GPU_RUN = ["model=qwen3_30b_a3b", "model.hf_path=/shared/models/Qwen3-30B-A3B", "parallel=tp4_ep8", "engine=gpu_tp8"]
 IMAGE = "/shared/containers/mrl-0.1.0"
 
 PRESETS: dict[str, list[str]] = {
     # the CPU test cluster: one node, engines started by the trainer
     "slurm_cpu": ["cluster=slurm_cpu", "model=tiny", "model.hf_path=/shared/models/tiny", "parallel=tp1",
-                  "rollout=cpu", "cluster.python=/shared/venvs/mrl/bin/python"],
+                  "engine=cpu", "cluster.python=/shared/venvs/mrl/bin/python"],
     # GPU: 1 engine node + 1 trainer node
     "slurm": ["cluster=slurm", *GPU_RUN, "cluster.python=/shared/venvs/mrl/bin/python", "cluster.partition=batch"],
     # 4 nodes: 2 engine nodes (1 TP8 engine each) + 2 trainer nodes (16 ranks), with the extras rendered
     "slurm_2x2": ["cluster=slurm", *GPU_RUN, "cluster.num_rollout_nodes=2", "cluster.num_train_nodes=2",
-                  "rollout.num_engines=2", "cluster.python=/shared/venvs/mrl/bin/python", "cluster.partition=batch",
+                  "engine.count=2", "cluster.python=/shared/venvs/mrl/bin/python", "cluster.partition=batch",
                   "cluster.account=rl", "cluster.qos=high", "cluster.time=24:00:00",
                   "cluster.sbatch_args=['--constraint=h100','--mem=0']", "cluster.srun_args=['--cpu-bind=none']",
                   "+cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=1", "+cluster.env.NCCL_DEBUG=WARN",

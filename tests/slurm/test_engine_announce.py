@@ -1,4 +1,4 @@
-"""`mrl engine` with rollout.engine_url_dir: every engine announced as <dir>/<host>-engine<i>.url once healthy
+"""`mrl engine` with engine.url_dir: every engine announced as <dir>/<host>-engine<i>.url once healthy
 (URL naming this host, server on all interfaces), withdrawn on stop. SGLang replaced by a fake Engine."""
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def serve_until_urls(monkeypatch, tmp_path, overrides: list[str], want: int) -> 
 
 def test_engines_announce_and_withdraw(monkeypatch, tmp_path):
     monkeypatch.setenv("MRL_ENGINE_HOST", "node7")
-    seen = serve_until_urls(monkeypatch, tmp_path, [f"rollout.engine_url_dir={tmp_path}/engines",
-                                                    "rollout.num_engines=2"], want=2)
+    seen = serve_until_urls(monkeypatch, tmp_path, [f"engine.url_dir={tmp_path}/engines",
+                                                    "engine.count=2"], want=2)
     host = socket.gethostname()
     assert seen == {f"{host}-engine0": "http://node7:31000", f"{host}-engine1": "http://node7:31001"}
     # bound to this node's own interface (MRL_ENGINE_HOST here), never 0.0.0.0: reachable from the job only

@@ -15,7 +15,7 @@ from tests.slurm.fake_slurm import install_fakes
 from tests.slurm.presets import GPU_RUN
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# rank 0 waits for every engine announcement (as the trainer attaching through rollout.engine_url_dir does)
+# rank 0 waits for every engine announcement (as the trainer attaching through engine.url_dir does)
 TRAINER = r'''
 echo "trainer host=$FAKE_HOST rank=$PET_NODE_RANK/$PET_NNODES nproc=$PET_NPROC_PER_NODE" \
   "master=$PET_MASTER_ADDR:$PET_MASTER_PORT"
@@ -44,7 +44,7 @@ def run_job(tmp_path, overrides: list[str], *, slurm_env: dict, env: dict | None
 
 def test_two_engine_nodes_two_trainer_nodes(tmp_path):
     p, run, fake, steps = run_job(tmp_path, ["cluster=slurm", *GPU_RUN, "cluster.num_rollout_nodes=2",
-                                             "cluster.num_train_nodes=2", "rollout.num_engines=2"],
+                                             "cluster.num_train_nodes=2", "engine.count=2"],
                                   slurm_env={"SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_NUM_NODES": "4"})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out

@@ -19,7 +19,7 @@ STEPS = 12
 EXPECTED_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png",
                     f"checkpoints/step_{STEPS}/loop_state.json")
 # RL steps with a real CPU engine started by the trainer (num_rollout_nodes=0 in slurm_cpu)
-TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "rollout=cpu", "train.steps=2",
+TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "engine=cpu", "train.steps=2",
             "train.prompts_per_step=4", "train.eval_every=0"]
 
 

@@ -52,7 +52,7 @@ def test_engine_node_and_trainer_node_train_sync_and_survive_a_killed_engine(two
     run = tmp_path / "run"
     model = make_tiny_model(str(tmp_path / "model"))  # on the shared file system, before any node reads it
     p = mrl_launch(two_nodes, ["cluster=slurm_cpu", "cluster.num_rollout_nodes=1", "model=tiny", "parallel=tp1",
-                               "rollout=cpu", "rollout.num_engines=2", f"model.hf_path={model}", f"run_dir={run}",
+                               "engine=cpu", "engine.count=2", f"model.hf_path={model}", f"run_dir={run}",
                                "train.steps=5", "train.max_staleness=0",
                                "reward.fn=tests.e2e.reward_fns.response_length", *QUICK])
     assert p.returncode == 0, p.stdout + p.stderr

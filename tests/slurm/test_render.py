@@ -85,13 +85,13 @@ def test_no_usr1_without_signal_seconds():
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["rollout.num_engines=3", "cluster.num_rollout_nodes=2"], r"rollout\.num_engines=3 must be a multiple of "
-                                                                r"cluster\.num_rollout_nodes=2"),
+    (["engine.count=3", "cluster.num_rollout_nodes=2"], r"engine\.count=3 must be a multiple of "
+                                                        r"cluster\.num_rollout_nodes=2"),
     (["cluster.nproc_per_node=6"], r"parallel\.tp/pp/cp.*cluster\.num_train_nodes \* cluster\.nproc_per_node"),
-    (["rollout.num_engines=2"], r"2 engines per node x rollout\.engine_tp=8 GPUs do not fit 8"),
+    (["engine.count=2"], r"2 engines per node x engine\.tp=8 GPUs do not fit 8"),
     (["cluster.kind=local"], r"cluster\.kind=local: mrl launch submits Slurm jobs"),
     (["cluster.nproc_per_node=16", "cluster.gpus_per_node=8"], r"cluster\.nproc_per_node=16 exceeds"),
-    (["rollout.engine_urls=[http://h:1]"], r"rollout\.engine_urls"),
+    (["engine.urls=[http://h:1]"], r"engine\.urls"),
 ])
 def test_layout_errors_name_the_fields(extra, match):
     cfg = launch.compose([*overrides("slurm"), *extra])
@@ -131,10 +131,10 @@ def test_run_dir_loads_the_composed_config_on_the_nodes(tmp_path):
     assert load_resolved(str(tmp_path / "config.yaml")) == cfg
     register()
     with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
-        node = to_config(compose(config_name="job", overrides=[f"rollout.engine_url_dir={tmp_path}/engines",
-                                                                "rollout.num_engines=2"]))
+        node = to_config(compose(config_name="job", overrides=[f"engine.url_dir={tmp_path}/engines",
+                                                                "engine.count=2"]))
     assert node.rollout.max_new_tokens == 7 and node.seed == 5 and node.run_dir == str(tmp_path)
-    assert node.rollout.engine_url_dir == f"{tmp_path}/engines" and node.rollout.num_engines == 2
+    assert node.engine.url_dir == f"{tmp_path}/engines" and node.engine.count == 2
 
 
 def test_secrets_are_never_rendered(monkeypatch, tmp_path):

@@ -117,13 +117,13 @@ def test_lora_experiment_composes():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["rollout.lora_max_rank=4"], r"^model\.lora\.rank: 8 > rollout\.lora_max_rank 4"),
+    (["engine.lora_max_rank=4"], r"^model\.lora\.rank: 8 > engine\.lora_max_rank 4"),
     (["model.lora.targets=[attention,experts]"], r"^model\.lora\.targets: .*on CPU engines"),
     (["model.lora.targets=[dense_mlp]"], r"^model\.lora\.targets: .*on CPU engines"),
     (["model.lora.targets=[attention,router]"], r"^model\.lora\.targets: 'router'"),
-    (["rollout.engine_dp=2"], r"^rollout\.engine_dp: SGLang loads adapters only"),
-    (["+rollout.server_args.max_lora_rank=16"], r"^rollout\.server_args: \['max_lora_rank'\] are set by mrl"),
-    (["+rollout.server_args.max_loaded_loras=2"], r"^rollout\.server_args\.max_loaded_loras"),
+    (["engine.dp=2"], r"^engine\.dp: SGLang loads adapters only"),
+    (["+engine.server_args.max_lora_rank=16"], r"^engine\.server_args: \['max_lora_rank'\] are set by mrl"),
+    (["+engine.server_args.max_loaded_loras=2"], r"^engine\.server_args\.max_loaded_loras"),
 ])
 def test_lora_engine_refusals_at_config_load(overrides, message):
     """What the engines could not serve is refused when the config loads (``Config.__post_init__``), naming
@@ -144,7 +144,7 @@ def test_lora_engine_checks_at_load_of_resolved_config(tmp_path):
 
 def test_expert_lora_accepted_for_gpu_engines():
     """GPU engines serve expert adapters (SGLang's Triton MoE runner): the same targets pass there."""
-    cfg = compose(["model.lora.rank=8", "model.lora.targets=[attention,experts]", "rollout=gpu", "model.dtype=bf16"])
+    cfg = compose(["model.lora.rank=8", "model.lora.targets=[attention,experts]", "engine=gpu", "model.dtype=bf16"])
     assert cfg.model.lora.hf_target_modules[-3:] == ["gate_proj", "up_proj", "down_proj"]
 
 
@@ -190,10 +190,10 @@ def test_residual_add_fused_only_when_there_is_something_to_fuse(tmp_path):
 def test_trainer_compile_cache_follows_the_engines_unless_set(tmp_path):
     from mrl.compile_cache import cache_env
 
-    assert compose([f"rollout.compile_cache_dir={tmp_path}/shared"]).train.compile_cache_dir == f"{tmp_path}/shared"
+    assert compose([f"engine.compile_cache_dir={tmp_path}/shared"]).train.compile_cache_dir == f"{tmp_path}/shared"
     apart = compose([f"train.compile_cache_dir={tmp_path}/t"])
     assert apart.train.compile_cache_dir == f"{tmp_path}/t"
-    assert apart.rollout.compile_cache_dir == "~/.cache/mrl/compile"
+    assert apart.engine.compile_cache_dir == "~/.cache/mrl/compile"
     assert compose(["train.compile_cache_dir=null"]).train.compile_cache_dir is None and cache_env(None) == {}
     assert cache_env(f"{tmp_path}/t") == {"TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/t/inductor",
                                           "TRITON_CACHE_DIR": f"{tmp_path}/t/triton"}

@@ -78,7 +78,7 @@ def test_engine_command_names_the_file_never_the_keys(tmp_path):
     assert f"--config {s.path}" in cmd and s.api_key not in cmd and s.admin_api_key not in cmd
     assert s.api_key not in repr(e) and e.host == "127.0.0.1"  # loopback unless told otherwise
     for k in ("api_key", "admin_api_key", "config"):
-        with pytest.raises(ValueError, match="rollout.server_args"):
+        with pytest.raises(ValueError, match="engine.server_args"):
             Engine(model_path="/m", port=1, server_args={k: "x"})
 
 

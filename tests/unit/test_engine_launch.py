@@ -37,9 +37,9 @@ def test_gpu_decode_graphs_sized_to_the_running_requests():
     assert "--cuda-graph-max-bs-decode" not in Engine(model_path="/m", port=1).command()  # CPU: no graphs
 
 
-@pytest.mark.parametrize("kw,field", [(dict(ep=2), "rollout.engine_ep"),
-                                      (dict(memory_saver=True), "rollout.memory_saver"),
-                                      (dict(dp=2, cpu_mode=False), "rollout.engine_dp")])
+@pytest.mark.parametrize("kw,field", [(dict(ep=2), "engine.ep"),
+                                      (dict(memory_saver=True), "engine.memory_saver"),
+                                      (dict(dp=2, cpu_mode=False), "engine.dp")])
 def test_invalid_engine_layouts_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         Engine(model_path="/m", **kw)
@@ -56,7 +56,7 @@ def test_cpu_env_builds_the_stub_and_splits_cores(tmp_path, monkeypatch):
     assert cpu_mode.cpu_env(1, base={}, batched_attention=False)["MRL_CPU_BATCHED_ATTENTION"] == "0"
     one = cpu_mode.cpu_env(1, base={}, cpus=[1])
     assert one["SGLANG_CPU_OMP_THREADS_BIND"] == "1" and "SGLANG_NCCL_SO_PATH" not in one
-    # all cores by default; rollout.cpu_threads sizes each rank's pool instead
+    # all cores by default; engine.cpu_threads sizes each rank's pool instead
     assert cpu_mode.cpu_env(1, base={}, cpus=[0, 1])["OMP_NUM_THREADS"] == "2"
     small = cpu_mode.cpu_env(1, base={}, cpus=[0, 1], threads=1)
     assert small["OMP_NUM_THREADS"] == "1" and small["SGLANG_CPU_OMP_THREADS_BIND"] == "0"
@@ -67,22 +67,22 @@ def test_cpu_engines_get_the_configured_thread_count(tmp_path, monkeypatch):
     from mrl.engine.launcher import engines_from_config
 
     monkeypatch.setenv("MRL_CPU_STUB_DIR", str(tmp_path))
-    cfg = compose([])  # the default run: conf/rollout/cpu.yaml
-    assert cfg.rollout.cpu_threads == 1
-    (eng,) = engines_from_config(cfg.rollout, "/m", log_dir=str(tmp_path))
+    cfg = compose([])  # the default run: conf/engine/cpu.yaml
+    assert cfg.engine.cpu_threads == 1
+    (eng,) = engines_from_config(cfg.engine, "/m", log_dir=str(tmp_path))
     assert eng.cpu_threads == 1
     assert cpu_mode.cpu_env(1, base={}, threads=eng.cpu_threads)["OMP_NUM_THREADS"] == "1"
     # no per-request access log: the engine's output is pumped through trainer rank 0's process
     cmd = eng.command()
     assert cmd[cmd.index("--log-level-http") + 1] == "warning"
-    with pytest.raises(Exception, match="rollout.cpu_threads"):
-        compose(["rollout.cpu_threads=0"])
+    with pytest.raises(Exception, match="engine.cpu_threads"):
+        compose(["engine.cpu_threads=0"])
 
 
-def _rollout(**kw):
+def _gpu_engines(**kw):
     from mrl.config.load import compose
 
-    overrides = ["rollout=gpu", "model.dtype=bf16"] + [f"rollout.{k}={v}" for k, v in kw.items()]
+    overrides = ["engine=gpu", "model.dtype=bf16"] + [f"engine.{k}={v}" for k, v in kw.items()]
     return compose(overrides)
 
 
@@ -93,8 +93,8 @@ def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path
 
     monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two trainer ranks on this node: GPUs 0 and 1
-    cfg = _rollout(num_engines=2, engine_tp=2, mem_fraction_static=0.6)
-    engines = engines_from_config(cfg.rollout, "/m", log_dir=str(tmp_path))
+    cfg = _gpu_engines(count=2, tp=2, mem_fraction_static=0.6)
+    engines = engines_from_config(cfg.engine, "/m", log_dir=str(tmp_path))
     cmds = [e.command() for e in engines]
     assert [c[c.index("--base-gpu-id") + 1] for c in cmds] == ["2", "4"]
     for c in cmds:
@@ -103,15 +103,15 @@ def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path
         assert c[c.index("--dtype") + 1] == "bfloat16"  # the trainer's model.dtype
         assert "--sampling-backend" not in c
     monkeypatch.setattr(gpu_mode, "has_fa3", lambda: True)  # FA3 installed: still triton unless asked for
-    fixed = engines_from_config(_rollout(base_gpu_id=1).rollout, "/m", log_dir=str(tmp_path))[0].command()
+    fixed = engines_from_config(_gpu_engines(base_gpu_id=1).engine, "/m", log_dir=str(tmp_path))[0].command()
     assert fixed[fixed.index("--base-gpu-id") + 1] == "1" and fixed[fixed.index("--attention-backend") + 1] == "triton"
-    asked = engines_from_config(_rollout(attention_backend="fa3").rollout, "/m", log_dir=str(tmp_path))[0]
+    asked = engines_from_config(_gpu_engines(attention_backend="fa3").engine, "/m", log_dir=str(tmp_path))[0]
     assert asked.command()[asked.command().index("--attention-backend") + 1] == "fa3"
     assert asked.command().count("--disable-prefill-cuda-graph") == 1  # FA3 faults capturing prefill graphs
     assert "--disable-prefill-cuda-graph" not in fixed
-    own = compose(["rollout=gpu", "model.dtype=bf16", "rollout.attention_backend=fa3",
-                   "+rollout.server_args.cuda_graph_backend_prefill=tc_piecewise"])
-    own_cmd = engines_from_config(own.rollout, "/m", log_dir=str(tmp_path))[0].command()
+    own = compose(["engine=gpu", "model.dtype=bf16", "engine.attention_backend=fa3",
+                   "+engine.server_args.cuda_graph_backend_prefill=tc_piecewise"])
+    own_cmd = engines_from_config(own.engine, "/m", log_dir=str(tmp_path))[0].command()
     assert "--disable-prefill-cuda-graph" not in own_cmd  # the user's prefill graph choice stands
     assert own_cmd[own_cmd.index("--cuda-graph-backend-prefill") + 1] == "tc_piecewise"
     monkeypatch.setattr(gpu_mode, "has_fa3", lambda: False)
@@ -122,14 +122,14 @@ def test_gpu_engines_take_the_gpus_after_the_trainer_ranks(monkeypatch, tmp_path
 def test_gpu_engines_sample_with_the_backend_the_mask_rebuilds():
     from mrl.config.load import compose
 
-    gpu = ["rollout=gpu", "model.dtype=bf16"]
-    assert compose(gpu + ["train.sampling_mask=true"]).rollout.sampling_backend == "pytorch"
-    assert compose(gpu).rollout.sampling_backend is None
-    with pytest.raises(ValueError, match="rollout.sampling_backend"):
-        compose(gpu + ["train.sampling_mask=true", "rollout.sampling_backend=flashinfer"])
-    with pytest.raises(ValueError, match="rollout.engine_dtype"):
-        compose(["rollout.engine_dtype=bfloat16"])  # CPU mode: float32 only
-    assert compose([]).rollout.engine_dtype == "float32"
+    gpu = ["engine=gpu", "model.dtype=bf16"]
+    assert compose(gpu + ["train.sampling_mask=true"]).engine.sampling_backend == "pytorch"
+    assert compose(gpu).engine.sampling_backend is None
+    with pytest.raises(ValueError, match="engine.sampling_backend"):
+        compose(gpu + ["train.sampling_mask=true", "engine.sampling_backend=flashinfer"])
+    with pytest.raises(ValueError, match="engine.dtype"):
+        compose(["engine.dtype=bfloat16"])  # CPU mode: float32 only
+    assert compose([]).engine.dtype == "float32"
 
 
 def test_gpu_engine_without_sglang_kernels_names_what_is_missing(monkeypatch, tmp_path):
@@ -160,21 +160,21 @@ def test_gpu_stack_check_on_this_cpu_host_says_there_is_no_gpu():
 def test_gpu_engines_refuse_float32():
     from mrl.config.load import compose
 
-    with pytest.raises(ValueError, match="rollout.engine_dtype.*bfloat16 or float16"):
-        compose(["rollout=gpu"])  # model.dtype fp32 (the tiny preset's) would make a float32 GPU engine
-    mixed = compose(["rollout=gpu", "model.dtype=fp32", "rollout.engine_dtype=bfloat16"])
-    assert mixed.rollout.engine_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="engine.dtype.*bfloat16 or float16"):
+        compose(["engine=gpu"])  # model.dtype fp32 (the tiny preset's) would make a float32 GPU engine
+    mixed = compose(["engine=gpu", "model.dtype=fp32", "engine.dtype=bfloat16"])
+    assert mixed.engine.dtype == "bfloat16"
 
 
 def test_gpu_engine_on_a_trainer_gpu_needs_a_transport_that_can_share_it():
     from mrl.config.load import compose
 
-    gpu = ["rollout=gpu", "model.dtype=bf16", "parallel.world_size=2"]
-    with pytest.raises(ValueError, match=r"rollout.base_gpu_id.*NCCL cannot join two ranks of one GPU"):
-        compose(gpu + ["rollout.base_gpu_id=1"])
-    assert compose(gpu + ["rollout.base_gpu_id=2"]).rollout.base_gpu_id == 2  # GPUs of its own
-    assert compose(gpu + ["rollout.base_gpu_id=0", "weight_sync.transport=disk"]).rollout.base_gpu_id == 0
-    assert compose(gpu).rollout.base_gpu_id is None  # null: the GPUs after the trainer's
+    gpu = ["engine=gpu", "model.dtype=bf16", "parallel.world_size=2"]
+    with pytest.raises(ValueError, match=r"engine.base_gpu_id.*NCCL cannot join two ranks of one GPU"):
+        compose(gpu + ["engine.base_gpu_id=1"])
+    assert compose(gpu + ["engine.base_gpu_id=2"]).engine.base_gpu_id == 2  # GPUs of its own
+    assert compose(gpu + ["engine.base_gpu_id=0", "weight_sync.transport=disk"]).engine.base_gpu_id == 0
+    assert compose(gpu).engine.base_gpu_id is None  # null: the GPUs after the trainer's
 
 
 _GC_PROBE = """
@@ -207,7 +207,7 @@ def test_gpu_engines_keep_their_compile_caches_where_the_next_run_finds_them(tmp
     from mrl.engine import gpu_mode
     from mrl.engine.launcher import engines_from_config
 
-    engine = engines_from_config(_rollout(compile_cache_dir=str(tmp_path / "cc")).rollout, "/m",
+    engine = engines_from_config(_gpu_engines(compile_cache_dir=str(tmp_path / "cc")).engine, "/m",
                                  log_dir=str(tmp_path))[0]
     env = gpu_mode.gpu_env(base={}, compile_cache_dir=engine.compile_cache_dir)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc" / "inductor")
@@ -217,4 +217,4 @@ def test_gpu_engines_keep_their_compile_caches_where_the_next_run_finds_them(tmp
     mine = gpu_mode.gpu_env(base={"TORCHINDUCTOR_CACHE_DIR": "/mine"}, compile_cache_dir="/shared")
     assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/mine" and mine["TRITON_CACHE_DIR"] == "/shared/triton"
     assert not {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"} & set(gpu_mode.gpu_env(base={}))
-    assert _rollout().rollout.compile_cache_dir == "~/.cache/mrl/compile"  # on by default
+    assert _gpu_engines().engine.compile_cache_dir == "~/.cache/mrl/compile"  # on by default

@@ -72,7 +72,7 @@ def test_job_engines_start_from_the_export(ckpt_dir, tmp_path, monkeypatch, coun
 
     monkeypatch.setattr(launcher.Engine, "start", lambda self: self)
     run = tmp_path / "run"
-    cfg = compose(["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "rollout.num_engines=2",
+    cfg = compose(["engine=gpu", "model.dtype=bf16", "engine.quantization=fp8", "engine.count=2",
                    f"model.hf_path={ckpt_dir['tiny_gpu']}", f"run_dir={run}"])
     engines = launcher.start_job_engines(cfg)
     for e in engines:
@@ -81,6 +81,6 @@ def test_job_engines_start_from_the_export(ckpt_dir, tmp_path, monkeypatch, coun
         assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
     launcher.start_job_engines(cfg)  # a second start of the run (resume)
     assert len(counted) == 1
-    plain = compose(["rollout=gpu", "model.dtype=bf16", f"model.hf_path={ckpt_dir['tiny_gpu']}", f"run_dir={run}"])
+    plain = compose(["engine=gpu", "model.dtype=bf16", f"model.hf_path={ckpt_dir['tiny_gpu']}", f"run_dir={run}"])
     (e,) = launcher.start_job_engines(plain)
     assert e.model_path == ckpt_dir["tiny_gpu"] and "--quantization" not in e.command()

@@ -1,4 +1,4 @@
-"""``rollout.fp8_ignore``: modules kept in high precision by FP8 engines. The run's export, the copy plan's
+"""``engine.fp8_ignore``: modules kept in high precision by FP8 engines. The run's export, the copy plan's
 FP8 buckets, the CUDA IPC and disk transports all follow the list, and each of them equals ``mrl export-fp8
 --ignore`` of the same weights, byte for byte; the config, the preflight and the export refuse what SGLang
 could not load."""
@@ -118,10 +118,10 @@ def test_the_runs_export_follows_the_list(ckpt_dir, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout=gpu", "model.dtype=bf16", "rollout.fp8_ignore=[self_attn]"],
-     r"rollout.fp8_ignore: =\['self_attn'\] keeps modules out of FP8, but rollout.quantization=None"),
-    (["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "rollout.fp8_ignore=['model.layers 0']"],
-     r"rollout.fp8_ignore: entries must be dotted module paths"),
+    (["engine=gpu", "model.dtype=bf16", "engine.fp8_ignore=[self_attn]"],
+     r"engine.fp8_ignore: =\['self_attn'\] keeps modules out of FP8, but engine.quantization=None"),
+    (["engine=gpu", "model.dtype=bf16", "engine.quantization=fp8", "engine.fp8_ignore=['model.layers 0']"],
+     r"engine.fp8_ignore: entries must be dotted module paths"),
 ])
 def test_the_config_refuses_a_list_it_cannot_use(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -131,11 +131,11 @@ def test_the_config_refuses_a_list_it_cannot_use(overrides, message):
 def test_preflight_refuses_a_list_that_splits_a_fused_layer(ckpt_dir):
     from mrl.preflight import check_fp8_shapes
 
-    base = ["rollout=gpu", "model.dtype=bf16", "rollout.quantization=fp8", "model.make_tiny_if_missing=false",
+    base = ["engine=gpu", "model.dtype=bf16", "engine.quantization=fp8", "model.make_tiny_if_missing=false",
             f"model.hf_path={ckpt_dir['tiny_gpu']}"]
-    assert check_fp8_shapes(compose([*base, "rollout.fp8_ignore=[model.layers.0,self_attn]"]), "local") is None
-    msg = check_fp8_shapes(compose([*base, "rollout.fp8_ignore=[model.layers.0.self_attn.q_proj]"]), "local")
-    assert msg.startswith("rollout.fp8_ignore=['model.layers.0.self_attn.q_proj']: model.layers.0.self_attn.qkv_proj")
+    assert check_fp8_shapes(compose([*base, "engine.fp8_ignore=[model.layers.0,self_attn]"]), "local") is None
+    msg = check_fp8_shapes(compose([*base, "engine.fp8_ignore=[model.layers.0.self_attn.q_proj]"]), "local")
+    assert msg.startswith("engine.fp8_ignore=['model.layers.0.self_attn.q_proj']: model.layers.0.self_attn.qkv_proj")
     assert "ignore all of it or none" in msg
-    msg = check_fp8_shapes(compose([*base, "rollout.fp8_ignore=[model.layers.1.mlp.experts.3]"]), "local")
+    msg = check_fp8_shapes(compose([*base, "engine.fp8_ignore=[model.layers.1.mlp.experts.3]"]), "local")
     assert "model.layers.1.mlp.experts" in msg

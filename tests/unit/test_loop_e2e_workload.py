@@ -45,9 +45,9 @@ def test_prompts_have_their_drawn_lengths_and_budgets(tmp_path):
 
 
 def test_gpu_overrides_compose(tmp_path):
-    a = _args(cpu=False, trainer_procs=2, set=["parallel=ep2", "rollout.engine_tp=2"])
+    a = _args(cpu=False, trainer_procs=2, set=["parallel=ep2", "engine.tp=2"])
     cfg = compose(loop_e2e.overrides(a, "/m", "/p.jsonl", str(tmp_path / "run"), steps=22))
-    assert (cfg.rollout.cpu_mode, cfg.rollout.base_gpu_id, cfg.rollout.engine_tp, cfg.parallel.ep) == (False, 2, 2, 2)
+    assert (cfg.engine.cpu_mode, cfg.engine.base_gpu_id, cfg.engine.tp, cfg.parallel.ep) == (False, 2, 2, 2)
     assert (cfg.train.steps, cfg.train.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (22, 4, 8)
     assert cfg.rollout.ignore_eos and cfg.train.mode.value == "overlap" and cfg.weight_sync.every_n_steps == 1
 
@@ -90,6 +90,6 @@ def test_the_full_depth_model_is_written_tensor_by_tensor(tmp_path):
     assert bridge.hf_config.num_experts == 64 and bridge.num_layers == 2
     assert "qwen3_30b_a3b" in _bench_common.RANDOM_SHAPES
     # the full depth's preset composes into the 8-GPU layout the loop bench asks of mrl train
-    a = _args(cpu=False, trainer_procs=4, set=["parallel=ep4", "rollout.num_engines=2", "rollout.engine_tp=2"])
+    a = _args(cpu=False, trainer_procs=4, set=["parallel=ep4", "engine.count=2", "engine.tp=2"])
     cfg = compose(loop_e2e.overrides(a, hf, str(tmp_path / "p.jsonl"), str(tmp_path / "run"), 3))
-    assert cfg.rollout.base_gpu_id == 4 and cfg.rollout.engine_tp == 2 and cfg.parallel.ep == 4
+    assert cfg.engine.base_gpu_id == 4 and cfg.engine.tp == 2 and cfg.parallel.ep == 4

@@ -35,7 +35,7 @@ def test_config_composes_and_maps_to_hf_modules():
     off = compose()
     assert off.model.lora.rank == 0 and not off.model.lora.enabled
     cfg = compose(["model.lora.rank=8", "model.lora.alpha=16", "model.lora.targets=[experts,attention]",
-                   "rollout=gpu", "model.dtype=bf16"])  # expert adapters are served by GPU engines only
+                   "engine=gpu", "model.dtype=bf16"])  # expert adapters are served by GPU engines only
     lora = cfg.model.lora
     assert lora.enabled and lora.scale == 2.0
     assert lora.hf_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mrl.config.schema import LoraConfig, RolloutConfig, WeightSyncConfig, WeightTransport
+from mrl.config.schema import EngineConfig, LoraConfig, WeightSyncConfig, WeightTransport
 from mrl.engine.launcher import Engine
 from mrl.config.lora_engine import ATTENTION, MLP, LoraEngineSpec, hf_targets, lora_engine_spec
 from tests.peek import adapters_in_use, wait_unloads
@@ -27,9 +27,9 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_d
             moe_intermediate_size=32, num_hidden_layers=2, num_local_experts=4)
 
 
-def _cfg(rank=8, targets=("attention",), transport=WeightTransport.distributed, **rollout):
+def _cfg(rank=8, targets=("attention",), transport=WeightTransport.distributed, **engine):
     return SimpleNamespace(model=SimpleNamespace(lora=LoraConfig(rank=rank, alpha=16, targets=list(targets))),
-                           rollout=RolloutConfig(**rollout), weight_sync=WeightSyncConfig(transport=transport))
+                           engine=EngineConfig(**engine), weight_sync=WeightSyncConfig(transport=transport))
 
 
 def test_names_and_targets():
@@ -57,35 +57,35 @@ def test_launch_flags_cpu_and_gpu():
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(rank=32, lora_max_rank=16), "model.lora.rank: 32 > rollout.lora_max_rank 16"),
+    (dict(rank=32, lora_max_rank=16), "model.lora.rank: 32 > engine.lora_max_rank 16"),
     (dict(targets=["attention", "experts"]),
      r"model.lora.targets: \['gate_proj', 'up_proj', 'down_proj'\] on CPU engines"),
     (dict(targets=["experts"]), "model.lora.targets:.*no CPU path"),
     (dict(targets=["dense_mlp"]), "model.lora.targets:.*no CPU path"),
     (dict(targets=["attention", "router"]), "model.lora.targets: 'router'"),
-    (dict(server_args={"max_loaded_loras": 4}), "rollout.server_args.max_loaded_loras"),
-    (dict(server_args={"max_lora_rank": 4}), r"rollout.server_args: \['max_lora_rank'\] are set by mrl"),
+    (dict(server_args={"max_loaded_loras": 4}), "engine.server_args.max_loaded_loras"),
+    (dict(server_args={"max_lora_rank": 4}), r"engine.server_args: \['max_lora_rank'\] are set by mrl"),
     (dict(cpu_mode=False, targets=["experts"], server_args={"moe_runner_backend": "flashinfer_trtllm"}),
-     "rollout.server_args.moe_runner_backend"),
-    (dict(cpu_mode=False, engine_dp=2, server_args={"enable_dp_attention": True}), "rollout.engine_dp"),
+     "engine.server_args.moe_runner_backend"),
+    (dict(cpu_mode=False, dp=2, server_args={"enable_dp_attention": True}), "engine.dp"),
 ])
 def test_bad_lora_configs_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         lora_engine_spec(_cfg(**kw))
 
 
-@pytest.mark.parametrize("kw,field", [(dict(lora_slots=1), "rollout.lora_slots"),
-                                      (dict(lora_backend="triton"), "rollout.lora_backend"),
-                                      (dict(lora_backend="flashinfer", cpu_mode=False), "rollout.lora_backend"),
-                                      (dict(lora_max_rank=0), "rollout.lora_max_rank")])
-def test_rollout_lora_fields_are_checked(kw, field):
+@pytest.mark.parametrize("kw,field", [(dict(lora_slots=1), "engine.lora_slots"),
+                                      (dict(lora_backend="triton"), "engine.lora_backend"),
+                                      (dict(lora_backend="flashinfer", cpu_mode=False), "engine.lora_backend"),
+                                      (dict(lora_max_rank=0), "engine.lora_max_rank")])
+def test_engine_lora_fields_are_checked(kw, field):
     with pytest.raises(ValueError, match=field):
-        RolloutConfig(**kw)
+        EngineConfig(**kw)
 
 
 def test_spec_follows_the_config_and_every_transport_is_accepted():
     assert lora_engine_spec(_cfg(rank=0)) is None
-    assert lora_engine_spec(SimpleNamespace(model=SimpleNamespace(), rollout=RolloutConfig())) is None
+    assert lora_engine_spec(SimpleNamespace(model=SimpleNamespace(), engine=EngineConfig())) is None
     for t in WeightTransport:  # adapters always go over HTTP; the transport is the base weights' path
         spec = lora_engine_spec(_cfg(rank=8, transport=t, lora_slots=3))
         assert spec == LoraEngineSpec(max_rank=8, targets=ATTENTION, slots=3)

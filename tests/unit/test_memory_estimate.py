@@ -157,11 +157,10 @@ def test_the_8gpu_preset_places_the_trainer_and_engines_and_quotes_the_estimate(
     from mrl.megatron.memory import model_state_bytes
 
     cfg = compose(["+experiment=qwen3_30b_a3b_8gpu", "model.hf_path=/ckpt/Qwen3-30B-A3B"])
-    p, r = cfg.parallel, cfg.rollout
+    p, e = cfg.parallel, cfg.engine
     assert (p.tp, p.pp, p.ep, p.expert_tp, p.world_size) == (1, 1, 4, 1, 4)
-    assert (r.cpu_mode, r.num_engines, r.engine_tp, r.engine_dp, r.base_gpu_id) == (False, 2, 2, 1, 4)
-    engine_gpus = [r.base_gpu_id + i * r.engine_tp * r.engine_dp + k for i in range(r.num_engines)
-                   for k in range(r.engine_tp)]
+    assert (e.cpu_mode, e.count, e.tp, e.dp, e.base_gpu_id) == (False, 2, 2, 1, 4)
+    engine_gpus = [e.base_gpu_id + i * e.tp * e.dp + k for i in range(e.count) for k in range(e.tp)]
     assert engine_gpus == [4, 5, 6, 7] and not set(engine_gpus) & set(range(p.world_size))
     assert cfg.model.dtype == DType.bf16 and cfg.train.optimizer_states_dtype == DType.bf16
     b = _bridge_30b()

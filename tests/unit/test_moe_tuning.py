@@ -117,20 +117,20 @@ def test_config_and_preflight_name_a_bad_tuned_folder(tmp_path, monkeypatch):
     import mrl.preflight as preflight
     from mrl.config.load import compose
 
-    with pytest.raises(ValueError, match="rollout.moe_kernel_configs"):
-        compose([f"rollout.moe_kernel_configs={tmp_path}"])  # the default rollout is CPU engines
-    cfg = compose(["rollout=gpu", "model.dtype=bf16", f"rollout.moe_kernel_configs={tmp_path}"])
+    with pytest.raises(ValueError, match="engine.moe_kernel_configs"):
+        compose([f"engine.moe_kernel_configs={tmp_path}"])  # the default engines run on CPU
+    cfg = compose(["engine=gpu", "model.dtype=bf16", f"engine.moe_kernel_configs={tmp_path}"])
     # this host as a GPU host with SGLang's kernels: only the tuned folder is left to check
     monkeypatch.setattr(gpu_mode, "check_gpu_packages", lambda: None)
     monkeypatch.setattr(preflight.glob, "glob", lambda pattern: ["/dev/nvidia0"])
     msg = preflight.check_gpu_stack(cfg, preflight.LOCAL)
-    assert msg == f"rollout.moe_kernel_configs={tmp_path}: no configs/ folder there (`mrl tune-moe HF_DIR OUT`)"
+    assert msg == f"engine.moe_kernel_configs={tmp_path}: no configs/ folder there (`mrl tune-moe HF_DIR OUT`)"
     os.makedirs(tmp_path / "configs")
     assert preflight.check_gpu_stack(cfg, preflight.LOCAL) is None
 
 
 def test_gpu_engines_of_the_config_get_the_merged_tables(tmp_path, monkeypatch):
-    """rollout.moe_kernel_configs reaches each GPU engine's environment as a merged folder beside its log,
+    """engine.moe_kernel_configs reaches each GPU engine's environment as a merged folder beside its log,
     which holds the tuned table and SGLang's own; without the field the variable is not set."""
     import triton
 
@@ -141,14 +141,14 @@ def test_gpu_engines_of_the_config_get_the_merged_tables(tmp_path, monkeypatch):
     tuned = tmp_path / "tuned"
     mt.write_table(str(tuned), triton.__version__, "E=128,N=768,device_name=NVIDIA_H200.json",
                    {1: {"BLOCK_SIZE_M": 16}})
-    cfg = compose(["rollout=gpu", "model.dtype=bf16", f"rollout.moe_kernel_configs={tuned}"])
-    (engine,) = engines_from_config(cfg.rollout, "/m", log_dir=str(tmp_path / "logs"), names=["e0"])
+    cfg = compose(["engine=gpu", "model.dtype=bf16", f"engine.moe_kernel_configs={tuned}"])
+    (engine,) = engines_from_config(cfg.engine, "/m", log_dir=str(tmp_path / "logs"), names=["e0"])
     merged = engine.environment()["SGLANG_MOE_CONFIG_DIR"]
     assert merged == str(tmp_path / "logs" / "e0_moe_configs")
     version = "triton_" + triton.__version__.replace(".", "_")
     link = os.path.join(merged, "configs", version, "E=128,N=768,device_name=NVIDIA_H200.json")
     assert os.path.realpath(link) == str(tuned / "configs" / version / "E=128,N=768,device_name=NVIDIA_H200.json")
     assert os.listdir(os.path.join(merged, "configs", "triton_3_2_0"))  # SGLang's own tables, linked
-    plain = compose(["rollout=gpu", "model.dtype=bf16"])
-    (engine,) = engines_from_config(plain.rollout, "/m", log_dir=str(tmp_path / "logs2"), names=["e0"])
+    plain = compose(["engine=gpu", "model.dtype=bf16"])
+    (engine,) = engines_from_config(plain.engine, "/m", log_dir=str(tmp_path / "logs2"), names=["e0"])
     assert "SGLANG_MOE_CONFIG_DIR" not in engine.environment()

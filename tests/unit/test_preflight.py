@@ -150,8 +150,8 @@ CASES = {
         ["parallel.tp/pp/cp: world size 3 is not divisible by tp*pp*cp = 2*1*1 = 2"]),
     "run dir under a file": (lambda tiny, t: [f"run_dir={_jsonl(t, 'a_file', [])}/run"],
                              ["run_dir=", "a_file/run: cannot be created:", "a_file is not a directory"]),
-    "GPU engines on a host without GPUs": (lambda tiny, t: ["rollout=gpu", "model.dtype=bf16"],
-                                           ["rollout.cpu_mode=false: "]),
+    "GPU engines on a host without GPUs": (lambda tiny, t: ["engine=gpu", "model.dtype=bf16"],
+                                           ["engine.cpu_mode=false: "]),
 }
 
 
@@ -219,11 +219,11 @@ def test_a_taken_port_is_named(tmp_path):
 
     sock, port = _listening_port()
     with sock:
-        cfg = compose([f"+rollout.server_args.nccl_port={port}"])
-        assert check_ports(cfg, "local") == (f"rollout.server_args.nccl_port={port}: an engine's port is not free "
+        cfg = compose([f"+engine.server_args.nccl_port={port}"])
+        assert check_ports(cfg, "local") == (f"engine.server_args.nccl_port={port}: an engine's port is not free "
                                              "on this host (Address already in use)")
-        assert check_ports(compose([f"+rollout.server_args.nccl_port={port}",
-                                    "rollout.engine_urls=[http://127.0.0.1:1]"]), "local") is None  # none started
+        assert check_ports(compose([f"+engine.server_args.nccl_port={port}",
+                                    "engine.urls=[http://127.0.0.1:1]"]), "local") is None  # none started
     assert check_ports(cfg, "local") is None  # free again
 
 

@@ -125,7 +125,7 @@ def test_engine_announcements_only_for_hosts_of_the_job(tmp_path, reliability):
         read_urls(str(d), allowed)
     (d / "node0-engine0.url").chmod(0o644)
     d.chmod(0o777)
-    with pytest.raises(UntrustedEngineURL, match=f"rollout.engine_url_dir {d}: owned by uid"):
+    with pytest.raises(UntrustedEngineURL, match=f"engine.url_dir {d}: owned by uid"):
         read_urls(str(d), allowed)
     reliability.record(category="bad_input", name="engine URL file naming a foreign host", survived=True,
                        injected="<engine_url_dir>/evil-engine0.url = http://203.0.113.7:30000",

@@ -12,7 +12,7 @@ trains uses, go to SGLang's loop.
 
 Loaded only inside SGLang server processes in mrl's CPU mode: the pyshim's ``sitecustomize`` calls
 :func:`install` when SGLang imports its backend and ``MRL_CPU_BATCHED_ATTENTION`` is ``1`` (the
-launcher's default; ``rollout.cpu_batched_attention=false`` keeps SGLang's loop). Never imported by
+launcher's default; ``engine.cpu_batched_attention=false`` keeps SGLang's loop). Never imported by
 the trainer.
 """
 
