@@ -3,7 +3,7 @@ preset or experiment, or a run directory's ``config.yaml`` that sets one fails b
 with one line naming the old key and the new one::
 
     mrl train rollout.num_engines=2   ->  rollout.num_engines moved to engine.count
-    mrl train rollout=gpu_tp8         ->  rollout=gpu_tp8 moved to engine=gpu_tp8
+    mrl train rollout=gpu_tp8         ->  rollout=gpu_tp8 moved to engine=gpu_tp8 rollout=long
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ MOVED = {f"rollout.{old}": f"engine.{new}" for old, new in {**_RENAMED, **{k: k 
 """Old key -> new key."""
 REMOVED = {"rollout.client_process": "the rollout client always runs in its own process"}
 """Old key -> why it has no successor."""
-MOVED_PRESETS = {"rollout/cpu": "engine=cpu", "rollout/gpu": "engine=gpu", "rollout/gpu_tp8": "engine=gpu_tp8"}
+MOVED_PRESETS = {"rollout/cpu": "engine=cpu", "rollout/gpu": "engine=gpu",
+                 "rollout/gpu_tp8": "engine=gpu_tp8 rollout=long"}
 """Old preset (group/name) -> the preset that replaces it."""
 
 

@@ -30,7 +30,7 @@ def test_every_engine_field_has_its_old_key_and_none_is_left_in_rollout():
     ("rollout.cpu_mode=false", "rollout.cpu_mode moved to engine.cpu_mode"),
     ("+rollout.server_args.x=1", "rollout.server_args.x moved to engine.server_args.x"),
     ("~rollout.cpus", "rollout.cpus moved to engine.cpus"),
-    ("rollout=gpu_tp8", "rollout=gpu_tp8 moved to engine=gpu_tp8"),
+    ("rollout=gpu_tp8", "rollout=gpu_tp8 moved to engine=gpu_tp8 rollout=long"),
     ("rollout=cpu", "rollout=cpu moved to engine=cpu"),
     ("rollout={engine_dp: 2}", "rollout.engine_dp moved to engine.dp"),  # found in Hydra's error
     ("rollout.client_process=false", "rollout.client_process was removed: the rollout client always runs in "
