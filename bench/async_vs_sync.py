@@ -61,7 +61,7 @@ def write_prompts(path: str, n: int, group_size: int = 4, seed: int = 0) -> list
 
 
 def overrides(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
-              inflight: int, client_process: bool = True, sync_every: int = 1) -> list[str]:
+              inflight: int, sync_every: int = 1) -> list[str]:
     args = [f"train.mode={mode}", f"weight_sync.every_n_steps={sync_every if mode == 'overlap' else 1}",
             f"train.steps={steps}", "data=jsonl", f"data.path={prompts}",
             "train.eval_every=0", "train.sft_warmup_steps=0", "train.prompts_per_step=8",
@@ -69,7 +69,7 @@ def overrides(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: i
             "rollout.ignore_eos=true", "train.max_staleness=4", "train.stale_policy=keep",
             f"train.max_inflight_groups={inflight}", "train.routing_metrics_every=0",
             f"rollout.max_running_requests={engine_batch}", "+rollout.server_args.max_total_tokens=16384", *EXTRA,
-            f"rollout.client_process={str(client_process).lower()}", f"run_dir={run_dir}"]
+            f"run_dir={run_dir}"]
     return args + ([f"rollout.cpus=[{engine_cpus}]"] if engine_cpus else [])
 
 
@@ -86,9 +86,8 @@ def ceiling(prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cp
 
 
 def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, engine_cpus: str | None,
-        inflight: int, client_process: bool = True, sync_every: int = 1) -> dict:
-    args = [MRL, "train", *overrides(mode, prompts, run_dir, steps, engine_batch, engine_cpus, inflight, client_process,
-                                     sync_every)]
+        inflight: int, sync_every: int = 1) -> dict:
+    args = [MRL, "train", *overrides(mode, prompts, run_dir, steps, engine_batch, engine_cpus, inflight, sync_every)]
     p = subprocess.run(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"mrl train ({mode}) failed:\n{p.stderr[-3000:]}")
@@ -100,7 +99,7 @@ def run(mode: str, prompts: str, run_dir: str, steps: int, engine_batch: int, en
     tokens = sum(r["response_len"] * 8 * 4 for r in timed)
     last = steps_rows[-1]
     med = lambda k: sorted(r.get(k, 0.0) for r in timed)[len(timed) // 2]  # noqa: E731
-    return {"mode": mode, "engine_cpus": engine_cpus or "all", "client_process": client_process,
+    return {"mode": mode, "engine_cpus": engine_cpus or "all",
             "sync_every_n_steps": sync_every if mode == "overlap" else 1,
             "median_seconds": {k: med(k) for k in ("step_seconds", "wait_seconds", "train_seconds", "drain_seconds",
                                                    "sync_seconds")},
@@ -129,8 +128,7 @@ def main() -> int:
     ap.add_argument("--split-cores", default="0",
                     help="rollout.cpus of the overlap run (the trainer takes the other cores); '' = shared")
     ap.add_argument("--variants", action="store_true",
-                    help="in round 1 also: sync with the engine on the overlap run's cores only, and overlap "
-                    "with the rollout client in a thread of trainer rank 0 (rollout.client_process=false)")
+                    help="in round 1 also: sync with the engine on the overlap run's cores only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     split = a.split_cores or None
@@ -141,16 +139,14 @@ def main() -> int:
         prompts = os.path.join(tmp, "prompts.jsonl")
         budgets = write_prompts(prompts, 600)
 
-        def go(tag: str, mode: str, cpus: str | None, client_process: bool = True) -> dict:
-            return run(mode, prompts, os.path.join(tmp, tag), a.steps, a.engine_batch, cpus, a.inflight,
-                       client_process, a.sync_every)
+        def go(tag: str, mode: str, cpus: str | None) -> dict:
+            return run(mode, prompts, os.path.join(tmp, tag), a.steps, a.engine_batch, cpus, a.inflight, a.sync_every)
 
         for i in range(a.rounds):
             sync = go(f"sync{i}", "sync", None)
             over = go(f"overlap{i}", "overlap", split)
             top = ceiling(prompts, os.path.join(tmp, f"ceiling{i}"), a.steps, a.engine_batch, split, a.inflight)
-            extra = [go("sync_split", "sync", split), go("overlap_thread", "overlap", split, False)] \
-                if a.variants and i == 0 else []
+            extra = [go("sync_split", "sync", split)] if a.variants and i == 0 else []
             rounds.append({"sync": sync, "overlap": over, "generation_only": top, "variants": extra,
                            "overlap_over_sync": over["tokens_per_s"] / sync["tokens_per_s"],
                            "generation_only_over_sync": top["tokens_per_s"] / sync["tokens_per_s"]})
@@ -182,8 +178,7 @@ def main() -> int:
     print(f"{'generation only':16s} {pooled(tops):9.1f}   (no training, no pauses, no syncs: the most any loop "
           "could train per second here)")
     for v in rounds[0]["variants"]:
-        print(f"variant: {v['mode']} engine cores {v['engine_cpus']} client "
-              f"{'process' if v['client_process'] else 'thread'}: {v['tokens_per_s']:.1f} tokens/s")
+        print(f"variant: {v['mode']} engine cores {v['engine_cpus']}: {v['tokens_per_s']:.1f} tokens/s")
     print(f"overlap / sync: {out['overlap_over_sync']:.2f}x pooled, per round min {ratios[0]:.2f} median "
           f"{ratios[len(ratios) // 2]:.2f} max {ratios[-1]:.2f}; generation only / sync: "
           f"{out['generation_only_over_sync']:.2f}x; overlap reaches {out['overlap_over_generation_only']:.0%} of "
