@@ -422,14 +422,6 @@ def start_job_engines(cfg) -> list["Engine"]:
     return engines
 
 
-def launch_job_engines(cfg) -> list["Engine"]:
-    """Rank 0, first thing: start the engines the job owns, so that they boot while the rank imports
-    megatron, builds the model and warms up. None for engines found by URL, nor for colocated GPU runs
-    (``rollout.memory_saver``): there the trainer takes its memory first, and starts them itself."""
-    r = cfg.rollout
-    return [] if r.engine_urls or r.engine_url_dir or r.memory_saver else start_job_engines(cfg)
-
-
 def stop_all() -> None:
     for eng in list(_LIVE):
         eng.stop(timeout=5.0)
