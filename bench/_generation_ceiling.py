@@ -17,7 +17,7 @@ from mrl.cli import ensure_model
 from mrl.config.load import compose
 from mrl.models import get_bridge
 from mrl.engine.launcher import engines_from_config
-from mrl.rollout.service import start_rollout
+from mrl.rollout.service import RolloutService
 from mrl.routing.codec import RoutesCodec
 
 
@@ -36,8 +36,8 @@ def main() -> None:
             e.start()
         for e in engines:
             e.wait_healthy()
-        svc = start_rollout(cfg, hf, [e.url for e in engines], RoutesCodec.from_bridge(bridge),
-                            {"eos": bridge.hf_config.eos_token_id, "buffered": [], "prompt_index": 0})
+        svc = RolloutService.start(cfg, hf, [e.url for e in engines], RoutesCodec.from_bridge(bridge),
+                                   {"eos": bridge.hf_config.eos_token_id, "buffered": [], "prompt_index": 0})
         t = cfg.train
         svc.start_producing(t.max_inflight_groups)
         svc.take(t.prompts_per_step, 0, timeout=600)  # the first batch fills the pipeline (as the bench skips step 1)

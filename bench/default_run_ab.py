@@ -7,12 +7,12 @@ time goes and what a setting buys, on a box whose speed drifts.
 (without --out the report goes to bench/reports/learning/<date>_mrl_train_default_ab_cpu.json)
 
 Per run: the whole process's wall and CPU time (its processes' user + system seconds: on a shared box the
-figure other jobs move least), the loop's (first RL step to the last), the median (p25-p75) of the
-step phases from ``metrics.jsonl`` (``step_seconds``; ``wait_seconds`` for rollouts, ``train_seconds``,
-``drain_seconds``, ``sync_seconds``; ``rest``: routing metrics, the sync's verification probe, logging and
-evaluation), the staleness of the trained samples, the reward of the first and last 10 steps and the last
-held-out accuracy. Per round: B / A of the wall time and of the median step. The first RL step is left out of
-the medians (it fills the pipeline).
+figure other jobs move least), the loop's (first RL step to the last), the median (p25-p75) of the step
+phases from ``metrics.jsonl`` (``step_seconds`` and the loop's phases, ``mrl.trainer.phases``: wait for
+rollouts, routing diagnostics, train, drain, sync, verify, log, eval, checkpoint, other; ``rest``: the step
+less the named phases, which is ``other``), the staleness of the trained samples, the reward of the first
+and last 10 steps and the last held-out accuracy. Per round: B / A of the wall time and of the median step.
+The first RL step is left out of the medians (it fills the pipeline).
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import tempfile
 import time
 
 from _bench_common import dump
+from mrl.trainer.phases import PHASES as LOOP_PHASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
-PHASES = ("step_seconds", "wait_seconds", "train_seconds", "drain_seconds", "sync_seconds")
+PHASES = ("step_seconds", *(f"{p}_seconds" for p in LOOP_PHASES))
 
 
 def quartiles(xs: list[float]) -> dict:

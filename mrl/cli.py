@@ -22,8 +22,11 @@ import sys
 
 from mrl.cluster.rundir import UnsafeRunDir, secure_run_dir
 from mrl.config.schema import Config, TinyPreset
+from mrl.log import get_logger
 from mrl.process import Terminated
 from mrl.startup import stamp_launch
+
+log = get_logger(__name__)
 
 
 def _hydra_app(fn):
@@ -60,16 +63,16 @@ def _hydra_app(fn):
         try:
             typed = to_config(cfg)
         except ValueError as e:  # a bad value: the field and what is wrong, without a traceback
-            print(f"[mrl] invalid config: {e}", file=sys.stderr)
+            log.error("invalid config: %s", e)
             sys.exit(1)  # as Hydra's own composition errors
         os.umask(0o077)  # what the job writes (checkpoints, weights, logs) is this user's alone
         try:
             code = fn(typed)
         except UnsafeRunDir as e:
-            print(f"[mrl] {e}", file=sys.stderr)
+            log.error("%s", e)
             sys.exit(1)
         except Terminated as e:
-            print(f"[mrl] {e}: every process of the job was ended", file=sys.stderr, flush=True)
+            log.error("%s: every process of the job was ended", e)
             sys.exit(128 + e.signum)
         if code:
             sys.exit(code)
@@ -99,7 +102,7 @@ def ensure_model(cfg: Config) -> str:
                                     "(and model.make_tiny_if_missing=false)")
         from mrl.models.tiny import make_tiny_model
 
-        print(f"[mrl] writing tiny model preset '{cfg.model.tiny_preset.value}' to {path}", flush=True)
+        log.info("writing tiny model preset '%s' to %s", cfg.model.tiny_preset.value, path)
         make_tiny_model(path, cfg.model.tiny_preset)
     elif cfg.model.make_tiny_if_missing:
         from mrl.models.tiny import check_preset
@@ -137,7 +140,7 @@ def preflight(cfg: Config, where: str | None = None) -> int:
 
     failures = run_preflight(cfg, where or LOCAL)
     for msg in failures:
-        print(f"[mrl] {msg}", file=sys.stderr, flush=True)
+        log.error("%s", msg)
     return PREFLIGHT_FAILED if failures else 0
 
 
@@ -149,9 +152,9 @@ def check(cfg: Config) -> int:
     where = SUBMIT if cfg.cluster.kind == ClusterKind.slurm else LOCAL
     code = preflight(cfg, where)
     if note := model_state_note(cfg, where):  # informative, pass or fail: on stdout, the failures on stderr
-        print(f"[mrl] {note}", flush=True)
+        log.info("%s", note)
     if not code:
-        print(f"[mrl] preflight passed: run_dir={cfg.run_dir}, model.hf_path={cfg.model.hf_path}", flush=True)
+        log.info("preflight passed: run_dir=%s, model.hf_path=%s", cfg.run_dir, cfg.model.hf_path)
     return code
 
 
@@ -188,7 +191,7 @@ def make_tiny(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     make_tiny_model(a.dir, TinyPreset(a.preset), seed=a.seed)
-    print(f"[mrl] wrote {a.preset} to {a.dir}")
+    log.info("wrote %s to %s", a.preset, a.dir)
     return 0
 
 
@@ -234,7 +237,7 @@ def engine(cfg: Config) -> int:
             if url_dir:
                 url = f"http://{bind}:{e.port}"
                 announce(url_dir, e.name, url)
-            print(f"[mrl] {e.name} ready at {url} (log {e.log_path})", flush=True)
+            log.info("%s ready at %s (log %s)", e.name, url, e.log_path)
         stop.wait()
     except KeyboardInterrupt:
         pass

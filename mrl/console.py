@@ -5,7 +5,8 @@
 megatron-core, transformers and torch warn on import and while building a model (deprecations, optional
 packages not installed, DDP bucket layouts); a user needs them when something breaks, not on every run.
 Library warnings and the root logger go to ``<run_dir>/logs/rank<r>.log`` only; mrl's own warnings (a
-config option without effect) stay on the console. Libraries that install console handlers of their own
+config option without effect) stay on the console, and mrl's own messages (``mrl.log``) go to both: the
+console on rank 0, the file on every rank. Libraries that install console handlers of their own
 on import (transformers) are routed to the file again by the second call. Imports no torch.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+
+from mrl.log import setup as setup_mrl_logger
 
 LIBRARIES = ("py.warnings", "megatron", "transformers", "torch", "urllib3", "httpx", "httpcore")
 MRL_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +40,8 @@ def log_path(run_dir: str, rank: int | str) -> str:
 
 def route_library_output(run_dir: str, rank: int | str) -> str:
     """Send warnings and every library logger to this rank's log file (``logs/rank<r>.log``; a name instead
-    of a rank: ``logs/<name>.log``); the path. Idempotent."""
+    of a rank: ``logs/<name>.log``), mrl's own messages there too (and on rank 0's console); the path.
+    Idempotent."""
     path = log_path(run_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     root = logging.getLogger()
@@ -47,6 +51,8 @@ def route_library_output(run_dir: str, rank: int | str) -> str:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    mrl_logger = setup_mrl_logger()  # its console handler kept, its file this rank's
+    mrl_logger.handlers[:] = [h for h in mrl_logger.handlers if not isinstance(h, logging.FileHandler)] + [handler]
     warnings.showwarning = _showwarning
     # torch gives many of its child loggers console handlers of their own (torch._dynamo's recompile
     # warnings, torch.distributed's): every logger under a library goes to the file

@@ -19,13 +19,15 @@ import abc
 import json
 import os
 import queue
-import sys
 import threading
 import time
 from typing import Any
 
+from mrl.log import get_logger
+
 EXTRA_HINT = "pip install 'mrl[tracking]'"
 IDS_FILE = "trackers.json"
+log = get_logger(__name__)
 
 
 class Logger(abc.ABC):
@@ -195,8 +197,7 @@ class MlflowLogger(Logger):
                 fn(*args, **kwargs)
             except Exception as e:  # any failure of the tracker: reported once, never the run's
                 if self.error is None:
-                    print(f"[mrl] logger=mlflow: {type(e).__name__}: {e} (further MLflow errors not shown)",
-                          file=sys.stderr, flush=True)
+                    log.warning("logger=mlflow: %s: %s (further MLflow errors not shown)", type(e).__name__, e)
                 self.error = e
 
     def _call(self, fn, *args, **kwargs) -> None:
@@ -231,8 +232,8 @@ class MlflowLogger(Logger):
         self._calls.put(None)
         self._sender.join(self.CLOSE_TIMEOUT_S)
         if self._sender.is_alive():
-            print(f"[mrl] logger=mlflow: {self._calls.qsize()} calls not sent within {self.CLOSE_TIMEOUT_S:.0f} s "
-                  "of the run's end; the MLflow run lacks them", file=sys.stderr, flush=True)
+            log.warning("logger=mlflow: %d calls not sent within %.0f s of the run's end; the MLflow run lacks them",
+                        self._calls.qsize(), self.CLOSE_TIMEOUT_S)
 
 
 def make_loggers(cfg, *, resuming: bool = False) -> list[Logger]:

@@ -1,11 +1,15 @@
 """What a run shows: a rich progress bar (a plain line every ``PLAIN_EVERY`` steps when the console is not
 a terminal: logs, CI, Slurm), metrics.jsonl, a PNG of the curves, a one-screen summary at the end, and the
 experiment trackers of ``logger`` (TensorBoard by default, W&B, MLflow: ``mrl.loggers``), which get the
-config, every scalar at its step and the curves. Controller (rank 0) only."""
+config, every scalar at its step and the curves. Controller (rank 0) only.
+
+The progress line shows ``-`` for a figure with no value this step (a mismatch category without tokens,
+routing diagnostics not computed) and which side bounds the run (``bound_by``)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections import Counter
@@ -15,6 +19,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mrl._compat.te import trainer_spec
+from mrl.log import get_logger
+
+log = get_logger(__name__)
 
 MISMATCH_KL = ("mismatch/numerics_kl", "mismatch/routing_kl", "mismatch/stale_kl")
 """The engine-vs-trainer KL by cause (``mrl.megatron.mismatch``; docs/keep_routing.md)."""
@@ -27,6 +34,34 @@ SYMLOG_FLOOR = 1e-15
 near 1e-13 next to staleness near 1e-3), and the routing part (a difference) may be slightly negative."""
 PLAIN_EVERY = 10
 """Steps between progress lines when the console is not a terminal (a live bar only renders on one)."""
+BOUND_STEPS = 10
+"""Recent steps that ``bound_by`` judges by."""
+ENGINE_BOUND_WAIT = {"overlap": 0.05, "sync": 0.5}
+"""Share of the recent steps' time spent waiting for samples from which the engines bound the run, by
+``train.mode`` (``bound_by``)."""
+
+
+def shown(value: float | None, spec: str) -> str:
+    """``value`` in format ``spec``; ``-`` for none (a missing figure, or NaN: no tokens to average over)."""
+    return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def bound_by(rows: list[dict], mode: str = "overlap") -> str | None:
+    """Which side sets the pace, from the last ``BOUND_STEPS`` steps' phases: ``engine-bound`` when the
+    trainer spent at least ``ENGINE_BOUND_WAIT[mode]`` of their time waiting for samples
+    (``wait_seconds / step_seconds``, both summed over the steps), else ``trainer-bound``; None before a step.
+
+    In overlap mode the engines generate while the trainer computes: when they keep up, a batch is ready
+    in the buffer and taking it costs only its delivery (a few percent of a step at most), so a longer
+    wait means the trainer idles for the engines, and making the trainer faster would only lengthen the
+    wait. In sync mode generation and training take turns, and the side that takes the larger part of
+    the step bounds it."""
+    recent = [r for r in rows if "step_seconds" in r and "wait_seconds" in r][-BOUND_STEPS:]
+    step = sum(r["step_seconds"] for r in recent)
+    if not recent or step <= 0:
+        return None
+    wait = sum(r["wait_seconds"] for r in recent)
+    return "engine-bound" if wait / step >= ENGINE_BOUND_WAIT[mode] else "trainer-bound"
 
 
 def tracker_key(key: str) -> str:
@@ -55,6 +90,7 @@ class MetricsLog:
         done = max((r["step"] for r in self.history), default=0)
         self.task = self._bar.add_task("", total=total, completed=done)
         self.total = total
+        self.mode = cfg.train.mode.value if cfg is not None else "overlap"
         self.plain = not self.console.is_terminal
         if not self.plain:
             self._bar.start()
@@ -68,7 +104,7 @@ class MetricsLog:
         """The bar's text; without a terminal a line, every ``PLAIN_EVERY`` steps of ``total`` if given."""
         self._bar.update(self.task, description=text)
         if self.plain and (step is None or step % PLAIN_EVERY == 0 or step == total):
-            print(f"[mrl] {text}", flush=True)
+            log.info("%s", text)
 
     def step(self, step: int, metrics: dict[str, float], staleness: Counter | None = None,
              extra: dict | None = None) -> None:
@@ -84,14 +120,15 @@ class MetricsLog:
                 lg.log_histogram("rollout/staleness", np.asarray(samples), step)
             metrics = metrics | {"staleness_hist": dict(sorted(staleness.items()))}
         self._record({"step": step, **metrics, **(extra or {})})
-        nan = float("nan")
         desc = (f"reward {metrics.get('reward', 0):.2f}  "
-                f"dis {metrics.get('routing_disagreement', nan):.3f}  "
-                "kl num/rt/stale " + "/".join(f"{metrics.get(k, nan):.1e}" for k in MISMATCH_KL) + "  "
+                f"dis {shown(metrics.get('routing_disagreement'), '.3f')}  "
+                "kl num/rt/stale " + "/".join(shown(metrics.get(k), ".1e") for k in MISMATCH_KL) + "  "
                 f"sync {metrics.get('sync_seconds', 0):.2f}s  v{int(metrics.get('version', 0))}")
+        if bound := bound_by(self.history, self.mode):
+            desc += f"  {bound}"
         self._bar.update(self.task, completed=step, description=desc)
         if self.plain and (step % PLAIN_EVERY == 0 or step == self.total):
-            print(f"[mrl] step {step}/{self.total}  {desc}  step {metrics.get('step_seconds', 0):.2f}s", flush=True)
+            log.info("step %d/%d  %s  step %.2fs", step, self.total, desc, metrics.get("step_seconds", 0))
 
     def _record(self, row: dict) -> None:
         self.history.append(row)
@@ -161,7 +198,7 @@ class MetricsLog:
         for c in ("metric", "first", "last", "median"):
             table.add_column(c)
         for k, (a, b, med) in rows.items():
-            table.add_row(k, f"{a:.4g}", f"{b:.4g}", f"{med:.4g}")
+            table.add_row(k, *(shown(v, ".4g") for v in (a, b, med)))
         self.console.print(table)
         out = {k: {"first": a, "last": b, "median": med} for k, (a, b, med) in rows.items()}
         out["run"] = {"trainer_spec": trainer_spec(), "dtype": cfg.model.dtype.value, "model": cfg.model.hf_path,

@@ -18,6 +18,10 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from mrl.log import get_logger
+
+log = get_logger(__name__)
+
 
 def die_with_parent() -> None:
     """The calling process gets SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
@@ -132,7 +136,7 @@ def torchrun(module: str, args: list[str], nproc: int, *, timeout: float | None 
     else:
         cmd = [sys.executable, "-c", _AGENT, "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
     if not capture:
-        print("[mrl] torchrun " + " ".join(cmd[3:]), flush=True)
+        log.info("torchrun %s", " ".join(cmd[3:]))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     pipe = subprocess.PIPE if capture else None
     # The agent has a session of its own (so does each rank, and each engine): a signal to the launcher
@@ -196,8 +200,7 @@ def agent_main(argv: list[str]) -> int:
             world = int(args.nproc_per_node) * int(str(args.nnodes).split(":")[-1])
         except ValueError:  # "gpu", "auto", ...
             world = None
-        print(f"[mrl] {failure_summary(module, e.failures, world)}"
-              f"{resume_hint(module, args.training_script_args)}", file=sys.stderr, flush=True)
+        log.error("%s%s", failure_summary(module, e.failures, world), resume_hint(module, args.training_script_args))
         return 1
     return 0
 

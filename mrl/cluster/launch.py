@@ -20,8 +20,10 @@ from omegaconf import OmegaConf
 
 from mrl.cluster import render, slurm
 from mrl.config.schema import Config, ContainerKind
+from mrl.log import get_logger
 
 LOG_TAIL_LINES = 40
+log = get_logger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +101,7 @@ def main(argv: list[str], preflight: Callable[[Config], int] | None = None) -> i
     ensure_run_secrets(cfg.run_dir)  # once, before any node starts: every node then loads the same file
     path = write_run_dir(cfg, script)
     if args.dry_run:
-        print(script, end="")
+        print(script, end="")  # stdout is the script alone (``> job.sbatch``): the note goes to stderr, any level
         print(f"\n[mrl] wrote {cfg.run_dir}/{{config.yaml,job.yaml,{render.NODE_ENTRY_NAME},{render.SCRIPT_NAME}}}; "
               f"submit with: sbatch {path}", file=sys.stderr)
         return 0
@@ -108,17 +110,17 @@ def main(argv: list[str], preflight: Callable[[Config], int] | None = None) -> i
     except slurm.SlurmError as e:
         print(f"mrl launch: {e}", file=sys.stderr)
         return 1
-    print(f"[mrl] submitted job {job_id}: {path} (log {cfg.run_dir}/logs/slurm-{job_id}.out)", flush=True)
+    log.info("submitted job %s: %s (log %s/logs/slurm-%s.out)", job_id, path, cfg.run_dir, job_id)
     if not args.wait:
         return 0
     try:
-        info = slurm.wait(job_id, poll_s=args.poll, timeout_s=args.timeout, on_change=lambda i: print(
-            f"[mrl] job {i.job_id}: {i.state} (attempt {i.restarts})", flush=True))
+        info = slurm.wait(job_id, poll_s=args.poll, timeout_s=args.timeout, on_change=lambda i: log.info(
+            "job %s: %s (attempt %s)", i.job_id, i.state, i.restarts))
     except (slurm.SlurmError, TimeoutError) as e:
         print(f"mrl launch: {e}", file=sys.stderr)
         return 1
     if info.ok:
-        print(f"[mrl] job {job_id} completed; outputs in {cfg.run_dir}", flush=True)
+        log.info("job %s completed; outputs in %s", job_id, cfg.run_dir)
         return 0
     print(f"mrl launch: {report(info, cfg.run_dir)}", file=sys.stderr)
     return 1

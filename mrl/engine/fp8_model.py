@@ -24,7 +24,10 @@ import os
 import shutil
 from collections.abc import Sequence
 
+from mrl.log import get_logger
 from mrl.quant.export import WEIGHT_FILES, export_fp8
+
+logger = get_logger(__name__)
 
 FP8_DIR = "fp8_model"
 MARKER = "mrl_fp8_export.json"
@@ -63,18 +66,19 @@ def _locked(path: str):
 
 
 def ensure_fp8_model(src: str, run_dir: str, *, ignored: Sequence[str] = (), device: str | None = None,
-                     log=print) -> str:
+                     log=None) -> str:
     """The block-FP8 checkpoint of ``src`` in ``run_dir`` (module docstring), ``ignored``'s modules in high
     precision (``engine.fp8_ignore``): reused when whole, of ``src`` and of the same ``ignored``, else
-    (re)written. Returns its path."""
+    (re)written. Returns its path. ``log``: where its lines go (default: mrl's logger)."""
+    log = log or logger.info
     dst = fp8_model_dir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     with _locked(dst + ".lock"):
         if complete_export(dst, src, ignored):
-            log(f"[mrl] FP8 engines: reusing the block-FP8 export {dst}")
+            log(f"FP8 engines: reusing the block-FP8 export {dst}")
             return dst
         if os.path.exists(dst):  # another source's, or a marker that does not parse: not ours to reuse
-            log(f"[mrl] FP8 engines: {dst} is not a whole export of {src} with these ignored modules; exporting again")
+            log(f"FP8 engines: {dst} is not a whole export of {src} with these ignored modules; exporting again")
             shutil.rmtree(dst)
         tmp = dst + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)  # a killed job's partial export

@@ -422,14 +422,6 @@ def start_job_engines(cfg) -> list["Engine"]:
     return engines
 
 
-def launch_job_engines(cfg) -> list["Engine"]:
-    """Rank 0, first thing: start the engines the job owns, so that they boot while the rank imports
-    megatron, builds the model and warms up. None for engines found by URL, nor for colocated GPU runs
-    (``engine.memory_saver``): there the trainer takes its memory first, and starts them itself."""
-    eng = cfg.engine
-    return [] if eng.urls or eng.url_dir or eng.memory_saver else start_job_engines(cfg)
-
-
 def stop_all() -> None:
     for eng in list(_LIVE):
         eng.stop(timeout=5.0)

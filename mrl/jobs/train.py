@@ -2,9 +2,10 @@
 
     python -m mrl.jobs.train <run_dir>/config.yaml
 
-Rank 0 starts the engines the job owns first of all: they boot while the ranks import megatron and build
-the model. Library warnings go to ``<run_dir>/logs/rank<r>.log`` before megatron, transformers and torch are
-imported (they warn on import), then the loop runs (``mrl.trainer.loop``).
+Rank 0 starts the engines the job owns first of all (``RunEngines``, which the loop's controller then
+owns): they boot while the ranks import megatron and build the model. Library warnings go to
+``<run_dir>/logs/rank<r>.log`` before megatron, transformers and torch are imported (they warn on import),
+then the loop runs (``mrl.trainer.loop``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from mrl.cluster.rundir import secure_run_dir
 from mrl.compile_cache import cache_env
 from mrl.config.load import load_resolved
 from mrl.console import route_library_output
-from mrl.engine.launcher import launch_job_engines
+from mrl.trainer.engines import RunEngines
 
 
 def main(config_path: str) -> int:
     cfg = load_resolved(config_path)
     secure_run_dir(cfg.run_dir)  # also on nodes where ``mrl train`` did not create it (Slurm)
     rank = int(os.environ.get("RANK", "0"))
-    engines = launch_job_engines(cfg) if rank == 0 else []
+    engines = RunEngines(cfg).start_early() if rank == 0 else None
     import torch  # importing torch gives its logger a console handler: the routing replaces it
 
     if torch.cuda.is_available():  # before anything compiles

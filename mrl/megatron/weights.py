@@ -18,6 +18,9 @@ import torch.distributed as dist
 from mrl.megatron.parallel import GroupInfo, Layout
 from mrl.models.bridge import ModelBridge, ParamMap, Part, local_spec_name, split_full
 from mrl.models.checkpoint import HFCheckpoint
+from mrl.log import get_logger
+
+log = get_logger(__name__)
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.")
@@ -119,9 +122,9 @@ def load_hf_into(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, ck
                  padded_vocab: int) -> int:
     """Fill every local param of ``model`` from the HF checkpoint; returns how many were loaded."""
     skipped = bridge.skipped_hf_tensors(ckpt.shapes)
-    if skipped and layout.world_rank == 0:
-        print(f"[mrl] {ckpt.path}: {len(skipped)} tensors are not part of the trained model and are skipped: "
-              f"{skipped[:3]}{' ...' if len(skipped) > 3 else ''}", flush=True)
+    if skipped:
+        log.info("%s: %d tensors are not part of the trained model and are skipped: %s%s", ckpt.path, len(skipped),
+                 skipped[:3], " ..." if len(skipped) > 3 else "")
     ckpt.check_against(bridge.hf_tensor_shapes(padded_vocab), skip=skipped)
     maps = maps_by_name(bridge, padded_vocab)
     n = 0

@@ -15,17 +15,18 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 
 import torch
 from safetensors.torch import save_file
 
+from mrl.log import get_logger
 from mrl.models.checkpoint import HFCheckpoint
 from mrl.quant.fp8 import BLOCK_SIZE, quantize_block_fp8
 from mrl.quant.fp8_targets import check_fused_groups, is_fp8_target, modules_to_not_convert, scale_inv_name
 
+logger = get_logger(__name__)
 WEIGHT_FILES = re.compile(r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.bin\.index\.json|\.pt|\.pth)$")
 
 
@@ -37,12 +38,13 @@ def quantization_config(names: Sequence[str], ignored: Sequence[str] = (),
 
 
 def export_fp8(src: str, dst: str, *, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE,
-               shard_bytes: int = 5 * 2 ** 30, device: str | None = None, log=print) -> dict:
+               shard_bytes: int = 5 * 2 ** 30, device: str | None = None, log=None) -> dict:
     """Write the block-FP8 checkpoint of ``src`` to ``dst`` (must not hold a checkpoint); returns a summary.
 
     ignored: module paths kept in high precision on top of the rule (``modules_to_not_convert`` style,
     matched on whole path components). device: where tensors are quantized (``cuda`` takes the fused
-    kernel); default: the CPU."""
+    kernel); default: the CPU. log: where its summary line goes (default: mrl's logger)."""
+    log = log or logger.info
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"{dst}: the FP8 checkpoint must go to another directory than its source")
     with open(os.path.join(src, "config.json")) as f:
@@ -102,7 +104,7 @@ def export_fp8(src: str, dst: str, *, ignored: Sequence[str] = (), block_size: t
         json.dump(config, f, indent=2)
     summary = {"src": src, "dst": dst, "tensors": len(names), "quantized": quantized, "shards": len(shards),
                "bytes": total_bytes, "seconds": round(time.monotonic() - t0, 2)}
-    log(f"[mrl] export-fp8: {quantized} of {len(names)} tensors block-FP8 ({block_size[0]}x{block_size[1]}), "
+    log(f"export-fp8: {quantized} of {len(names)} tensors block-FP8 ({block_size[0]}x{block_size[1]}), "
         f"{total_bytes / 2 ** 30:.2f} GiB in {len(shards)} shard(s) -> {dst}")
     return summary
 
@@ -149,6 +151,6 @@ def main(argv: list[str]) -> int:
         export_fp8(a.src, a.dst, ignored=a.ignore, block_size=tuple(a.block), shard_bytes=int(a.shard_gb * 2 ** 30),
                    device=a.device)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
-        print(f"[mrl] export-fp8: {e}", file=sys.stderr, flush=True)
+        logger.error("export-fp8: %s", e)
         return 1
     return 0

@@ -1,15 +1,13 @@
 """The rollout side of the loop in a process of its own: engine clients, producer, rewards, buffer.
 
-    svc = start_rollout(cfg, hf_path, urls, codec, state)   # trainer rank 0: a child process
+    svc = RolloutService.start(cfg, hf_path, urls, codec, state)   # trainer rank 0; the child holds a LocalRollout
     svc.allow(16); groups = svc.take(8, version, timeout=600)
     n = svc.drain(60); ...weight sync...; svc.undrain()
     svc.stats(); svc.state(); svc.evaluate(32); svc.stop()
 
-Why a process: inside the trainer's rank-0 process the producer's event loop (HTTP, JSON, routes
-decoding, reward calls) and the training step share one GIL. On the 2-core CPU box the same RL step took
-2x (16 groups in flight) to 4-7x (64 groups) longer in overlap mode than in sync mode, where the
-producer is idle while the trainer computes (``bench/async_vs_sync.py``). Here the trainer only
-exchanges a few pickled messages per step with this process.
+Both are a ``RolloutSide`` (``mrl.rollout.side``). Why a process: in the trainer's rank-0 process the
+producer's event loop (HTTP, JSON, routes decoding, reward calls) and the training step would share one
+GIL; here the trainer only exchanges a few pickled messages per step with this process.
 
 The child is ``python -m mrl.rollout.service`` (it never imports torch.distributed or megatron); it
 connects back to a loopback listener whose address and key travel in its environment, never on a
@@ -21,6 +19,9 @@ exception types and messages the in-process objects raise.
 
 from __future__ import annotations
 
+import abc
+import functools
+import inspect
 import os
 import pickle
 import subprocess
@@ -28,6 +29,9 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
+from typing import Callable
+
+from mrl.rollout.side import RolloutSide
 
 ADDR_ENV, KEY_ENV = "MRL_ROLLOUT_SERVICE_ADDR", "MRL_ROLLOUT_SERVICE_KEY"
 _REPLY_MARGIN_S = 60.0  # a call's own limit (take's timeout, drain's) plus this, before the child counts as hung
@@ -37,8 +41,15 @@ class RolloutServiceError(RuntimeError):
     pass
 
 
-class RolloutService:
-    """Trainer-side handle of the rollout process (rank 0 only)."""
+class RolloutService(RolloutSide):
+    """Trainer rank 0's proxy of the rollout process. Every ``RolloutSide`` method but ``stop`` sends its
+    name and arguments to the child, whose ``LocalRollout`` answers (``_serve``); those methods are
+    generated from the interface (below the class). A call may take its ``timeout`` argument, if it has
+    one, else ``call_timeout_s`` (``SLOW_CALLS``: that many times), plus a margin, before the child counts
+    as hung."""
+
+    SLOW_CALLS = {"evaluate": 10}
+    """Calls of many engine round trips: their reply limit in multiples of ``call_timeout_s``."""
 
     def __init__(self, proc: subprocess.Popen, conn: Connection, call_timeout_s: float):
         self.proc, self.conn, self.call_timeout_s = proc, conn, call_timeout_s
@@ -47,6 +58,7 @@ class RolloutService:
     @classmethod
     def start(cls, cfg, hf_path: str, urls: list[str], codec, state, *, connect_timeout_s: float = 120.0,
               call_timeout_s: float = 120.0) -> "RolloutService":
+        """Start the child and build its ``LocalRollout(cfg, hf_path, urls, codec, state)``."""
         key = os.urandom(32)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = listener.address
@@ -60,12 +72,11 @@ class RolloutService:
         proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.service"], env=env, preexec_fn=child_setup(None))
         conn = _accept(listener, proc, connect_timeout_s)
         svc = cls(proc, conn, call_timeout_s)
-        svc._call("init", cfg, hf_path, urls, codec, state, timeout=connect_timeout_s)
+        svc._call(INIT, (cfg, hf_path, urls, codec, state), connect_timeout_s)
         return svc
 
-    # -- calls -----------------------------------------------------------------------------------
-    def _call(self, method: str, *args, timeout: float | None = None):
-        limit = (timeout if timeout is not None else self.call_timeout_s) + _REPLY_MARGIN_S
+    def _call(self, method: str, args: tuple, timeout: float):
+        limit = timeout + _REPLY_MARGIN_S
         with self._lock:
             try:
                 self.conn.send((method, args))
@@ -84,46 +95,10 @@ class RolloutService:
             raise value
         return value
 
-    def start_producing(self, credits: int) -> None:
-        self._call("start_producing", credits)
-
-    def allow(self, n: int) -> None:
-        self._call("allow", n)
-
-    def take(self, n: int, version: int, timeout: float):
-        """Up to ``n`` groups within the staleness bound (blocks until there are ``n``, or TimeoutError)."""
-        return self._call("take", n, version, timeout, timeout=timeout)
-
-    def drain(self, timeout: float) -> int:
-        return self._call("drain", timeout, timeout=timeout)
-
-    def undrain(self) -> None:
-        self._call("undrain")
-
-    def evaluate(self, n: int) -> float:
-        return self._call("evaluate", n, timeout=self.call_timeout_s * 10)
-
-    def stats(self) -> dict:
-        return self._call("stats")
-
-    def state(self) -> tuple[int, list, list[int]]:
-        """(next prompt index, buffered groups, prompts drawn but unfinished) for a checkpoint."""
-        return self._call("state")
-
-    def count(self, key: str, n: int = 1) -> None:
-        self._call("count", key, n)
-
-    def add_engine(self, url: str) -> None:
-        self._call("add_engine", url)
-
-    def set_adapter(self, name: str, version: int) -> None:
-        """LoRA: new requests use adapter ``name`` (loaded on every engine already)."""
-        self._call("set_adapter", name, version)
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
-                self._call("stop", timeout=60)
+                self._call("stop", (), 60)
             except Exception:  # stopping anyway
                 pass
         try:
@@ -134,9 +109,29 @@ class RolloutService:
             self.proc.wait()
 
 
-def start_rollout(cfg, hf_path: str, urls: list[str], codec, state: dict):
-    """The rollout side for ``mrl train``, in a process of its own."""
-    return RolloutService.start(cfg, hf_path, urls, codec, state)
+def _forward(method):
+    """``RolloutService``'s version of interface method ``method``: a call to the child."""
+    name, sig = method.__name__, inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(self: RolloutService, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        del given["self"]
+        timeout = given.get("timeout", self.call_timeout_s * self.SLOW_CALLS.get(name, 1))
+        return self._call(name, tuple(given.values()), timeout)
+
+    call.__isabstractmethod__ = False  # wraps copied the interface's True
+    return call
+
+
+SERVED = frozenset(RolloutSide.__abstractmethods__)
+"""The calls the child answers: every method of the interface (``stop`` included)."""
+INIT = "init"
+for _name in SERVED - set(vars(RolloutService)):
+    setattr(RolloutService, _name, _forward(getattr(RolloutSide, _name)))
+abc.update_abstractmethods(RolloutService)
 
 
 def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float) -> Connection:
@@ -156,9 +151,8 @@ def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float) -> Con
 
 
 # -- the child ---------------------------------------------------------------------------------------
-class LocalRollout:
-    """The rollout side's objects, held by the child (``RolloutService``), the producer in a thread of its
-    own."""
+class LocalRollout(RolloutSide):
+    """The rollout side's objects, held by the rollout process (the producer runs in a thread of its own)."""
 
     def __init__(self, cfg, hf_path: str, urls: list[str], codec, state):
         from tokenizers import Tokenizer
@@ -255,7 +249,7 @@ class LocalRollout:
 
         return self.producer.run(go())
 
-    def count(self, key: str, n: int) -> None:
+    def count(self, key: str, n: int = 1) -> None:
         self.producer.counts[key] += n
 
     def add_engine(self, url: str) -> None:
@@ -315,19 +309,24 @@ class LocalRollout:
         self.scorer.close()
 
 
-def _serve(conn: Connection) -> None:
-    rollout: LocalRollout | None = None
+def _serve(conn: Connection, make: Callable[..., RolloutSide] = LocalRollout) -> None:
+    """Answer the trainer's calls, one at a time, until ``stop`` or its connection closes: ``init`` builds
+    the rollout side (``make(*args)``), any other call is a ``RolloutSide`` method of it."""
+    rollout: RolloutSide | None = None
+    method = None
     while True:
         try:
             method, args = conn.recv()
         except (EOFError, OSError):  # the trainer is gone: so is the run
             break
         try:
-            if method == "init":
-                rollout = LocalRollout(*args)
+            if method == INIT:
+                rollout = make(*args)
                 value = None
-            else:
+            elif method in SERVED:
                 value = getattr(rollout, method)(*args)
+            else:
+                raise RolloutServiceError(f"the rollout process serves no call {method!r}")
             reply = (True, value)
         except BaseException as e:  # sent back, raised again in the trainer
             reply = (False, _picklable(e))

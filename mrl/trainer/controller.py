@@ -4,20 +4,25 @@ other ranks' (``OtherRank``: nothing), behind one interface, ``RankDuties``."""
 from __future__ import annotations
 
 import abc
-import time
+import os
 from collections import Counter
 
 from mrl.config.schema import BadRoutes, Config, LoopMode
 from mrl.sglang.endpoint import EngineEndpoint
-from mrl.engine.launcher import start_job_engines
 from mrl.engine.restart import EngineRestarter, kill_engines
+from mrl.log import get_logger
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.metrics import MetricsLog
 from mrl.rollout.buffer import Group
+from mrl.rollout.service import RolloutService
+from mrl.rollout.side import RolloutSide
 from mrl.routing.replay import check_routes
 from mrl.trainer.batch import build_batch
-from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, write_loop_state
+from mrl.trainer.engines import RunEngines
+from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, tree_bytes, write_loop_state
 from mrl.startup import StartupClock
+
+log = get_logger(__name__)
 
 
 class RankDuties(abc.ABC):
@@ -63,7 +68,15 @@ class RankDuties(abc.ABC):
 
     @abc.abstractmethod
     def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
-        """The step's metrics, then maybe an evaluation."""
+        """The step's metrics."""
+
+    @abc.abstractmethod
+    def maybe_evaluate(self, step: int) -> None:
+        """Greedy accuracy on held-out prompts every ``train.eval_every`` steps."""
+
+    @abc.abstractmethod
+    def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
+        """Checkpoint ``path`` is complete, ``seconds`` after its save began: say so, with its size."""
 
     @abc.abstractmethod
     def allow(self, n: int) -> None:
@@ -83,51 +96,28 @@ class Controller(RankDuties):
     process that feeds the buffer from them (``mrl.rollout.service``: producer, rewards, buffer,
     evaluation)."""
 
-    def __init__(self, cfg: Config, state: LoopState, engines: list | None = None,
+    def __init__(self, cfg: Config, state: LoopState, engines: RunEngines | None = None,
                  clock: StartupClock | None = None):
+        """``engines``: the job's (``mrl.jobs.train`` starts them early); None: started at ``start_engines``."""
         self.cfg = cfg
         self.clock = clock or StartupClock()
         self.log = MetricsLog(cfg.run_dir, total=cfg.train.steps, history=state.history, cfg=cfg)
-        self.engines = list(engines or [])  # started already (``launch_job_engines``)
+        self.engines = engines or RunEngines(cfg)
         self.restarter: EngineRestarter | None = None
-        self.rollout = None
+        self.rollout: RolloutSide | None = None
 
     def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint]:
-        from mrl.rollout.service import start_rollout
-
-        eng = self.cfg.engine
-        endpoints = [EngineEndpoint(u, eng.tp) for u in list(eng.urls) or self._discover(eng)]
-        if not endpoints:
-            self.engines = self.engines or start_job_engines(self.cfg)
-            for e in self.engines:
-                e.wait_healthy()
-            endpoints = [e.endpoint for e in self.engines]
+        endpoints = self.engines.ready()
         self.clock.mark("engines_healthy")
-        self.restarter = EngineRestarter(self.engines, eng.max_restarts) if restarts_engines(self.cfg) else None
+        self.restarter = EngineRestarter(self.engines.started, self.cfg.engine.max_restarts) \
+            if restarts_engines(self.cfg) else None
         self.codec = policy.codec
-        self.rollout = start_rollout(self.cfg, hf_path, [e.url for e in endpoints], policy.codec, {
+        self.rollout = RolloutService.start(self.cfg, hf_path, [e.url for e in endpoints], policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
             "buffered": state.buffered,
             "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or []})
         self.clock.mark("rollout_started")
         return endpoints
-
-    @staticmethod
-    def _discover(eng) -> list[str]:
-        """Engines announced by ``mrl engine`` on cluster engine nodes (``<dir>/<name>.url``)."""
-        from mrl.cluster.engines import job_addresses, read_urls
-
-        if not eng.url_dir:
-            return []
-        allowed = job_addresses()
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            found = list(read_urls(eng.url_dir, allowed).values())
-            if len(found) >= eng.count:
-                return found[:eng.count]
-            time.sleep(2)
-        raise TimeoutError(f"engine.url_dir={eng.url_dir}: fewer than {eng.count} engines "
-                           "announced themselves within 15 min")
 
     def take_batch(self, version: int) -> list[Group]:
         """``train.prompts_per_step`` groups from the buffer whose routes can be replayed."""
@@ -188,7 +178,7 @@ class Controller(RankDuties):
 
     def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
         if self.restarter is None:
-            kill_engines(self.engines, dropped)  # a hung one would hold its cores to the end of the run
+            kill_engines(self.engines.started, dropped)  # a hung one would hold its cores to the end of the run
             return {}
         urls = {e.url for e in alive}
         for ep in joining:
@@ -199,7 +189,7 @@ class Controller(RankDuties):
                 "engines_restart_failed": float(len(self.restarter.failed))}
 
     def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
-        """The step's metrics with the rollout side's counters, then maybe an evaluation."""
+        """The step's metrics with the rollout side's counters."""
         st = self.rollout.stats()
         m = m | {"dropped_stale": st["dropped_stale"], "buffered": st["buffered"],
                  **{f"rollout/{k}": v for k, v in st["counts"].items()},
@@ -207,7 +197,13 @@ class Controller(RankDuties):
                                                     "engine_failures", "retries")}}
         self.log.step(step, m, staleness=Counter({int(k): v for k, v in st["staleness"].items()}),
                       extra={"rollout/served_by_engine": st["served_by_engine"], "wall_seconds": wall_seconds})
-        self.maybe_evaluate(step)
+
+    def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
+        size, name = tree_bytes(path) / 2**30, os.path.basename(path)
+        if asynchronous:
+            log.info("checkpoint %s complete: %.3g GiB, %.3g s after the save began", name, size, seconds)
+        else:
+            log.info("checkpoint %s saved: %.3g GiB in %.3g s", name, size, seconds)
 
     def allow(self, n: int) -> None:
         self.rollout.allow(n)
@@ -221,8 +217,7 @@ class Controller(RankDuties):
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.stop()
-        for e in self.engines:  # replacements included: the restarter appends them to this list
-            e.stop()
+        self.engines.stop()  # replacements included: the restarter appends them to its list
         self.log.close(self.cfg)
 
 
@@ -257,6 +252,12 @@ class OtherRank(RankDuties):
         pass
 
     def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
+        pass
+
+    def maybe_evaluate(self, step: int) -> None:
+        pass
+
+    def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
         pass
 
     def allow(self, n: int) -> None:

@@ -4,6 +4,7 @@
     loop = Loop(cfg)      # model, optimizer, the checkpoint to resume from, rank 0's metrics log
     loop.run()            # warm start, engines + rollout process, then per step:
                           # take batch, train step, maybe sync weights, log, maybe checkpoint
+                          # (each part a phase of the step's time: ``mrl.trainer.phases``)
 
     rank 0 (``Controller``)                          every rank
     ───────────────────────                          ──────────
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.schema import Config, LoopMode, WeightTransport
 from mrl.sglang.endpoint import EngineEndpoint
-from mrl.engine.launcher import launch_job_engines
+from mrl.log import get_logger
 from mrl.megatron import compat
 from mrl.megatron.batch_scatter import BatchScatter
 from mrl.megatron.collectives import broadcast_object
@@ -45,12 +46,16 @@ from mrl.models.checkpoint import check_tokenizer
 from mrl.models.peft import save_peft
 from mrl.trainer.async_save import AsyncCheckpoints
 from mrl.trainer.controller import Controller, OtherRank, RankDuties, restarts_engines
-from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state, tree_bytes
+from mrl.trainer.engines import RunEngines
+from mrl.trainer.phases import StepPhases
+from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state
 from mrl.trainer.warm_start import sft_warmup
 from mrl.weight_sync.channel import WeightChannel
 from mrl.weight_sync.lora import AdapterChannel
 from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
 from mrl.startup import StartupClock
+
+log = get_logger(__name__)
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -92,8 +97,9 @@ class Loop:
     """The RL loop on one trainer rank. Rank 0's extra work (engines, rollout process, metrics) sits
     behind ``self.duties``; every rank runs the same steps and collectives."""
 
-    def __init__(self, cfg: Config, engines: list | None = None):
-        """``engines``: rank 0's, started by the caller already (``launch_job_engines``); None: started here."""
+    def __init__(self, cfg: Config, engines: RunEngines | None = None):
+        """``engines``: rank 0's, started early by the job (``mrl.jobs.train``); None: the controller starts
+        them when the loop connects to them."""
         self.cfg, t = cfg, cfg.train
         self.clock = StartupClock()  # rank 0's marks go into its first step's metrics
         self.clock.mark("trainer_imported")
@@ -101,8 +107,6 @@ class Loop:
         _keep_off_engine_cores(cfg)
         self.layout = init_parallel(cfg.parallel, seed=cfg.seed)
         self.clock.mark("parallel_ready")
-        if engines is None:
-            engines = launch_job_engines(cfg) if self.layout.world_rank == 0 else []
         self.policy = Policy(cfg, self.layout, self.hf_path)
         hc = self.policy.bridge.hf_config  # the loop encodes prompts with this model's tokenizer: a mismatch fails here
         check_tokenizer(self.hf_path, vocab_size=self.policy.bridge.vocab_size, special_ids={
@@ -112,8 +116,7 @@ class Loop:
         if ckpt:
             self.policy.load(ckpt)
             self.state = read_loop_state(ckpt)
-            if self.layout.world_rank == 0:
-                print(f"[mrl] resuming from {ckpt} (step {self.state.step} of {t.steps})", flush=True)
+            log.info("resuming from %s (step %d of %d)", ckpt, self.state.step, t.steps)
         self.clock.mark("policy_ready")
         self.step, self.version = self.state.step, self.state.version
         self.preempted = False
@@ -121,6 +124,7 @@ class Loop:
         self.duties: RankDuties = (Controller(cfg, self.state, engines, clock=self.clock) if self.layout.world_rank == 0
                                    else OtherRank())
         self.syncer: WeightChannel | None = None
+        self.phases = StepPhases()  # opened again as the loop starts
         self.nonfinite = NonFiniteSteps(t.max_nonfinite_steps)
         self.saves = AsyncCheckpoints(self._complete_checkpoint) if t.async_save else None
         # each step's batch goes from rank 0 to each rank as its DP rank's share only
@@ -132,20 +136,26 @@ class Loop:
         self.clock.mark("warm_started")
         self.connect_engines()
         t_loop = time.monotonic()
+        self.phases = phases = StepPhases()
         try:
             while self.step < t.steps:
-                t0 = time.perf_counter()
-                batch, normalizer, info = self.take_batch()
+                with phases.timed("wait"):
+                    batch, normalizer, info = self.take_batch()
                 self.clock.mark("first_batch")
-                m = {"wait_seconds": time.perf_counter() - t0} | self.train_step(batch, normalizer) | info
+                m = self.train_step(batch, normalizer) | info
                 m |= self.nonfinite.update(self.step + 1, m)
                 self.step += 1
                 if self.step % self.cfg.weight_sync.every_n_steps == 0:
                     m |= self.sync_weights()
-                m |= {"step_seconds": time.perf_counter() - t0, "version": self.version}
                 m |= self._first_step_marks()
-                self.duties.log_step(self.step, m, time.monotonic() - t_loop)
-                if self.maybe_checkpoint():
+                m |= phases.close() | {"version": self.version}
+                with phases.timed("log"):
+                    self.duties.log_step(self.step, m, time.monotonic() - t_loop)
+                with phases.timed("eval"):
+                    self.duties.maybe_evaluate(self.step)
+                with phases.timed("checkpoint"):
+                    stop = self.maybe_checkpoint()
+                if stop:
                     break
                 if t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
                     self.duties.allow(t.prompts_per_step)
@@ -193,8 +203,7 @@ class Loop:
         if "first_step" in self.clock.marks:
             return {}
         self.clock.mark("first_step")
-        if self.layout.world_rank == 0:
-            print(f"[mrl] {self.clock.summary()}", flush=True)
+        log.info("%s", self.clock.summary())
         return self.clock.metrics()
 
     def _channels(self, engines: list[EngineEndpoint]):
@@ -228,10 +237,10 @@ class Loop:
         """Routing metrics (on the weights the samples are judged by), then the RL step."""
         t, m = self.cfg.train, {}
         if t.replay and t.routing_metrics_every and self.step % t.routing_metrics_every == 0:
-            m |= self.policy.routing_metrics(batch)
-        t0 = time.perf_counter()
-        m |= self.policy.rl_step(batch, normalizer)
-        return m | {"train_seconds": time.perf_counter() - t0}
+            with self.phases.timed("routing"):
+                m |= self.policy.routing_metrics(batch)
+        with self.phases.timed("train"):
+            return m | self.policy.rl_step(batch, normalizer)
 
     def sync_weights(self) -> dict:
         """The next weight version to the engines: restarted engines join, in-flight requests are drained
@@ -241,24 +250,28 @@ class Loop:
         joining = broadcast_object(self.duties.joining_engines(), what="the engines joining at this sync") \
             if restarts_engines(self.cfg) else []
         pause = self.syncer.pauses_engines  # an adapter push pauses nothing: generation goes on
-        t0 = time.perf_counter()
-        drained = self.duties.drain() if pause else 0
-        m = {"drain_seconds": time.perf_counter() - t0} if pause else {}
+        drained = 0
+        if pause:
+            with self.phases.timed("drain"):
+                drained = self.duties.drain()
         try:
-            if joining:  # restarted engines: new groups with them; this sync gives them the weights
-                self.syncer.add(joining)
-            rep = self.syncer.sync(str(self.version))
-            self.policy.version.synced(self.version)
+            with self.phases.timed("sync"):
+                if joining:  # restarted engines: new groups with them; this sync gives them the weights
+                    self.syncer.add(joining)
+                rep = self.syncer.sync(str(self.version))
+                self.policy.version.synced(self.version)
         finally:
             if pause:
-                self.duties.undrain()
-        m |= self.verify_engines()
+                with self.phases.timed("drain"):  # resuming generation: the drain's other half
+                    self.duties.undrain()
+        with self.phases.timed("verify"):
+            m = self.verify_engines()
         m |= self.duties.after_sync(self.syncer.engines, joining, rep.dropped_engines)
         m["sync_aborted_requests"] = float(drained)
         if rep.bytes_sent and rep.bytes_in_place is not None:  # rank 0's buckets: the share sent from its params
             m["sync_in_place_fraction"] = rep.bytes_in_place / rep.bytes_sent
         m |= {f"sync/{k}_seconds": v for k, v in rep.phase_seconds.items()}  # check, pause, push, finish, barrier
-        return m | {"sync_seconds": rep.seconds, "sync_bytes": float(rep.bytes_sent),
+        return m | {"sync_bytes": float(rep.bytes_sent),
                     "sync_repaired": float(len(rep.repaired_from_disk)),
                     "engines_alive": float(len(self.syncer.engines)),
                     "engines_dropped": float(len(self.syncer.dropped))}
@@ -287,22 +300,20 @@ class Loop:
         if stop or (t.save_every and self.step % t.save_every == 0) or (self.step == t.steps and t.save_at_end):
             path = os.path.join(checkpoint_dir(self.cfg), f"step_{self.step}")
             check_finite_weights(self.policy.module, f"checkpoint {path}")
-            rank0, t0 = self.layout.world_rank == 0, time.perf_counter()
+            t0 = time.perf_counter()
             state = LoopState(step=self.step, version=self.version)
             if self.saves is not None:
                 self._report(self.saves.finalize(blocking=True))  # one save writing at a time
                 self.saves.schedule(self.policy.save(path, async_save=True), path, state, began=t0)
-                if rank0:  # a stopping run completes it in run(), as any run at its end
-                    print(f"[mrl] checkpoint step_{self.step}: shards staged in {time.perf_counter() - t0:.3g} s, "
-                          "writing while training goes on", flush=True)
+                # a stopping run completes it in run(), as any run at its end
+                log.info("checkpoint step_%d: shards staged in %.3g s, writing while training goes on", self.step,
+                         time.perf_counter() - t0)
                 return stop
-            if rank0:  # a large model's save takes minutes: say what the job is doing
-                print(f"[mrl] saving checkpoint {path} (optimizer state: {t.optimizer_checkpoint})", flush=True)
+            # a large model's save takes minutes: say what the job is doing
+            log.info("saving checkpoint %s (optimizer state: %s)", path, t.optimizer_checkpoint)
             self.policy.save(path)
             self._complete_checkpoint(path, state)
-            if rank0:
-                print(f"[mrl] checkpoint step_{self.step} saved: {tree_bytes(path) / 2**30:.3g} GiB in "
-                      f"{time.perf_counter() - t0:.3g} s", flush=True)
+            self.duties.checkpoint_written(path, time.perf_counter() - t0, asynchronous=False)
         return stop
 
     def _complete_checkpoint(self, path: str, state: LoopState) -> None:
@@ -312,10 +323,8 @@ class Loop:
         dist.barrier()
 
     def _report(self, completed: list[tuple[str, float]]) -> None:
-        if self.layout.world_rank == 0:
-            for path, seconds in completed:
-                print(f"[mrl] checkpoint {os.path.basename(path)} complete: {tree_bytes(path) / 2**30:.3g} GiB, "
-                      f"{seconds:.3g} s after the save began", flush=True)
+        for path, seconds in completed:
+            self.duties.checkpoint_written(path, seconds, asynchronous=True)
 
     def write_outputs(self) -> None:
         """At the end of a run: a LoRA run's final adapter as a Hugging Face PEFT directory, ``run_dir/adapter``
@@ -338,7 +347,7 @@ class Loop:
         self.preempted = True
 
 
-def main(cfg: Config, engines: list | None = None) -> int:
+def main(cfg: Config, engines: RunEngines | None = None) -> int:
     code = Loop(cfg, engines).run()
     destroy()
     return code

@@ -39,6 +39,7 @@ import torch
 
 from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.config.lora_engine import LoraEngineSpec
+from mrl.log import get_logger
 from mrl.sglang.wire import NAME_PREFIX, adapter_name, adapter_version
 from mrl.sglang.protocol import EngineError, EngineHTTPError
 from mrl.weight_sync.channel import SyncReport, WeightChannel
@@ -47,6 +48,7 @@ from mrl.weight_sync.transport import dead_engines
 if TYPE_CHECKING:
     from mrl.sglang.endpoint import EngineEndpoint
 
+log = get_logger(__name__)
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -389,7 +391,7 @@ class AdapterChannel(WeightChannel):
             if set(e.failed) - set(gone) or not set(self._pusher.urls) - set(gone):
                 raise
             for url, why in gone.items():
-                print(f"[mrl] adapter sync {e.name}: engine {url} dropped: {why}", flush=True)
+                log.warning("adapter sync %s: engine %s dropped: %s", e.name, url, why)
             self._pusher.remove_engines(list(gone))
             dead |= gone
             return call()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.schema import WeightTransport
+from mrl.log import get_logger
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
@@ -26,6 +27,9 @@ from mrl.weight_sync.tensor import TensorTransport
 from mrl.sglang.endpoint import EngineEndpoint
 from mrl.weight_sync.channel import SyncReport, WeightChannel
 from mrl.weight_sync.transport import LoopThread, Transport, dead_engines, run_on
+
+log = get_logger(__name__)
+
 
 class NonFiniteWeights(RuntimeError):
     """Weights with a NaN or Inf, refused before they reach an engine or a checkpoint."""
@@ -264,9 +268,8 @@ class EngineSync(WeightChannel):
         if self.rebuild is None or len(dead) == len(self.engines):
             raise RuntimeError(f"weight sync v{version}: " + (f"engines died or hung: {dead}" if dead else
                                "a broadcast failed and its groups cannot be rebuilt") + f" ({why})")
-        if self.layout.world_rank == 0:
-            for url in dead:
-                print(f"[mrl] weight sync v{version}: engine {url} dropped: {why.get(url, 'dead')}", flush=True)
+        for url in dead:
+            log.warning("weight sync v%s: engine %s dropped: %s", version, url, why.get(url, "dead"))
         self.dropped += dead
         self.transport.forget(dead)  # no teardown requests to them: a hung engine would hold each to its limit
         self._rechannel([e for e in self.engines if e.url not in dead])

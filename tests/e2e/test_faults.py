@@ -256,7 +256,7 @@ def test_dead_engine_is_restarted_and_rejoins(tmp_path, reliability):
     replacement, replacement2 = (next(u for u in served if u not in served_before(steps, i))
                                  for i in (rejoined, rejoined2))
     assert served[replacement] > 0 and served[replacement2] > 0, served  # they took requests after joining
-    line = [x for x in out.splitlines() if "dropped: " in x][-1]  # the hung engine's: the second drop
+    line = [x for x in err.splitlines() if "dropped: " in x][-1]  # a warning; the hung engine's: the second drop
     assert "liveness probe failed" in line and "(no answer)" in line, line  # silent, not refused
     _assert_engines_hold_trainer_weights(steps)  # the replacements included, once they joined
     samples = _nothing_lost(steps)
