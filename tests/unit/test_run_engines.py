@@ -25,8 +25,8 @@ def starts(monkeypatch):
     calls = []
 
     def start_job_engines(cfg):
-        calls.append(cfg.rollout.num_engines)
-        return [_Server(i) for i in range(cfg.rollout.num_engines)]
+        calls.append(cfg.engine.count)
+        return [_Server(i) for i in range(cfg.engine.count)]
 
     monkeypatch.setattr(run_engines, "start_job_engines", start_job_engines)
     return calls
@@ -35,7 +35,7 @@ def starts(monkeypatch):
 def _cfg(tmp_path, *overrides):
     from mrl.config.load import compose
 
-    return compose([f"run_dir={tmp_path}", "rollout.num_engines=2", *overrides])
+    return compose([f"run_dir={tmp_path}", "engine.count=2", *overrides])
 
 
 def test_the_jobs_engines_start_early_once(tmp_path, starts):
@@ -48,12 +48,12 @@ def test_the_jobs_engines_start_early_once(tmp_path, starts):
 
 
 def test_colocated_engines_start_when_the_controller_asks(tmp_path, starts):
-    engines = run_engines.RunEngines(_cfg(tmp_path, "rollout.memory_saver=true")).start_early()
+    engines = run_engines.RunEngines(_cfg(tmp_path, "engine.memory_saver=true")).start_early()
     assert starts == [] and engines.started == []
     assert len(engines.ready()) == 2 and starts == [2]
 
 
 def test_attached_engines_are_never_started(tmp_path, starts):
-    engines = run_engines.RunEngines(_cfg(tmp_path, "rollout.engine_urls=[http://a:1,http://b:2]")).start_early()
+    engines = run_engines.RunEngines(_cfg(tmp_path, "engine.urls=[http://a:1,http://b:2]")).start_early()
     assert [e.url for e in engines.ready()] == ["http://a:1", "http://b:2"]
     assert starts == [] and engines.started == []
