@@ -62,6 +62,41 @@ def test_no_import_cycle_between_packages():
     assert not cycles, "package import cycles: " + "; ".join(sorted(cycles))
 
 
+def _module_edges() -> dict[str, set[str]]:
+    """module -> the mrl modules it imports (at any depth): ``from a.b import c`` names ``a.b.c`` when that is a
+    module, else ``a.b``; a module's own parent packages are left out (Python loads them first anyway)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for module, path in modules.items():
+        for target, names, _ in _imports(path):
+            for t in [f"{target}.{n}" if f"{target}.{n}" in modules else target for n in names] or [target]:
+                if t in modules and t != module and not module.startswith(t + "."):
+                    edges[module].add(t)
+    return edges
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules import each other, directly or around a loop (a function-local import included): the
+    shared names live in the lower module."""
+    edges = _module_edges()
+    cycles = set()
+    for start in list(edges):
+        path, stack = {start: None}, [start]
+        while stack:
+            x = stack.pop()
+            for y in edges.get(x, ()):
+                if y == start:
+                    loop, at = [start], x
+                    while at != start:
+                        loop.append(at)
+                        at = path[at]
+                    cycles.add(" -> ".join(sorted(loop)))
+                elif y not in path:
+                    path[y] = x
+                    stack.append(y)
+    assert not cycles, f"module import cycles: {sorted(cycles)}"
+
+
 def test_no_private_name_imported_from_another_module():
     bad = []
     for module, path in _modules().items():
@@ -72,7 +107,7 @@ def test_no_private_name_imported_from_another_module():
     assert not bad, bad
 
 
-def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
+def test_the_checks_see_cycles_and_a_private_import(tmp_path, monkeypatch):
     """The walkers above find what they look for (a fixture package with both faults)."""
     pkg = tmp_path / "mrl"
     (pkg / "a").mkdir(parents=True)
@@ -80,7 +115,11 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
     (pkg / "a" / "__init__.py").write_text("from mrl.b.x import _hidden\n")
     (pkg / "b" / "__init__.py").write_text("")
     (pkg / "b" / "x.py").write_text("def f():\n    import mrl.a\n_hidden = 1\n")
+    (pkg / "b" / "low.py").write_text("def g():\n    from mrl.b import up\n")
+    (pkg / "b" / "up.py").write_text("from mrl.b.low import g\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="mrl.b.low -> mrl.b.up"):
+        test_no_import_cycle_between_modules()
     try:
         test_no_import_cycle_between_packages()
     except AssertionError as e:
