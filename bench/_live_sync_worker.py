@@ -4,7 +4,7 @@
         --engine-device cuda:1 --reps 5 --out sync.json
 
 The trainer side is mrl's real one: megatron model (any layout), params in megatron's DDP buffer as in
-training, ``EngineSync`` (pause, flush, streamed buckets over NCCL/gloo, version stamp, continue). The
+training, ``FullWeightChannel`` (pause, flush, streamed buckets over NCCL/gloo, version stamp, continue). The
 raw baseline broadcasts the same number of bytes as one buffer from trainer rank 0 to a plain torch
 process on the engine's device (``--engine-device``), over a group built the same way; sync and raw
 repetitions alternate after one warm-up of each. A receiver posts each broadcast only when the trainer is
@@ -50,7 +50,8 @@ from mrl.sglang.endpoint import free_port
 from _engine_shards import engine_shard, expert_layouts, fp8_checker_view, sampled_names
 from mrl.engine.server.update_stats import STATS_OFF, top_ops
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
-from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.factory import make_transport
+from mrl.weight_sync.full import FullWeightChannel
 from mrl.sglang.endpoint import EngineEndpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -271,7 +272,7 @@ def main() -> int:
                                          padded_vocab=m.padded_vocab, engines=engines,
                                          bucket_bytes=int(a.bucket_mb * (1 << 20)), export_dir=None,
                                          config_src=a.hf, dtype=sync_dtype, fp8=fp8)
-        syncer = EngineSync(transport, disk, layout, engines)
+        syncer = FullWeightChannel(transport, disk, layout, engines)
         syncer.connect()
         return transport, syncer
 
@@ -322,7 +323,7 @@ def main() -> int:
         return time.perf_counter() - t
 
     batched: list[str] = []
-    phases: list[dict[str, float]] = []  # the sequence's phases (EngineSync), per batched sync
+    phases: list[dict[str, float]] = []  # the sequence's phases (FullWeightChannel), per batched sync
 
     def sync(v: int, per_bucket: bool = False) -> tuple[float, float]:
         transport.executor.batch_requests = not per_bucket

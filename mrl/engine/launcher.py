@@ -133,7 +133,7 @@ class Engine:
     """CPU mode: torch/OpenMP threads per TP rank (None: the rank's share of ``cpus``)."""
     lora: LoraEngineSpec | None = None
     """LoRA runs: the adapter pool (``--enable-lora`` and its sizes); adapters are loaded after start
-    (``mrl.weight_sync.lora``)."""
+    (``mrl.weight_sync.adapter``)."""
     secrets: EngineSecrets | None = None
     """The run's keys; ``start`` takes ``ensure_run_secrets()`` when None."""
     proc: subprocess.Popen | None = field(default=None, init=False)

@@ -1,10 +1,11 @@
-"""Executes a weight-sync plan: gathers shards, converts to HF names, streams flattened buckets.
+"""The bucket executor the distributed and tensor transports share: runs a weight-sync plan, gathers shards,
+converts to HF names, streams flattened buckets.
 
-    sync = DistributedWeightSync(model=m, layout=layout, bridge=bridge, padded_vocab=vp,
-                                 engines=[EngineEndpoint(url, tp=1)], bucket_bytes=512 << 20)
-    sync.connect()            # one weight-update group per sender (PP stage x EP rank)
-    stats = sync.push()       # every rank calls it; engines must be paused by the controller
-    sync.close()
+    ex = BucketExecutor(model=m, layout=layout, bridge=bridge, padded_vocab=vp,
+                        engines=[EngineEndpoint(url, tp=1)], bucket_bytes=512 << 20)
+    ex.connect()              # one weight-update group per sender (PP stage x EP rank)
+    stats = ex.push()         # every rank calls it; engines must be paused by the controller
+    ex.close()
 
 Per sender, bucket k is broadcast asynchronously while bucket k+1 is gathered (TP / expert-TP
 shards to the sender only, never the whole model on one rank) into the other of two reused send
@@ -49,7 +50,7 @@ from mrl.weight_sync.group import abort_sender_group, create_sender_group, destr
 from mrl.sglang.pipeline import post_pipelined
 from mrl.weight_sync.planner import Bucket, SyncPlan, TrainerLayout, plan_sync
 from mrl.sglang.endpoint import EngineEndpoint
-from mrl.weight_sync.transport import LoopThread, PushStats, Transport, any_rank, union_failures
+from mrl.weight_sync.transport import LoopThread, PushStats, any_rank, union_failures
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +61,27 @@ def trainer_layout(layout: Layout, num_layers: int) -> TrainerLayout:
                          stage_layers=tuple(c.stage_layers(num_layers)))
 
 
-class DistributedWeightSync:
+class PushWatch:
+    """The phase boundaries of a push, for whoever times them (``BucketExecutor.watch``); this one does nothing.
+    Per push: ``begin``, then per bucket step ``bucket(step)`` and ``mark(phase)`` as each phase ends
+    (``settle_before``, ``fill``, on gloo ``settle_previous``, ``issue``), then ``bucket(None)``,
+    ``mark("settle_last")`` and on the controller ``mark("engine_answers")``; ``posted`` when the controller's
+    update requests to an engine leave (its HTTP loop's thread)."""
+
+    def begin(self) -> None:
+        pass
+
+    def bucket(self, step: BucketStep | None) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def posted(self) -> None:
+        pass
+
+
+class BucketExecutor:
     def __init__(self, *, model: torch.nn.Module, layout: Layout, bridge: ModelBridge, padded_vocab: int,
                  engines: list[EngineEndpoint], bucket_bytes: int = 512 << 20, dtype: str = "float32",
                  master_address: str | None = None, group_prefix: str = "mrl", timeout_s: float = 300.0,
@@ -86,14 +107,10 @@ class DistributedWeightSync:
         self._pg = None
         self._members_gone = False  # an engine of the groups was found dead or hung (``forget``)
         self._io = LoopThread() if self.is_controller else None
-        self.batch_requests = True
-        """Engines that announce it get every bucket of a sync in one request; False: one request per bucket
-        to every engine (comparisons)."""
-        self._clients = [EngineClient(e) for e in engines] if self.is_controller else []
-        self.timings: list[list[dict]] | None = None
-        """A list (benchmarks): each push appends this rank's host seconds per bucket step (``_timed``), and on
-        the controller, in its last row, ``posted_at``: when the bucket requests left (``time.time()``)."""
-        self.posted_at = 0.0
+        self.clients = [EngineClient(e) for e in engines] if self.is_controller else []
+        """The controller's, one per engine: an engine whose client holds ``batched_groups`` takes every bucket
+        of a sync in one request."""
+        self.watch = PushWatch()
 
     def _replan(self, plan: SyncPlan) -> None:
         self.plan = plan
@@ -148,8 +165,8 @@ class DistributedWeightSync:
             return first
 
         async def all_engines():
-            errs = await asyncio.gather(*(one_engine(c, make_calls()) for c in self._clients))
-            return {c.url: e for c, e in zip(self._clients, errs) if e is not None}
+            errs = await asyncio.gather(*(one_engine(c, make_calls()) for c in self.clients))
+            return {c.url: e for c, e in zip(self.clients, errs) if e is not None}
 
         return self._io.submit(all_engines())
 
@@ -189,9 +206,9 @@ class DistributedWeightSync:
     def forget(self, urls: list[str]) -> None:
         """Dead or hung engines: no teardown requests to them, and the groups they belong to are aborted,
         not destroyed (an NCCL communicator's destroy can wait on a stopped peer)."""
-        gone = [c for c in self._clients if c.url in urls]
+        gone = [c for c in self.clients if c.url in urls]
         if gone:
-            self._clients = [c for c in self._clients if c.url not in urls]
+            self.clients = [c for c in self.clients if c.url not in urls]
             self._io.submit(close_clients(gone)).result(30)
         self._members_gone = self._members_gone or any(e.url in urls for e in self.engines)
 
@@ -207,7 +224,7 @@ class DistributedWeightSync:
         self.release_buffers()
         if fut is not None:
             fut.result(self.timeout_s)
-            self._io.submit(close_clients(self._clients)).result(30)
+            self._io.submit(close_clients(self.clients)).result(30)
             self._io.close()
         dist.barrier()
 
@@ -258,23 +275,24 @@ class DistributedWeightSync:
         Engines that take a sync's buckets in one request get ``version`` stamped with it (``PushStats.stamped``)."""
         if self.broken:
             raise RuntimeError("weight sync: push without a weight-update group (not connected, or torn down by "
-                               "a failed push: EngineSync reconnects)")
+                               "a failed push: FullWeightChannel reconnects)")
         t0 = time.perf_counter()
         posted = self._post_updates(version) if self.is_controller else None
         steps = self.steps()
         in_flight: dict[int, tuple] = {}  # send buffer slot -> (work, bucket) of its last broadcast
         sent = nbytes = in_place = 0
         failed: dict[str, str] = {}
-        clock = _timed(self.timings, steps)
+        watch = self.watch
+        watch.begin()
         for step in steps:
-            clock.next(step)
+            watch.bucket(step)
             if step.flat is not None and step.slot in in_flight:  # the buffer is free once its broadcast is done
                 self._settle(*in_flight.pop(step.slot), failed, block=not compat.HAS_CUDA)
             if failed and self._pg is not None:
                 self._abort(in_flight)
-            clock.mark("settle_before")
+            watch.mark("settle_before")
             step.fill()  # joins the gathers even after a failure, so the other ranks never wait on us
-            clock.mark("fill")
+            watch.mark("fill")
             if step.flat is None or failed:
                 continue
             if not compat.HAS_CUDA:  # gloo: one broadcast at a time (receivers buffer early data: copies)
@@ -283,17 +301,17 @@ class DistributedWeightSync:
                 if failed:
                     self._abort(in_flight)
                     continue
-                clock.mark("settle_previous")
+                watch.mark("settle_previous")
             flat = step.flat
             in_flight[step.slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), step.bucket)
-            clock.mark("issue")
+            watch.mark("issue")
             sent += 1
             nbytes += flat.numel()
             in_place += flat.numel() if step.in_place else 0
-        clock.next(None)
+        watch.bucket(None)
         for work, bucket in list(in_flight.values()):
             self._settle(work, bucket, failed, block=True)
-        clock.mark("settle_last")
+        watch.mark("settle_last")
         if failed and self._pg is not None:
             self._abort(in_flight)
         stamped: list[str] = []
@@ -301,8 +319,7 @@ class DistributedWeightSync:
             errs, stamped = posted.result(self.timeout_s * max(1, len(self._global)))
             for url, err in errs.items():
                 failed.setdefault(url, err)
-            clock.mark("engine_answers")
-            clock.note(posted_at=self.posted_at)
+            watch.mark("engine_answers")
         failed = union_failures(self.layout, failed)
         broken = bool(failed) and any_rank(self.layout, self.broken)  # only then a collective: ranks agree on failed
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=sent,
@@ -311,7 +328,7 @@ class DistributedWeightSync:
 
     @property
     def broken(self) -> bool:
-        """A failed broadcast tore this sender's group down: the groups must be rebuilt (``EngineSync``)."""
+        """A failed broadcast tore this sender's group down: the groups must be rebuilt (``FullWeightChannel``)."""
         return self.is_sender and self._pg is None
 
     def _abort(self, in_flight: dict) -> None:
@@ -391,10 +408,10 @@ class DistributedWeightSync:
             missing = sorted(groups - client.groups)
             if missing:  # an unknown group kills the 0.5.10 scheduler: send nothing
                 return str(EngineGuardError(client.url, ep, f"groups {missing} were not created by this client")), False
-            one = self.batch_requests and groups <= client.batched_groups
+            one = groups <= client.batched_groups
             form = ("kept" if self.layout_key in client.kept_layouts else "keep") if client.keeps_layouts else "plain"
             self.sent_forms[client.url] = form if one else "per_bucket"
-            self.posted_at = time.time()  # wall clock, for the engine's side of the same sync (benchmarks)
+            self.watch.posted()
             answers = await post_pipelined(client.url, ep, [self._batched_body(version, form)] if one else bodies,
                                            timeout=client.timeouts.weight_update,
                                            connect_timeout=client.timeouts.connect,
@@ -410,41 +427,11 @@ class DistributedWeightSync:
             return first, one and first is None and version is not None
 
         async def all_engines():
-            res = await asyncio.gather(*(one_engine(c) for c in self._clients))
-            return ({c.url: e for c, (e, _) in zip(self._clients, res) if e is not None},
-                    [c.url for c, (_, stamped) in zip(self._clients, res) if stamped])
+            res = await asyncio.gather(*(one_engine(c) for c in self.clients))
+            return ({c.url: e for c, (e, _) in zip(self.clients, res) if e is not None},
+                    [c.url for c, (_, stamped) in zip(self.clients, res) if stamped])
 
         return self._io.submit(all_engines())
-
-
-class _timed:
-    """Host seconds per bucket step of one push into ``into`` (a list, or None: nothing recorded)."""
-
-    def __init__(self, into: list | None, steps: list[BucketStep]):
-        self.rows: list[dict] | None = None if into is None else []
-        if self.rows is not None:
-            into.append(self.rows)
-        self.row: dict = {}
-        self.t = time.perf_counter()
-
-    def next(self, step: BucketStep | None) -> None:
-        if self.rows is None:
-            return
-        self.row = ({"bucket": step.bucket.index, "sender": step.bucket.sender, "in_place": step.in_place,
-                     "gathers": len(step.gathers), "bytes": 0 if step.flat is None else step.flat.numel()}
-                    if step is not None else {"bucket": None})
-        self.rows.append(self.row)
-        self.t = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        if self.rows is not None:
-            now = time.perf_counter()
-            self.row[f"{phase}_s"] = now - self.t
-            self.t = now
-
-    def note(self, **values) -> None:
-        if self.rows is not None:
-            self.row.update(values)
 
 
 def _check_answer(url: str, ep: str, answer) -> str:
@@ -464,24 +451,3 @@ def _check_answer(url: str, ep: str, answer) -> str:
     if body is None:
         raise EngineProtocolError(url, ep, f"HTTP {status}: not JSON: {text[:160]!r}")
     return parse_success(body, (url, ep))
-
-
-class DistributedTransport(Transport):
-    name = "distributed"
-
-    def __init__(self, executor: DistributedWeightSync):
-        self.executor = executor
-
-    def connect(self) -> None:
-        self.executor.connect()
-
-    def push(self, version: str, engines: list[EngineEndpoint] | None = None) -> PushStats:
-        if engines is not None and set(engines) != set(self.executor.engines):
-            raise ValueError("the distributed transport pushes to every engine of its groups at once")
-        return self.executor.push(version)
-
-    def forget(self, urls: list[str]) -> None:
-        self.executor.forget(urls)
-
-    def close(self) -> None:
-        self.executor.close()

@@ -316,8 +316,8 @@ def test_both_sides_of_the_rank_interface_implement_every_call_the_loop_makes():
 def test_the_loop_holds_one_weight_channel():
     """Full-weight and adapter sync are both a ``WeightChannel``; the loop's annotation names only that."""
     loop = (ROOT / "mrl" / "trainer" / "loop.py").read_text()
-    assert "self.syncer: WeightChannel | None" in loop and "EngineSync | AdapterChannel" not in loop
-    for path, cls in (("sync.py", "EngineSync"), ("lora.py", "AdapterChannel")):
+    assert "self.syncer: WeightChannel | None" in loop and "FullWeightChannel | AdapterChannel" not in loop
+    for path, cls in (("full.py", "FullWeightChannel"), ("adapter.py", "AdapterChannel")):
         node = next(n for n in ast.parse((ROOT / "mrl" / "weight_sync" / path).read_text()).body
                     if isinstance(n, ast.ClassDef) and n.name == cls)
         assert [b.id for b in node.bases if isinstance(b, ast.Name)] == ["WeightChannel"], cls
