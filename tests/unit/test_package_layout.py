@@ -164,7 +164,7 @@ def test_each_process_has_its_folder():
                if not (ROOT / "mrl" / d / f"{m}.py").is_file()]
     assert not missing, missing
     assert not (ROOT / "mrl" / "train.py").exists(), "the loop lives in mrl/trainer; `mrl train` is the one entry"
-    server_side = {"patches", "replayed_load", "cpu_attention", "update_stats", "sitecustomize"}
+    server_side = {"patches", "replayed_load", "cpu_attention", "sitecustomize"}
     strays = [str(p.relative_to(ROOT)) for p in (ROOT / "mrl").rglob("*.py")
               if p.stem in server_side and "engine/server" not in p.as_posix()]
     assert not strays, f"engine-server modules outside mrl/engine/server: {strays}"
@@ -287,6 +287,69 @@ def test_the_checks_see_a_fault_switch_a_hook_and_a_test_only_name(tmp_path, mon
     with pytest.raises(AssertionError) as e:
         test_no_name_in_the_package_is_used_by_tests_alone()
     assert "peek" in str(e.value) and "push" not in str(e.value).replace("PUSH", "")
+
+
+# -- no benchmark-only code in the package -------------------------------------------------------------
+BENCH_ONLY = {
+    # engine switches that existed only for comparisons, and the engine's update figures: bench/_engine_shim
+    # leaves the patches out (BENCH_BASELINE) and installs the figures as the patches' ``watch``
+    "MRL_COMPACT_ROUTES", "MRL_REPLAYED_LOAD", "MRL_LOAD_STREAM", "MRL_SYNC_STATS_DIR", "COMPACT_ROUTES_ENV",
+    "REPLAYED_LOAD_ENV", "LOAD_STREAM_ENV", "SYNC_STATS_ENV", "STATS_OFF", "engine_env", "observed", "top_ops",
+    # the executor's per-bucket timings and its one-request-per-bucket switch: bench/_live_sync_worker.py
+    # (a ``PushWatch`` of its own, the engines' announcement hidden from the clients)
+    "timings", "posted_at", "batch_requests", "_timed",
+}
+"""Names removed from mrl/ because only bench/ set or read them; the figures and comparisons live in bench/, and
+the package offers at most a neutral seam (``executor.PushWatch``, ``patches.UpdateWatch``)."""
+PLAIN_WORDS = {"timings", "posted_at"}
+"""Of ``BENCH_ONLY``, words an argument may well be called (``moe_tuning``'s timings): refused as attributes."""
+
+
+def test_no_benchmark_only_name_in_the_package():
+    """None of ``BENCH_ONLY`` is defined in mrl/ (a function, class, attribute, argument or module-level name) or
+    named in a string there (an environment variable), no module is named after one, and nothing in mrl/
+    names the bench's own engine environment (``BENCH_*``)."""
+    bad = []
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        where = str(path.relative_to(ROOT))
+        if set(module.split(".")) & BENCH_ONLY or path.stem == "update_stats":
+            bad.append(f"{where}: a module of its own")
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.arg):
+                names = [node.arg] if node.arg not in PLAIN_WORDS else []
+            elif isinstance(node, ast.keyword) and node.arg:
+                names = [node.arg] if node.arg not in PLAIN_WORDS else []
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names = [node.attr]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and id(node) in top:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [w for w in re.findall(r"\b(?:MRL|BENCH)_[A-Z0-9_]+", node.value)
+                         if w in BENCH_ONLY or w.startswith("BENCH_")]
+            bad += [f"{where}:{getattr(node, 'lineno', '?')} {n}" for n in names if n in BENCH_ONLY or
+                    n.startswith("BENCH_")]
+    assert not bad, f"benchmark-only names in mrl/: {bad}"
+
+
+def test_the_check_sees_benchmark_only_names(tmp_path, monkeypatch):
+    """The check above finds each kind: an attribute, an environment variable in a string, a module-level
+    constant, a module named after the engine's figures."""
+    (tmp_path / "mrl" / "engine").mkdir(parents=True)
+    (tmp_path / "mrl" / "x.py").write_text(
+        "import os\n\nLOAD_STREAM_ENV = 'MRL_LOAD_STREAM'\n\n\nclass Ex:\n    def __init__(self):\n"
+        "        self.timings = None\n        self.on = os.environ.get('BENCH_BASELINE')\n")
+    (tmp_path / "mrl" / "engine" / "update_stats.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError) as e:
+        test_no_benchmark_only_name_in_the_package()
+    for found in ("LOAD_STREAM_ENV", "MRL_LOAD_STREAM", "timings", "BENCH_BASELINE", "update_stats.py"):
+        assert found in str(e.value), found
 
 
 # -- one interface per seam ----------------------------------------------------------------------------
