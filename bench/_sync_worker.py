@@ -66,9 +66,9 @@ poster = _Poster() if layout.world_rank == 0 else None
 
 def bench(bucket_mb: float) -> dict:
     sync = BucketExecutor(model=model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                 engines=engines, bucket_bytes=int(bucket_mb * (1 << 20)),
-                                 dtype="bfloat16" if a.dtype == "bf16" else "float32",
-                                 group_prefix=f"mrl-b{bucket_mb:g}".replace(".", "_"))
+                          engines=engines, bucket_bytes=int(bucket_mb * (1 << 20)),
+                          dtype="bfloat16" if a.dtype == "bf16" else "float32",
+                          group_prefix=f"mrl-b{bucket_mb:g}".replace(".", "_"))
     sync.connect()
     my_bytes = sum(b.nbytes for b in sync.plan.for_sender(layout.world_rank))
     # every sender's total, in the plan's sender order (= the receivers' group order)

@@ -66,7 +66,7 @@ def check_layout(a, text: str, fp8_dir: str) -> list[dict]:
 
     m = load_model(parse_layout(text, a.hf))
     ex = BucketExecutor(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                               engines=[], bucket_bytes=256 << 10, dtype="bfloat16", fp8=True)
+                        engines=[], bucket_bytes=256 << 10, dtype="bfloat16", fp8=True)
     ex.place_buckets()  # collective; nothing of an FP8 bucket may go in place
     ref = load_file(os.path.join(fp8_dir, "model.safetensors"))
     out = []

@@ -122,7 +122,7 @@ def check_layout(a, rows: list[dict]) -> None:
     for chunk_kib in CHUNK_KIB:
         for dtype in ("float32", "bfloat16"):
             ex = BucketExecutor(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                       engines=[], bucket_bytes=48 << 10, dtype=dtype, chunk_bytes=chunk_kib << 10)
+                                engines=[], bucket_bytes=48 << 10, dtype=dtype, chunk_bytes=chunk_kib << 10)
             phase_rows: list[dict] = []
             _phases(ex, getattr(torch, dtype), phase_rows)
             chunks = max((len(st.gathers) for st in ex.steps()), default=0)
@@ -132,7 +132,7 @@ def check_layout(a, rows: list[dict]) -> None:
     for dtype in ("float32", "bfloat16"):  # the params in a fresh DDP buffer (the trainer's), planned in place
         ddp = wrap_ddp(model, m.cfg)
         ex = BucketExecutor(model=ddp, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                   engines=[], bucket_bytes=48 << 10, dtype=dtype)
+                            engines=[], bucket_bytes=48 << 10, dtype=dtype)
         ex.place_buckets()
         phase_rows = []
         _phases(ex, getattr(torch, dtype), phase_rows)
