@@ -4,7 +4,7 @@
         --engine-device cuda:1 --reps 5 --out sync.json
 
 The trainer side is mrl's real one: megatron model (any layout), params in megatron's DDP buffer as in
-training, ``EngineSync`` (pause, flush, streamed buckets over NCCL/gloo, version stamp, continue). The
+training, ``FullWeightChannel`` (pause, flush, streamed buckets over NCCL/gloo, version stamp, continue). The
 raw baseline broadcasts the same number of bytes as one buffer from trainer rank 0 to a plain torch
 process on the engine's device (``--engine-device``), over a group built the same way; sync and raw
 repetitions alternate after one warm-up of each. A receiver posts each broadcast only when the trainer is
@@ -26,6 +26,7 @@ are stale and the bitwise checks see the syncs' bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -48,9 +49,11 @@ from mrl.megatron.weights import gather_hf, local_params, maps_by_name
 from _bench_common import engine_call
 from mrl.sglang.endpoint import free_port
 from _engine_shards import engine_shard, expert_layouts, fp8_checker_view, sampled_names
-from mrl.engine.server.update_stats import STATS_OFF, top_ops
+from _update_stats import STATS_OFF, top_ops
 from mrl.weight_sync.group import create_sender_group, destroy_sender_group
-from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.factory import make_transport
+from mrl.weight_sync.executor import BucketExecutor, PushWatch
+from mrl.weight_sync.full import FullWeightChannel
 from mrl.sglang.endpoint import EngineEndpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,6 +82,53 @@ print("raw receiver done", flush=True)
 """
 
 
+
+
+class BucketTimings(PushWatch):
+    """Host seconds per bucket step of every push (the executor's ``watch``): ``pushes`` holds a list of rows
+    per push, one per bucket step and a last one for the settling after them; on the controller that last row
+    also holds ``posted_at``, when the bucket requests left (wall clock, for the engine's side of the same sync)."""
+
+    def __init__(self):
+        self.pushes: list[list[dict]] = []
+        self.row: dict = {}
+        self.t = time.perf_counter()
+        self.posted_at = 0.0
+
+    def begin(self) -> None:
+        self.pushes.append([])
+        self.row, self.t = {}, time.perf_counter()
+
+    def bucket(self, step) -> None:
+        self.row = ({"bucket": step.bucket.index, "sender": step.bucket.sender, "in_place": step.in_place,
+                     "gathers": len(step.gathers), "bytes": 0 if step.flat is None else step.flat.numel()}
+                    if step is not None else {"bucket": None})
+        self.pushes[-1].append(self.row)
+        self.t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.row[f"{phase}_s"] = now - self.t
+        self.t = now
+        if phase == "engine_answers":
+            self.row["posted_at"] = self.posted_at
+
+    def posted(self) -> None:
+        self.posted_at = time.time()
+
+
+@contextlib.contextmanager
+def one_request_per_bucket(executor: BucketExecutor):
+    """The comparison of ``--compare-per-bucket``: the engines' announcement that they take every bucket of a
+    sync in one request is hidden from the executor's clients meanwhile, so each bucket goes in a request."""
+    kept = [(c, set(c.batched_groups)) for c in executor.clients]
+    for c, _ in kept:
+        c.batched_groups.clear()
+    try:
+        yield
+    finally:
+        for c, groups in kept:
+            c.batched_groups |= groups
 
 
 def _probe_logprobs(url: str, probe: list[int]) -> list[float]:
@@ -205,14 +255,15 @@ def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None
     if me == 0:
         for r in range(engine_tp):
             open(os.path.join(a.profile_dir, f"profile_next.tp{r}"), "w").close()
-    measured, executor.timings = executor.timings or [], []
+    measured = executor.watch.pushes if isinstance(executor.watch, BucketTimings) else []
+    executor.watch = BucketTimings()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if compat.HAS_CUDA else [])
     with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         seconds, push = run_sync()
     prof.export_chrome_trace(os.path.join(a.profile_dir, f"trainer_rank{me}_trace.json"))
     mine = {"rank": me, "measured": _medians(measured), "profiled_sync": {"sync_s": seconds, "push_s": push,
-            "per_bucket": executor.timings[0] if executor.timings else []}, "top_ops": top_ops(prof)}
-    executor.timings = None
+            "per_bucket": executor.watch.pushes[0] if executor.watch.pushes else []}, "top_ops": top_ops(prof)}
+    executor.watch = PushWatch()
     box = [None] * layout.world_size
     dist.all_gather_object(box, mine)
     if me != 0:
@@ -221,7 +272,8 @@ def _profiled_sync(a, layout, executor, run_sync, engine_tp: int) -> dict | None
     for r in range(engine_tp):
         path = os.path.join(a.profile_dir, f"tp{r}.jsonl")
         if not os.path.exists(path):
-            engine[f"tp{r}"] = {"error": f"no {path}: was the engine started with MRL_SYNC_STATS_DIR={a.profile_dir}?"}
+            engine[f"tp{r}"] = {"error": f"no {path}: was the engine started with "
+                                         f"BENCH_SYNC_STATS_DIR={a.profile_dir}?"}
             continue
         lines = [json.loads(x) for x in open(path)]
         batched = [x for x in lines if len(x["buckets"]) > 1] or lines  # per-bucket A/B requests: a bucket a line
@@ -246,7 +298,7 @@ def main() -> int:
                          "sync's buckets in one request otherwise)")
     ap.add_argument("--profile-dir", default=None,
                     help="per-bucket host seconds on every trainer rank for every measured sync (and the engine's, "
-                         "when it was started with MRL_SYNC_STATS_DIR set to this directory), then one more sync "
+                         "when it was started with BENCH_SYNC_STATS_DIR set to this directory), then one more sync "
                          "under torch.profiler on every trainer rank and engine TP rank; traces here, a summary "
                          "in the report")
     ap.add_argument("--transport", default="distributed", choices=["distributed", "tensor"],
@@ -271,7 +323,7 @@ def main() -> int:
                                          padded_vocab=m.padded_vocab, engines=engines,
                                          bucket_bytes=int(a.bucket_mb * (1 << 20)), export_dir=None,
                                          config_src=a.hf, dtype=sync_dtype, fp8=fp8)
-        syncer = EngineSync(transport, disk, layout, engines)
+        syncer = FullWeightChannel(transport, disk, layout, engines)
         syncer.connect()
         return transport, syncer
 
@@ -322,18 +374,19 @@ def main() -> int:
         return time.perf_counter() - t
 
     batched: list[str] = []
-    phases: list[dict[str, float]] = []  # the sequence's phases (EngineSync), per batched sync
+    phases: list[dict[str, float]] = []  # the sequence's phases (FullWeightChannel), per batched sync
 
     def sync(v: int, per_bucket: bool = False) -> tuple[float, float]:
-        transport.executor.batch_requests = not per_bucket
-        dist.barrier()
-        t = time.perf_counter()
-        rep = syncer.sync(str(v))
-        dist.barrier()
+        with one_request_per_bucket(transport.executor) if per_bucket else contextlib.nullcontext():
+            dist.barrier()
+            t = time.perf_counter()
+            rep = syncer.sync(str(v))
+            dist.barrier()
+            seconds = time.perf_counter() - t
         if not per_bucket:
             batched[:] = rep.stamped_with_push
             phases.append(rep.phase_seconds)
-        return time.perf_counter() - t, rep.push_seconds
+        return seconds, rep.push_seconds
 
     fp8_s, fp8_push_s, fp8_bytes = [], [], []
 
@@ -381,7 +434,7 @@ def main() -> int:
         if rank0:
             os.remove(stats_off)
         dist.barrier()
-        transport.executor.timings = []
+        transport.executor.watch = BucketTimings()
         instrumented_s = [sync(v)[0] for v in range(a.reps + 2, 2 * a.reps + 2)]
         profile = _profiled_sync(a, layout, transport.executor, lambda: sync(2 * a.reps + 2), int(tp or 1))
 

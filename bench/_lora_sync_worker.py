@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 1 bench/_lora_sync_worker.py --hf DIR --engine URL --ranks 8 64 --reps 5 \\
         --export-dir DIR --out result.json
 
-Full weights: mrl's ``EngineSync`` (pause, flush, push, stamp, continue) over the distributed transport
+Full weights: mrl's ``FullWeightChannel`` (pause, flush, push, stamp, continue) over the distributed transport
 (gloo on CPU) and over the disk transport, the trainer's params in megatron's DDP buffer as in training.
 Adapters: ``AdapterSync`` from tensors (HTTP, plain pickle) and from disk (a PEFT directory), one new
 version per repetition, the previous version unloaded after it (what the rollout side's router does once
@@ -29,8 +29,9 @@ from _bench_common import engine_call
 from mrl.config.lora_engine import ATTENTION, LoraEngineSpec
 from mrl.sglang.wire import adapter_name
 from mrl.sglang.protocol import EngineHTTPError
-from mrl.weight_sync.lora import AdapterSync, random_adapter
-from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.adapter import AdapterSync, random_adapter
+from mrl.weight_sync.factory import make_transport
+from mrl.weight_sync.full import FullWeightChannel
 from mrl.sglang.endpoint import EngineEndpoint
 
 PROMPT = [1, 17, 42, 99, 7, 300, 5, 11, 12, 13, 250, 251, 64, 3, 77, 401] * 4
@@ -67,7 +68,7 @@ def main() -> int:
         transport, disk = make_transport(kind, model=model, layout=layout, bridge=bridge, padded_vocab=m.padded_vocab,
                                          engines=engines, bucket_bytes=512 << 20,
                                          export_dir=os.path.join(a.export_dir, f"full_{kind.value}"), config_src=a.hf)
-        syncers[f"full_{kind.value}"] = EngineSync(transport, disk, layout, engines)
+        syncers[f"full_{kind.value}"] = FullWeightChannel(transport, disk, layout, engines)
         syncers[f"full_{kind.value}"].connect()
     with open(os.path.join(a.hf, "config.json")) as f:
         hf_config = json.load(f)

@@ -18,7 +18,7 @@ from mrl.megatron import compat
 from mrl.megatron.optim import wrap_ddp
 from mrl.megatron.parallel import destroy
 from mrl.weight_sync.copy_plan import BucketStep
-from mrl.weight_sync.distributed import DistributedWeightSync
+from mrl.weight_sync.executor import BucketExecutor
 from mrl.jobs.sync_weights import parse_engines
 from _bench_common import timed
 
@@ -65,10 +65,10 @@ poster = _Poster() if layout.world_rank == 0 else None
 
 
 def bench(bucket_mb: float) -> dict:
-    sync = DistributedWeightSync(model=model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                 engines=engines, bucket_bytes=int(bucket_mb * (1 << 20)),
-                                 dtype="bfloat16" if a.dtype == "bf16" else "float32",
-                                 group_prefix=f"mrl-b{bucket_mb:g}".replace(".", "_"))
+    sync = BucketExecutor(model=model, layout=layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                          engines=engines, bucket_bytes=int(bucket_mb * (1 << 20)),
+                          dtype="bfloat16" if a.dtype == "bf16" else "float32",
+                          group_prefix=f"mrl-b{bucket_mb:g}".replace(".", "_"))
     sync.connect()
     my_bytes = sum(b.nbytes for b in sync.plan.for_sender(layout.world_rank))
     # every sender's total, in the plan's sender order (= the receivers' group order)

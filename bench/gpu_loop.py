@@ -174,21 +174,9 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
     moe_kernel_configs = server_args.pop("moe_kernel_configs", None)  # `mrl tune-moe` tables
     extra_path = server_args.pop("mrl_pythonpath", None)  # e.g. the stack's DeepGEMM, off the default path
     extra_env = server_args.pop("mrl_env", {})
-    from mrl.engine.cpu_mode import PYSHIM_DIR
     from mrl.engine.launcher import Engine
 
-    env = {"MRL_COMPACT_ROUTES": "0" if a.routes_int32 else "1", "MRL_REPLAYED_LOAD": "0" if a.load_weights else "1"}
-    if a.sync_profile:
-        from mrl.engine.server.update_stats import SYNC_STATS_ENV
-
-        os.makedirs(_profile_dir(a), exist_ok=True)
-        env[SYNC_STATS_ENV] = _profile_dir(a)
-    if a.cpu:  # SGLang's checksums of the bitwise check need bench/_cpu_engine_shim on CPU
-        env["PYTHONPATH"] = ":".join([os.path.join(HERE, "_cpu_engine_shim"), PYSHIM_DIR, _pythonpath()])
-    elif extra_path:
-        from mrl.engine import gpu_mode
-
-        env["PYTHONPATH"] = f"{extra_path}:{gpu_mode.gpu_env()['PYTHONPATH']}"  # mrl's shim stays on it
+    env = engine_shim_env(a, extra_path)
     env |= {str(k): str(v) for k, v in extra_env.items()}
     env |= dict(kv.split("=", 1) for kv in a.engine_env)
     return Engine(model_path=hf, cpu_mode=a.cpu, tp=a.engine_tp, log_dir=os.path.join(a.out, "engines"), name=name,
@@ -199,6 +187,28 @@ def _engine(a, hf: str, name: str, routes: bool, gpu: str, *, quantization: str 
                   kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
                   moe_kernel_configs=moe_kernel_configs,
                   server_args=({} if a.cpu else {"cuda_graph_max_bs": max(a.batches)}) | server_args, env=env)
+
+
+def engine_shim_env(a, extra_path: str | None = None) -> dict[str, str]:
+    """The bench's engine shim (``bench/_engine_shim``) before mrl's on the engine's path, and what it installs:
+    the baselines asked for (``--routes-int32``, ``--load-weights``, ``--load-stream-off``), the update figures
+    (``--sync-profile``) and, on CPU, the no-op ``torch.cuda.synchronize`` of the bitwise check's checksums."""
+    from mrl.engine import gpu_mode
+    from mrl.engine.cpu_mode import PYSHIM_DIR
+
+    shim = os.path.join(HERE, "_engine_shim")
+    mrl_path = f"{PYSHIM_DIR}:{_pythonpath()}" if a.cpu else gpu_mode.gpu_env()["PYTHONPATH"]
+    env = {"PYTHONPATH": ":".join(p for p in (shim, "" if a.cpu else extra_path, mrl_path) if p)}
+    baseline = [b for b, on in (("compact_routes", a.routes_int32), ("replayed_load", a.load_weights),
+                                ("load_stream", a.load_stream_off)) if on]
+    if baseline:
+        env["BENCH_BASELINE"] = ",".join(baseline)
+    if a.sync_profile:
+        os.makedirs(_profile_dir(a), exist_ok=True)
+        env["BENCH_SYNC_STATS_DIR"] = _profile_dir(a)
+    if a.cpu:
+        env["BENCH_CPU_ENGINE"] = "1"
+    return env
 
 
 def _wait_healthy(engine, timeout: float) -> float:
@@ -377,13 +387,13 @@ def main() -> int:
                     help="sync: each repetition also with one update request per bucket (A/B)")
     ap.add_argument("--sync-profile", action="store_true",
                     help="sync: after the timed syncs (run without it), as many more with per-bucket seconds on "
-                         "every trainer rank and engine TP rank (the engine's from MRL_SYNC_STATS_DIR: waiting for "
+                         "every trainer rank and engine TP rank (the engine's from bench/_update_stats.py: waiting for "
                          "a buffer, receiving, loading, on GPU device seconds too; its load path and copy counts; "
                          "the request's latency to the model runner), then one more sync under torch.profiler "
                          "(CPU + CUDA) on each; traces in OUT/sync_profile, summary under sync.profile")
     ap.add_argument("--routes-int32", action="store_true",
-                    help="the engine sends SGLang's own int32 routes (MRL_COMPACT_ROUTES=0): the baseline for "
-                         "mrl's compact routes")
+                    help="the engine sends SGLang's own int32 routes (mrl's compact routes left out by the "
+                         "bench's engine shim): their baseline")
     ap.add_argument("--py-spy", type=int, default=0,
                     help="rollout: sample the engine's processes with py-spy for this many seconds during the "
                          "first repetition's largest batch, routes off and on (where the routes' cost sits)")
@@ -397,11 +407,13 @@ def main() -> int:
     ap.add_argument("--remove-checkpoints", action="store_true",
                     help="delete the random checkpoint and its FP8 export when the run ends")
     ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="more environment for every engine this run starts, e.g. MRL_LOAD_STREAM=0 (a batched "
-                         "update's copies on the receiving stream: the baseline for mrl's load stream)")
+                    help="more environment for every engine this run starts")
     ap.add_argument("--load-weights", action="store_true",
-                    help="the engine loads every weight bucket through the model's load_weights (MRL_REPLAYED_LOAD=0): "
-                         "the baseline for mrl's replayed loads")
+                    help="the engine loads every weight bucket through the model's load_weights (mrl's replayed "
+                         "loads left out by the bench's engine shim): their baseline")
+    ap.add_argument("--load-stream-off", action="store_true",
+                    help="a batched update's copies run on the engine's receiving stream, after each receive: the "
+                         "baseline for mrl's load stream")
     a = ap.parse_args()
     if any("=" not in kv for kv in a.engine_env):
         ap.error(f"--engine-env takes KEY=VALUE: got {a.engine_env}")

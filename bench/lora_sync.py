@@ -4,8 +4,8 @@
     python bench/lora_sync.py --reps 9 --ranks 8 16 --preset stress_a
 
 One engine (CPU mode, TP1) started with the LoRA flags serves both kinds. Full weights go through mrl's
-weight sync (``EngineSync``: pause, flush, push, stamp, continue) over the distributed transport (gloo)
-and the disk transport; adapters through ``mrl.weight_sync.lora.AdapterSync`` from tensors (HTTP) and
+weight sync (``FullWeightChannel``: pause, flush, push, stamp, continue) over the distributed transport (gloo)
+and the disk transport; adapters through ``mrl.weight_sync.adapter.AdapterSync`` from tensors (HTTP) and
 from disk (PEFT directory), a new version each time, the previous one unloaded afterwards. Per kind:
 wall seconds of the sync as the trainer sees it, bytes (tensor bytes; for adapters also the bytes on the
 wire), the engine's own load time for adapters, and the latency of the first request on the new weights.

@@ -134,7 +134,7 @@ class LoraEngineSpec:
 def lora_engine_spec(cfg) -> LoraEngineSpec | None:
     """The engines' LoRA spec of a run config (None when ``model.lora`` is off), refusing, with the field
     named, what the engines could not serve. Adapters always reach the engines over HTTP
-    (``mrl.weight_sync.lora``): ``weight_sync.transport`` keeps choosing the path of the base weights,
+    (``mrl.weight_sync.adapter``): ``weight_sync.transport`` keeps choosing the path of the base weights,
     which a LoRA run never changes after launch, so every transport is accepted (``disk`` also writes
     each adapter to ``weight_sync.export_dir`` and has the engines load it from there)."""
     lora = getattr(cfg.model, "lora", None)

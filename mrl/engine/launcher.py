@@ -30,7 +30,6 @@ from typing import Any
 
 from mrl.process import become_subreaper, child_setup, on_lasting_thread, open_files, reap_zombies
 from mrl.engine import cpu_mode, gpu_mode
-from mrl.engine.server import patches
 from mrl.config.lora_engine import LoraEngineSpec
 from mrl.sglang.endpoint import EngineEndpoint, free_port
 from mrl.sglang.keys import EngineSecrets, ensure_run_secrets
@@ -133,7 +132,7 @@ class Engine:
     """CPU mode: torch/OpenMP threads per TP rank (None: the rank's share of ``cpus``)."""
     lora: LoraEngineSpec | None = None
     """LoRA runs: the adapter pool (``--enable-lora`` and its sizes); adapters are loaded after start
-    (``mrl.weight_sync.lora``)."""
+    (``mrl.weight_sync.adapter``)."""
     secrets: EngineSecrets | None = None
     """The run's keys; ``start`` takes ``ensure_run_secrets()`` when None."""
     proc: subprocess.Popen | None = field(default=None, init=False)
@@ -235,7 +234,6 @@ class Engine:
 
                 env["SGLANG_MOE_CONFIG_DIR"] = merged_config_dir(
                     os.path.expanduser(self.moe_kernel_configs), os.path.join(self.log_dir, f"{self.name}_moe_configs"))
-        patches.engine_env(env)
         return env
 
     def start(self) -> "Engine":

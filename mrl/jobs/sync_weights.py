@@ -26,7 +26,8 @@ from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
 from mrl.config.schema import WeightTransport
 from mrl.sglang.client import EngineClient
-from mrl.weight_sync.sync import EngineSync, make_transport
+from mrl.weight_sync.factory import make_transport
+from mrl.weight_sync.full import FullWeightChannel
 from mrl.sglang.endpoint import EngineEndpoint
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     transport, disk = make_transport(WeightTransport(a.transport), model=model, layout=layout, bridge=bridge,
                                      padded_vocab=vp, engines=engines, bucket_bytes=int(a.bucket_mb * (1 << 20)),
                                      export_dir=a.repair_dir, config_src=a.hf)
-    syncer = EngineSync(transport, disk, layout, engines)
+    syncer = FullWeightChannel(transport, disk, layout, engines)
     syncer.connect()
     for i in range(a.repeat):
         rep = syncer.sync(a.version if i == a.repeat - 1 else f"{a.version}-{i}")

@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 
 from mrl.log import get_logger
 from mrl.models.checkpoint import HFCheckpoint
-from mrl.quant.fp8 import BLOCK_SIZE, quantize_block_fp8
+from mrl.quant.fp8 import quantize_block_fp8
+from mrl.quant.fp8_format import BLOCK_SIZE
 from mrl.quant.fp8_targets import check_fused_groups, is_fp8_target, modules_to_not_convert, scale_inv_name
 
 logger = get_logger(__name__)

@@ -21,26 +21,13 @@ from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
-"""Largest finite ``float8_e4m3fn``."""
-BLOCK_SIZE = (128, 128)
-"""(rows, columns) of one scale block: ``weight_block_size`` of block-FP8 checkpoints (DeepSeek-V3, Qwen3)."""
-SCALE_FLOOR = torch.finfo(torch.float32).tiny
-"""Smallest ``scale_inv``; only blocks whose amax is under ``448 * SCALE_FLOOR`` (all-zero ones) get it."""
-AMAX_FLOOR = E4M3_MAX * SCALE_FLOOR
-"""amax floor that gives SCALE_FLOOR exactly (448 * 2^-126 is exact in fp32, and so is its division by 448)."""
+from mrl.quant.fp8_format import AMAX_FLOOR, BLOCK_SIZE, E4M3_MAX, scale_shape
+
 BACKENDS = ("auto", "torch", "triton")
 
 
 class Fp8BackendUnavailable(RuntimeError):
     pass
-
-
-def scale_shape(shape: tuple[int, ...], block_size: tuple[int, int] = BLOCK_SIZE) -> tuple[int, ...]:
-    """Shape of ``scale_inv`` for a weight (or expert stack) of ``shape``."""
-    *lead, n, k = shape
-    bn, bk = block_size
-    return (*lead, -(-n // bn), -(-k // bk))
 
 
 def _check(w: torch.Tensor, block_size: tuple[int, int]) -> None:

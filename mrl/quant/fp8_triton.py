@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mrl.quant.fp8 import AMAX_FLOOR, E4M3_MAX, scale_shape
+from mrl.quant.fp8_format import AMAX_FLOOR, E4M3_MAX, scale_shape
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 ``mrl.config.lora_engine``).
 
     router = AdapterRouter()                        # shared by every RolloutManager of the rollout side
-    router.set_current("policy@v7", 7, clients)     # after every engine holds v7 (``weight_sync.lora``)
+    router.set_current("policy@v7", 7, clients)     # after every engine holds v7 (``weight_sync.adapter``)
 
 SGLang (0.5.10 and 0.5.14) cannot update an adapter in place: loading a name that exists is refused, and
 ``update_weights_*`` never touch adapter buffers. So each policy version is its own adapter,

@@ -301,7 +301,7 @@ class EngineClient:
     # -- LoRA adapters ---------------------------------------------------------------------------
     async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict, serialized_tensors: str, *,
                                              timeout: float | None = None) -> list[str]:
-        """Register adapter ``lora_name`` from ``serialized_tensors`` (``mrl.weight_sync.lora.
+        """Register adapter ``lora_name`` from ``serialized_tensors`` (``mrl.weight_sync.adapter.
         serialize_adapter``: base64 of a plain pickle; a ForkingPickler payload of CPU tensors kills the
         server). SGLang guards this endpoint at the normal level, so it takes the api key, not the admin
         key. Returns the adapters the engine holds afterwards; a name already loaded is refused (400)."""

@@ -51,8 +51,10 @@ from mrl.trainer.phases import StepPhases
 from mrl.trainer.state import LoopState, checkpoint_dir, latest_checkpoint, read_loop_state
 from mrl.trainer.warm_start import sft_warmup
 from mrl.weight_sync.channel import WeightChannel
-from mrl.weight_sync.lora import AdapterChannel
-from mrl.weight_sync.sync import EngineSync, check_finite_weights, make_transport, verify_engines
+from mrl.weight_sync.adapter import AdapterChannel
+from mrl.weight_sync.checks import check_finite_weights, verify_engines
+from mrl.weight_sync.factory import make_transport
+from mrl.weight_sync.full import FullWeightChannel
 from mrl.startup import StartupClock
 
 log = get_logger(__name__)
@@ -185,8 +187,9 @@ class Loop:
         if self.policy.lora is not None:
             self.syncer = self._adapter_channel(endpoints)
         else:
-            self.syncer = EngineSync(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
-                                     model=self.policy.module, probe_timeout_s=self.cfg.weight_sync.probe_timeout_s)
+            self.syncer = FullWeightChannel(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
+                                            model=self.policy.module,
+                                            probe_timeout_s=self.cfg.weight_sync.probe_timeout_s)
         self.syncer.connect()
         self.clock.mark("weights_connected")
         if self.state.step > 0 or t.sft_warmup_steps:  # engines start from the HF checkpoint: bring them level

@@ -1,11 +1,11 @@
-"""FP8 weight sync, the pieces that need no change elsewhere: the FP8 entries of a planned bucket and
-the sender's quantization of a bucket into SGLang's flat byte layout.
+"""FP8 weight sync: the staging layout of an FP8 bucket and the sender's quantization of a bucket into
+SGLang's flat byte layout (the planner itself names each FP8 entry: ``planner.fp8_entries``).
 
 An engine started from a block-FP8 checkpoint (``mrl export-fp8``) takes updates in that checkpoint's
 format: each FP8 target (``mrl.quant.fp8_targets``) as its e4m3 weight and its fp32 ``weight_scale_inv``,
 both HF-named, which SGLang's loader routes like checkpoint tensors. So an FP8 plan is the bf16 plan with
 each target ``HFTensor`` replaced by that pair, inside the same ``PlannedParam`` (same sender, same
-bucket); everything else travels in the sync dtype as before.
+bucket); everything else travels in the sync dtype.
 
 The flat buffer of a bucket is what SGLang's ``flattened_bucket`` format decodes (multi-dtype): each
 entry's bytes back to back, in entry order, no padding. ``quantize_bucket`` writes it: weights of the same
@@ -21,28 +21,12 @@ from dataclasses import replace
 
 import torch
 
-from mrl.quant.fp8 import BLOCK_SIZE, quantize_block_fp8, scale_shape
+from mrl.quant.fp8 import quantize_block_fp8
+from mrl.quant.fp8_format import BLOCK_SIZE, scale_shape
 from mrl.quant.fp8_targets import is_fp8_target, scale_inv_name
-from mrl.weight_sync.planner import Bucket, HFTensor, PlannedParam
+from mrl.weight_sync.planner import FP8_DTYPE, SCALE_DTYPE, Bucket, HFTensor, PlannedParam, fp8_entries
 
-FP8_DTYPE = "float8_e4m3fn"
-SCALE_DTYPE = "float32"
 _EXPERT = re.compile(r"\.experts\.\d+\.")
-
-
-def fp8_entries(t: HFTensor, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE
-                ) -> tuple[HFTensor, ...]:
-    """``t`` as it travels to a block-FP8 engine: its e4m3 weight and fp32 scales, or itself."""
-    if len(t.shape) != 2 or not is_fp8_target(t.name, ignored):
-        return (t,)
-    return (HFTensor(t.name, t.shape, FP8_DTYPE),
-            HFTensor(scale_inv_name(t.name), scale_shape(t.shape, block_size), SCALE_DTYPE))
-
-
-def fp8_param(p: PlannedParam, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE
-              ) -> PlannedParam:
-    """A planned param with its FP8 targets replaced by their (weight, scale) pairs."""
-    return replace(p, tensors=tuple(e for t in p.tensors for e in fp8_entries(t, ignored, block_size)))
 
 
 def high_precision(p: PlannedParam, dtype: str) -> PlannedParam:

@@ -11,7 +11,7 @@ No torch.distributed, no model: unit-tested on CPU with layouts up to 64 ranks. 
 - buckets of one sender keep parameter order and stay <= ``bucket_bytes`` (a single tensor larger
   than that gets a bucket of its own);
 - FP8 syncs (``fp8``): each block-FP8 target travels as its e4m3 weight and fp32 scales in the engine's
-  checkpoint names (``mrl.weight_sync.fp8.fp8_param``), both in its param, so buckets fill by FP8 bytes;
+  checkpoint names (``fp8_param``), both in its param, so buckets fill by FP8 bytes;
 - in place (``placements``): params a sender holds already as their HF tensors back to back (no
   gather, no regrouping, the sync dtype) and that follow each other in one storage without a gap
   (megatron's DDP parameter buffer) form buckets of their own, in memory order, which the sender
@@ -24,12 +24,19 @@ Global ranks follow megatron-core's default order "tp-cp-ep-dp-pp" (first varies
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from mrl.models.bridge import ParamMap
+from mrl.quant.fp8_format import BLOCK_SIZE, scale_shape
+from mrl.quant.fp8_targets import is_fp8_target, scale_inv_name
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 """Bytes per element of the dtypes a bucket holds (e4m3: FP8 syncs, ``mrl.weight_sync.fp8``)."""
+FP8_DTYPE = "float8_e4m3fn"
+"""An FP8 target's weight on its way to a block-FP8 engine (``fp8_entries``)."""
+SCALE_DTYPE = "float32"
+"""Its ``weight_scale_inv``."""
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
@@ -137,6 +144,21 @@ class SyncPlan:
         return sum(b.nbytes for b in self.buckets)
 
 
+def fp8_entries(t: HFTensor, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE
+                ) -> tuple[HFTensor, ...]:
+    """``t`` as it travels to a block-FP8 engine: its e4m3 weight and fp32 scales, or itself."""
+    if len(t.shape) != 2 or not is_fp8_target(t.name, ignored):
+        return (t,)
+    return (HFTensor(t.name, t.shape, FP8_DTYPE),
+            HFTensor(scale_inv_name(t.name), scale_shape(t.shape, block_size), SCALE_DTYPE))
+
+
+def fp8_param(p: PlannedParam, ignored: Sequence[str] = (), block_size: tuple[int, int] = BLOCK_SIZE
+              ) -> PlannedParam:
+    """A planned param with its FP8 targets replaced by their (weight, scale) pairs."""
+    return replace(p, tensors=tuple(e for t in p.tensors for e in fp8_entries(t, ignored, block_size)))
+
+
 def layer_stage(layer: int, num_layers: int, pp: int, stage_layers: tuple[int, ...] | None = None) -> int:
     """PP stage holding a global layer index (``stage_layers``: per-stage counts of an uneven split)."""
     if stage_layers is None:
@@ -159,9 +181,6 @@ def plan_params(maps: list[ParamMap], layout: TrainerLayout, *, num_layers: int,
     """Every param to send, with its sender and HF tensors; ``fp8``: the block-FP8 targets (but the modules
     ``fp8_ignore`` keeps in high precision, as the engines' export does) as (e4m3 weight,
     fp32 scales) pairs, for engines started from a block-FP8 checkpoint."""
-    # imported here: mrl.weight_sync.fp8 builds on this module's types
-    from mrl.weight_sync.fp8 import fp8_param
-
     if num_experts and num_experts % layout.ep:
         raise ValueError(f"parallel.ep={layout.ep} does not divide {num_experts} experts")
     per_ep = num_experts // layout.ep if num_experts else 0

@@ -16,7 +16,7 @@ import torch
 
 from mrl.models.bridge import split_full
 from mrl.sglang.client import EngineClient
-from mrl.weight_sync.distributed import TORCH_DTYPES, DistributedWeightSync
+from mrl.weight_sync.executor import TORCH_DTYPES, BucketExecutor
 from mrl.weight_sync.fp8 import quantize_checkpoint
 from mrl.sglang.endpoint import EngineEndpoint
 from mrl.sglang.wire import FLAT_TENSOR_FORMAT, FLAT_TENSOR_MARK
@@ -69,14 +69,14 @@ class TensorTransport(Transport):
     it as CUDA IPC handles. No collective with the engines, so any order of requests is safe.
 
     Engines started by mrl announce in their answers that they take a bucket as one flat buffer
-    (``mrl.engine.server.patches.FLAT_TENSOR_FORMAT``): from the next sync on, each bucket goes as the distributed
+    (``mrl.sglang.wire.FLAT_TENSOR_FORMAT``): from the next sync on, each bucket goes as the distributed
     transport's send buffer (the same copy plan, FP8 quantization included) and the engine loads it by
     replayed copies instead of SGLang's per-tensor ``load_weights``. Other engines (attached by URL, or
-    started with ``MRL_REPLAYED_LOAD=0``) get the bucket's tensors one by one."""
+    started without mrl's patches) get the bucket's tensors one by one."""
 
     name = "tensor"
 
-    def __init__(self, executor: DistributedWeightSync):
+    def __init__(self, executor: BucketExecutor):
         if not torch.cuda.is_available():
             raise RuntimeError("weight_sync.transport=tensor needs CUDA (colocated GPUs): SGLang crashes "
                                "on CPU tensors sent between processes; use transport=distributed or disk")
@@ -124,7 +124,7 @@ class TensorTransport(Transport):
                          failed_engines=union_failures(ex.layout, failed))
 
     def _push_flat(self) -> PushStats:
-        """Each bucket as the copy plan fills it (``DistributedWeightSync.steps``), one flat buffer per
+        """Each bucket as the copy plan fills it (``BucketExecutor.steps``), one flat buffer per
         request, answered once the engine has copied it out: the buffer is then free for a later bucket."""
         ex = self.executor
         t0 = time.perf_counter()

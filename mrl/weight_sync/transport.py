@@ -1,4 +1,4 @@
-"""The weight-transport interface and the types every transport shares (``sync.make_transport`` builds one).
+"""The weight-transport interface and the types every transport shares (``factory.make_transport`` builds one).
 
     stats = transport.push("7")    # collective over the trainer ranks; the engines are paused already
 
@@ -12,7 +12,7 @@ One file per transport:
   ``update_weights_from_tensor``. GPU only.
 
 Every transport's ``push`` is collective over the trainer ranks and never raises for engine-side
-failures: they come back in ``PushStats.failed_engines`` and the sync sequence (``sync.EngineSync``)
+failures: they come back in ``PushStats.failed_engines`` and the sync sequence (``full.FullWeightChannel``)
 reloads those engines from disk, so an engine is never left on a partial update.
 """
 

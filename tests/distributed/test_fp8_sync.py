@@ -61,12 +61,12 @@ def check_layout(a, text: str, fp8_dir: str) -> list[dict]:
     from safetensors.torch import load_file
 
     from mrl.jobs.common import load_model
-    from mrl.weight_sync.distributed import DistributedWeightSync
+    from mrl.weight_sync.executor import BucketExecutor
     from tests.jobs.parity import parse_layout
 
     m = load_model(parse_layout(text, a.hf))
-    ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                               engines=[], bucket_bytes=256 << 10, dtype="bfloat16", fp8=True)
+    ex = BucketExecutor(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                        engines=[], bucket_bytes=256 << 10, dtype="bfloat16", fp8=True)
     ex.place_buckets()  # collective; nothing of an FP8 bucket may go in place
     ref = load_file(os.path.join(fp8_dir, "model.safetensors"))
     out = []

@@ -116,13 +116,13 @@ def _phases(ex, tdtype, rows):
 def check_layout(a, rows: list[dict]) -> None:
     from mrl.jobs.common import load_model
     from mrl.megatron.optim import wrap_ddp
-    from mrl.weight_sync.distributed import DistributedWeightSync
+    from mrl.weight_sync.executor import BucketExecutor
 
     m = load_model(a)  # fresh weights: the phases change them
     for chunk_kib in CHUNK_KIB:
         for dtype in ("float32", "bfloat16"):
-            ex = DistributedWeightSync(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                       engines=[], bucket_bytes=48 << 10, dtype=dtype, chunk_bytes=chunk_kib << 10)
+            ex = BucketExecutor(model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                                engines=[], bucket_bytes=48 << 10, dtype=dtype, chunk_bytes=chunk_kib << 10)
             phase_rows: list[dict] = []
             _phases(ex, getattr(torch, dtype), phase_rows)
             chunks = max((len(st.gathers) for st in ex.steps()), default=0)
@@ -131,8 +131,8 @@ def check_layout(a, rows: list[dict]) -> None:
     model = m.model
     for dtype in ("float32", "bfloat16"):  # the params in a fresh DDP buffer (the trainer's), planned in place
         ddp = wrap_ddp(model, m.cfg)
-        ex = DistributedWeightSync(model=ddp, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
-                                   engines=[], bucket_bytes=48 << 10, dtype=dtype)
+        ex = BucketExecutor(model=ddp, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
+                            engines=[], bucket_bytes=48 << 10, dtype=dtype)
         ex.place_buckets()
         phase_rows = []
         _phases(ex, getattr(torch, dtype), phase_rows)

@@ -35,7 +35,7 @@ from mrl.rollout.manager import RolloutManager
 from mrl.sglang.protocol import EngineHTTPError
 from mrl.rollout.sample import Sample, SamplingSpec
 from mrl.sglang.keys import ensure_run_secrets
-from mrl.weight_sync.lora import AdapterSync, AdapterSyncError, random_adapter, serialize_adapter
+from mrl.weight_sync.adapter import AdapterSync, AdapterSyncError, random_adapter, serialize_adapter
 
 RANK, ALPHA, MAX_RANK = 4, 8.0, 8
 PROBE = [1, 17, 42, 99, 7, 300, 5, 11, 12, 13, 250, 251, 64, 3, 77, 401]

@@ -41,7 +41,7 @@ def _worker(hf: str, url: str, out: str) -> None:
 
     from mrl.jobs.common import add_layout_args, load_model
     from mrl.megatron.parallel import destroy
-    from mrl.weight_sync.sync import SyncMismatch, verify_engines
+    from mrl.weight_sync.checks import SyncMismatch, verify_engines
     from mrl.sglang.endpoint import EngineEndpoint
 
     ap = argparse.ArgumentParser()

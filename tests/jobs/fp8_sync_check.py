@@ -7,7 +7,7 @@ Trainer (megatron, bf16, TP1) on GPU 0; an engine on GPU 1 started as ``engine.q
 one: from the run's block-FP8 export (``mrl.engine.fp8_model``) with ``--quantization fp8 --dtype bfloat16``
 (``--engine-gpu 0 --transport tensor``: both on one GPU, the sync over CUDA IPC).
 The trainer's weights are perturbed (so the sync has something to change), synced over NCCL (or IPC) as FP8
-(``EngineSync`` over ``make_transport(..., fp8=True)``), then:
+(``FullWeightChannel`` over ``make_transport(..., fp8=True)``), then:
 
 - bitwise: the engine's sampled tensors (first and last layer in full, experts included; norms, router,
   embeddings, head) hash equal to the trainer's export quantized by ``quantize_checkpoint``, cut the way a
@@ -75,7 +75,8 @@ def main() -> int:
     from mrl.megatron.weights import export_hf
     from mrl.models.checkpoint import save_hf
     from mrl.weight_sync.fp8 import quantize_checkpoint
-    from mrl.weight_sync.sync import EngineSync, make_transport
+    from mrl.weight_sync.factory import make_transport
+    from mrl.weight_sync.full import FullWeightChannel
     from _engine_shards import fp8_checker_view, sampled_names
 
     ap = argparse.ArgumentParser()
@@ -114,7 +115,7 @@ def main() -> int:
             WeightTransport(a.transport), model=m.model, layout=m.layout, bridge=m.bridge, padded_vocab=m.padded_vocab,
             engines=[engine.endpoint], bucket_bytes=1 << 20, export_dir=os.path.join(a.run_dir, "weights"),
             config_src=a.hf, dtype="bfloat16", fp8=True, fp8_ignore=ignored)
-        syncer = EngineSync(transport, disk, m.layout, [engine.endpoint])
+        syncer = FullWeightChannel(transport, disk, m.layout, [engine.endpoint])
         syncer.connect()
         rep = syncer.sync("1")
         report["sync"] = {"transport": a.transport, "seconds": rep.seconds, "bytes": rep.bytes_sent,

@@ -18,9 +18,9 @@ import sys
 
 import torch
 
-import mrl.weight_sync.sync as sync
+import mrl.weight_sync.factory as factory
 from mrl.jobs.sync_weights import main as sync_weights
-from mrl.weight_sync.distributed import DistributedWeightSync
+from mrl.weight_sync.executor import BucketExecutor
 from mrl.weight_sync.planner import Bucket
 
 
@@ -62,7 +62,7 @@ class ShortStep:
 
 
 def short_executor(index: int):
-    class OneBucketShort(DistributedWeightSync):
+    class OneBucketShort(BucketExecutor):
         def _replan(self, plan):
             super()._replan(plan)  # the copy plan keeps the real buckets; the requests get the short ones
             self._global = [ShortBucket(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)})
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--short-bucket", type=int, required=True)
     a, rest = ap.parse_known_args(argv)
-    sync.DistributedWeightSync = short_executor(a.short_bucket)  # what make_transport builds
+    factory.BucketExecutor = short_executor(a.short_bucket)  # what make_transport builds
     return sync_weights(rest)
 
 

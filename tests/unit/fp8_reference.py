@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from mrl.quant.fp8 import BLOCK_SIZE, scale_shape
+from mrl.quant.fp8_format import BLOCK_SIZE, scale_shape
 
 E4M3_MAX = 448.0
 MIN_NORMAL_EXP = -6

@@ -1,6 +1,7 @@
 """Patches mrl applies inside the SGLang servers it starts (``mrl.engine.server.patches``): compact routes,
 on GPU engines (``engine_shim``) and CPU engines (CPU mode's pyshim), without CPU mode's patches on GPUs.
-The engines themselves: tests/integration/test_keep_routing.py (routes of a real CPU engine are uint8)."""
+The engines themselves: tests/integration/test_keep_routing.py (routes of a real CPU engine are uint8).
+The bench's engine shim on top of them (baselines, per-bucket figures through ``patches.watch``): here too."""
 
 import json
 import os
@@ -13,8 +14,11 @@ import torch
 
 from mrl.engine import cpu_mode, gpu_mode
 from mrl.engine.server import patches as engine_patches
-from mrl.engine.server.patches import COMPACT_ROUTES_ENV, ROUTES_MODULE, SHIM_DIR, compact_ids
+from mrl.engine.server.patches import ROUTES_MODULE, RUNNER_MODULE, SHIM_DIR, compact_ids
 from mrl.sglang.wire import COMPACT_ROUTES_MARK
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+BENCH_SHIM = os.path.join(BENCH, "_engine_shim")
 
 
 @pytest.mark.parametrize("values,dtype", [([0, 5, 255], torch.uint8), ([0, 256, 32767], torch.int16),
@@ -37,15 +41,15 @@ def test_a_missing_target_leaves_sglang_unpatched(capsys):
     assert "routes stay int32" in capsys.readouterr().err
 
 
-def test_launch_env_has_the_shim_and_the_switch():
-    env = engine_patches.engine_env(gpu_mode.gpu_env(base={"PYTHONPATH": "/x"}))
-    assert env["PYTHONPATH"] == f"{SHIM_DIR}:/x" and env[COMPACT_ROUTES_ENV] == "1"
-    assert engine_patches.engine_env({COMPACT_ROUTES_ENV: "0"})[COMPACT_ROUTES_ENV] == "0"  # the caller's wins
+def test_launch_env_has_the_shim():
+    assert gpu_mode.gpu_env(base={"PYTHONPATH": "/x"})["PYTHONPATH"] == f"{SHIM_DIR}:/x"
 
 
 def _probe(code: str, pythonpath: str, **env) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", COMPACT_ROUTES_ENV)}
-    e.update(PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", **env)
+    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("BENCH_")}
+    mrl_root = os.path.dirname(os.path.dirname(os.path.abspath(engine_patches.__file__)))
+    mrl_root = os.path.dirname(os.path.dirname(mrl_root))  # the checkout whose mrl this test imports
+    e.update(PYTHONPATH=f"{pythonpath}:{mrl_root}", OMP_NUM_THREADS="1", **env)
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -68,29 +72,47 @@ print("ok")
 
 
 def test_gpu_engines_get_compact_routes_from_the_real_sglang_capturer_and_no_cpu_patch():
-    out = _probe(_SGLANG_PROBE, SHIM_DIR, **{COMPACT_ROUTES_ENV: "1"})
+    out = _probe(_SGLANG_PROBE, SHIM_DIR)
     assert out.stdout.strip().endswith("ok") and out.stderr.count(COMPACT_ROUTES_MARK) == 1
 
 
 _REGISTERED = f"""
 import sys
-print([getattr(f, "target", None) for f in sys.meta_path].count({ROUTES_MODULE!r}))
+targets = [getattr(f, "target", None) for f in sys.meta_path]
+print(targets.count({ROUTES_MODULE!r}), targets.count({RUNNER_MODULE!r}))
 """
 
 
 @pytest.mark.parametrize("shim", ["gpu", "cpu"])
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_both_shims_register_the_patch_when_the_switch_is_on(shim, switch):
+def test_both_shims_register_the_patches(shim):
     path = SHIM_DIR if shim == "gpu" else cpu_mode.PYSHIM_DIR
-    out = _probe(_REGISTERED, path, **{COMPACT_ROUTES_ENV: switch})
-    assert out.stdout.split()[-1] == ("1" if switch == "1" else "0")
+    out = _probe(_REGISTERED, path)
+    assert out.stdout.split()[-2:] == ["1", "1"]
 
 
 def test_a_shadowed_sitecustomize_still_runs(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_RAN = True\n")
     out = _probe(_REGISTERED + "import builtins\nprint(getattr(builtins, 'SITE_RAN', False))\n",
-                 f"{SHIM_DIR}:{tmp_path}", **{COMPACT_ROUTES_ENV: "1"})
-    assert out.stdout.split()[-2:] == ["1", "True"]
+                 f"{SHIM_DIR}:{tmp_path}")
+    assert out.stdout.split()[-3:] == ["1", "1", "True"]
+
+
+_BENCH_PROBE = _REGISTERED + """
+from mrl.engine.server import patches
+print(patches.load_stream(type("R", (), {"device": "cuda:0"})()), type(patches.watch).__name__)
+"""
+
+
+@pytest.mark.parametrize("shim", ["gpu", "cpu"])
+def test_the_bench_shim_leaves_out_the_baselines_patches_and_installs_its_figures(shim, tmp_path):
+    """``bench/_engine_shim`` runs mrl's shim first, then leaves out what ``BENCH_BASELINE`` names (compact routes
+    and the load stream here; replayed loads stay) and installs the update figures as the patches' ``watch``."""
+    path = SHIM_DIR if shim == "gpu" else cpu_mode.PYSHIM_DIR
+    out = _probe(_BENCH_PROBE, f"{BENCH_SHIM}:{path}", BENCH_BASELINE="compact_routes,load_stream",
+                 BENCH_SYNC_STATS_DIR=str(tmp_path))
+    assert out.stdout.split()[-4:] == ["0", "1", "None", "UpdateStats"]
+    plain = _probe(_REGISTERED, f"{BENCH_SHIM}:{path}", BENCH_BASELINE="replayed_load")
+    assert plain.stdout.split()[-2:] == ["1", "0"]
 
 
 # -- every bucket of a sync in one request (patches.BATCHED_BUCKETS_FORMAT) ----------------------------
@@ -201,14 +223,15 @@ def test_a_kept_layout_is_sent_once_and_named_by_its_key_after(monkeypatch):
 
 
 def test_updates_report_per_bucket_figures_and_profile_on_request(monkeypatch, tmp_path):
-    """``MRL_SYNC_STATS_DIR``: one JSON line per update with when it entered and every bucket's phases, load
-    path and bytes; a ``profile_next.tp0`` file there puts the next update under torch.profiler (and is used
-    up); a ``stats_off`` file there turns the figures off."""
-    from mrl.engine.server.update_stats import STATS_OFF, SYNC_STATS_ENV
+    """The bench's figures (``bench/_update_stats.py`` as ``patches.watch``): one JSON line per update with when
+    it entered and every bucket's phases, load path and bytes; a ``profile_next.tp0`` file there puts the next
+    update under torch.profiler (and is used up); a ``stats_off`` file there turns the figures off."""
+    monkeypatch.syspath_prepend(BENCH)
+    from _update_stats import STATS_OFF, UpdateStats
 
     a, b = torch.arange(4.0), torch.arange(6.0).reshape(2, 3) + 10
     runner, _, fmt = _patched_runner(monkeypatch, [_flat(a), _flat(b), _flat(a), _flat(b), _flat(a), _flat(b)])
-    monkeypatch.setenv(SYNC_STATS_ENV, str(tmp_path))
+    monkeypatch.setattr(engine_patches, "watch", UpdateStats(str(tmp_path)))
     (tmp_path / "profile_next.tp0").touch()
     for _ in range(2):
         ok, msg = runner.update_weights_from_distributed(["a", "b"], ["float32", "float32"], [[4], [2, 3]], "g0",

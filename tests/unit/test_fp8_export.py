@@ -16,7 +16,7 @@ from safetensors import safe_open
 from mrl.models.checkpoint import HFCheckpoint
 from mrl.models.tiny import make_tiny_model
 from mrl.quant.export import export_fp8
-from mrl.quant.fp8 import scale_shape
+from mrl.quant.fp8_format import scale_shape
 from mrl.quant.fp8_targets import is_fp8_target
 from tests.conftest import REPO
 from tests.unit.fp8_reference import dequantize_block_fp8, error_bound

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from mrl.quant.fp8 import (E4M3_MAX, SCALE_FLOOR, Fp8BackendUnavailable, quantize_block_fp8, quantize_block_fp8_torch,
-                           scale_shape)
+from mrl.quant.fp8 import Fp8BackendUnavailable, quantize_block_fp8, quantize_block_fp8_torch
+from mrl.quant.fp8_format import E4M3_MAX, SCALE_FLOOR, scale_shape
 from tests.unit.fp8_reference import dequantize_block_fp8, error_bound, reference_quantize, round_e4m3
 
 SHAPES = [(128, 128), (256, 384), (300, 200), (1, 1), (5, 130), (129, 127), (64, 1000)]

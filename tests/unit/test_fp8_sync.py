@@ -37,7 +37,7 @@ def test_fp8_entries_are_the_fp8_checkpoints_tensors_for_every_layout(layout, pr
     pv = b.padded_vocab(128, LAYOUTS[layout].tp)
     params = plan_params(b.param_maps(pv), LAYOUTS[layout], num_layers=b.num_layers, num_experts=b.num_experts,
                          dtype="bfloat16", tied=b.tied_embeddings)
-    fp8 = [sync_fp8.fp8_param(p) for p in params]
+    fp8 = [planner.fp8_param(p) for p in params]
     names = [t.name for p in fp8 for t in p.tensors]
     assert len(names) == len(set(names))
     shapes = b.hf_tensor_shapes(b.vocab_size)
@@ -85,7 +85,7 @@ def test_high_precision_inverts_fp8_param():
     b = _bridge(TinyPreset.deepseek_v3)
     for p in plan_params(b.param_maps(b.padded_vocab(128, 1)), LAYOUTS["tp1"], num_layers=b.num_layers,
                          num_experts=b.num_experts, dtype="bfloat16"):
-        assert sync_fp8.high_precision(sync_fp8.fp8_param(p), "bfloat16") == p
+        assert sync_fp8.high_precision(planner.fp8_param(p), "bfloat16") == p
 
 
 def _bucket(num_experts=4, inter=96, hidden=160, seed=0):

@@ -268,16 +268,40 @@ def test_an_engine_variant_sets_the_attention_backend_once(tmp_path):
 
     import gpu_loop
 
-    a = types.SimpleNamespace(routes_int32=False, load_weights=False, sync_profile=False, cpu=False, out=str(tmp_path),
-                              batches=[64, 256], replay_samples=32, max_total_tokens=262144, mem_fraction=0.85,
-                              engine_tp=1, engine_env=["MRL_LOAD_STREAM=0", "X=a=b"])
+    a = types.SimpleNamespace(routes_int32=False, load_weights=False, load_stream_off=False, sync_profile=False,
+                              cpu=False, out=str(tmp_path), batches=[64, 256], replay_samples=32,
+                              max_total_tokens=262144, mem_fraction=0.85, engine_tp=1, engine_env=["Y=0", "X=a=b"])
     e = gpu_loop._engine(a, str(tmp_path), "fi_engine", True, "0",
                          server_args={"attention_backend": "flashinfer", "moe_kernel_configs": str(tmp_path)})
     cmd = e.command()
     assert e.moe_kernel_configs == str(tmp_path) and not any("moe-kernel" in c for c in cmd)  # an env, not a flag
     assert cmd.count("--attention-backend") == 1
     assert cmd[cmd.index("--attention-backend") + 1] == "flashinfer"
-    assert e.env["MRL_LOAD_STREAM"] == "0" and e.env["X"] == "a=b"  # --engine-env: split at the first '='
+    assert e.env["Y"] == "0" and e.env["X"] == "a=b"  # --engine-env: split at the first '='
+
+
+def test_the_engines_get_the_bench_shim_and_the_baselines_asked_for(tmp_path):
+    """Every engine the bench starts has its shim before mrl's on the path (CPU: before CPU mode's pyshim) and
+    the environment it reads: the baselines of --routes-int32, --load-weights and --load-stream-off, the update
+    figures of --sync-profile."""
+    import types
+
+    import gpu_loop
+
+    from mrl.engine.cpu_mode import PYSHIM_DIR
+    from mrl.engine.server.patches import SHIM_DIR
+
+    a = types.SimpleNamespace(routes_int32=True, load_weights=False, load_stream_off=True, sync_profile=True,
+                              cpu=False, out=str(tmp_path))
+    env = gpu_loop.engine_shim_env(a, "/deep_gemm")
+    path = env["PYTHONPATH"].split(":")
+    assert path[0].endswith("bench/_engine_shim") and path[1:3] == ["/deep_gemm", SHIM_DIR]
+    assert env["BENCH_BASELINE"] == "compact_routes,load_stream" and "BENCH_CPU_ENGINE" not in env
+    assert env["BENCH_SYNC_STATS_DIR"] == os.path.join(str(tmp_path), "sync_profile")
+    a.cpu, a.routes_int32, a.load_stream_off, a.sync_profile = True, False, False, False
+    env = gpu_loop.engine_shim_env(a)
+    assert env["PYTHONPATH"].split(":")[1] == PYSHIM_DIR and env["BENCH_CPU_ENGINE"] == "1"
+    assert "BENCH_BASELINE" not in env and "BENCH_SYNC_STATS_DIR" not in env
 
 
 def test_engine_profile_sums_kernels_by_what_they_compute(tmp_path):

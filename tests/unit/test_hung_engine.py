@@ -9,7 +9,7 @@ still accepts connections, as for a stopped SGLang server):
   (``client.watched``), not its own 60 s;
 - the rollout manager: requests in flight on an engine stopped mid-rollout, or during a drain, are
   abandoned and their samples finish on the other engine (none lost);
-- the weight sync drops a hung or 5xx-only engine (``EngineSync.verdict``) and syncs the others, sends it
+- the weight sync drops a hung or 5xx-only engine (``FullWeightChannel.verdict``) and syncs the others, sends it
   no teardown, and still fails naming an engine that answers its probe but not the pause;
 - ``Engine.kill``/``stop`` end a stopped process group at once, and a dead engine is killed before its
   replacement starts (``EngineRestarter.replace``).
@@ -206,7 +206,7 @@ def world(tmp_path):
 
 
 def _sync(urls: list[str]):
-    from mrl.weight_sync.sync import EngineSync
+    from mrl.weight_sync.full import FullWeightChannel
     from mrl.sglang.endpoint import EngineEndpoint
     from mrl.weight_sync.transport import PushStats, Transport
 
@@ -228,7 +228,7 @@ def _sync(urls: list[str]):
         return t, t
 
     t = Recorder()
-    return EngineSync(t, t, SimpleNamespace(world_rank=0), [EngineEndpoint(u) for u in urls], rebuild=rebuild,
+    return FullWeightChannel(t, t, SimpleNamespace(world_rank=0), [EngineEndpoint(u) for u in urls], rebuild=rebuild,
                       probe_timeout_s=PROBE), seen
 
 

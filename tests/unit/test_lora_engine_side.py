@@ -21,7 +21,8 @@ from mrl.sglang.wire import adapter_name, adapter_version
 from mrl.rollout.manager import RolloutManager
 from mrl.sglang.protocol import EngineHTTPError, EngineUnavailable, FinishReason, GenerateOutput
 from mrl.rollout.sample import Sample, SamplingSpec
-from mrl.weight_sync.lora import AdapterSync, AdapterSyncError, check_adapter_tensors, random_adapter, serialize_adapter
+from mrl.weight_sync.adapter import (AdapterSync, AdapterSyncError, check_adapter_tensors, random_adapter,
+                                    serialize_adapter)
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
             moe_intermediate_size=32, num_hidden_layers=2, num_local_experts=4)
@@ -251,14 +252,15 @@ def test_adapter_channel_drops_dead_engines_and_stops_on_a_live_refusal(monkeypa
     """Rank 0's push (``AdapterChannel._push``): an engine that fails the load and a liveness probe is dropped
     and the others get the version; one that answers the probe stops the sync before the rollout side
     switches (it would serve another policy). A joining engine gets the version once it is current."""
-    import mrl.weight_sync.lora as wl
+    import mrl.weight_sync.adapter as wl
+    import mrl.weight_sync.channel as channel
     from mrl.sglang.endpoint import EngineEndpoint
 
     spec = LoraEngineSpec(max_rank=8, targets=ATTENTION)
     ch = wl.AdapterChannel(None, SimpleNamespace(world_rank=0), [EngineEndpoint("http://a"), EngineEndpoint("http://b")],
                            spec=spec, timeout_s=5.0)
     ch._pusher = pusher = _Pusher(["http://a", "http://b"], refuse={"http://b": "HTTP 500"})
-    monkeypatch.setattr(wl, "dead_engines", lambda urls, _t: {u: "refused" for u in urls} if dead else {})
+    monkeypatch.setattr(channel, "dead_engines", lambda urls, _t: {u: "refused" for u in urls} if dead else {})
     switched = []
     ch.on_loaded = lambda name, version: switched.append((name, version))
     ch.add([EngineEndpoint("http://c")])

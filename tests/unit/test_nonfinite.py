@@ -71,7 +71,7 @@ def _worker(hf: str, run_dir: str, out: str) -> None:
     from mrl.config.load import compose
     from mrl.megatron.parallel import destroy, init_parallel
     from mrl.megatron.policy import Policy
-    from mrl.weight_sync.sync import check_finite_weights
+    from mrl.weight_sync.checks import check_finite_weights
     from tests.jobs.resume_check import synthetic_batch
 
     cfg = compose([f"model.hf_path={hf}", "parallel=ep2", "algo.lr=1e-3", "train.micro_batch_size=4",

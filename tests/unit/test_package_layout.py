@@ -62,6 +62,41 @@ def test_no_import_cycle_between_packages():
     assert not cycles, "package import cycles: " + "; ".join(sorted(cycles))
 
 
+def _module_edges() -> dict[str, set[str]]:
+    """module -> the mrl modules it imports (at any depth): ``from a.b import c`` names ``a.b.c`` when that is a
+    module, else ``a.b``; a module's own parent packages are left out (Python loads them first anyway)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for module, path in modules.items():
+        for target, names, _ in _imports(path):
+            for t in [f"{target}.{n}" if f"{target}.{n}" in modules else target for n in names] or [target]:
+                if t in modules and t != module and not module.startswith(t + "."):
+                    edges[module].add(t)
+    return edges
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules import each other, directly or around a loop (a function-local import included): the
+    shared names live in the lower module."""
+    edges = _module_edges()
+    cycles = set()
+    for start in list(edges):
+        path, stack = {start: None}, [start]
+        while stack:
+            x = stack.pop()
+            for y in edges.get(x, ()):
+                if y == start:
+                    loop, at = [start], x
+                    while at != start:
+                        loop.append(at)
+                        at = path[at]
+                    cycles.add(" -> ".join(sorted(loop)))
+                elif y not in path:
+                    path[y] = x
+                    stack.append(y)
+    assert not cycles, f"module import cycles: {sorted(cycles)}"
+
+
 def test_no_private_name_imported_from_another_module():
     bad = []
     for module, path in _modules().items():
@@ -72,7 +107,7 @@ def test_no_private_name_imported_from_another_module():
     assert not bad, bad
 
 
-def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
+def test_the_checks_see_cycles_and_a_private_import(tmp_path, monkeypatch):
     """The walkers above find what they look for (a fixture package with both faults)."""
     pkg = tmp_path / "mrl"
     (pkg / "a").mkdir(parents=True)
@@ -80,7 +115,11 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path, monkeypatch):
     (pkg / "a" / "__init__.py").write_text("from mrl.b.x import _hidden\n")
     (pkg / "b" / "__init__.py").write_text("")
     (pkg / "b" / "x.py").write_text("def f():\n    import mrl.a\n_hidden = 1\n")
+    (pkg / "b" / "low.py").write_text("def g():\n    from mrl.b import up\n")
+    (pkg / "b" / "up.py").write_text("from mrl.b.low import g\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="mrl.b.low -> mrl.b.up"):
+        test_no_import_cycle_between_modules()
     try:
         test_no_import_cycle_between_packages()
     except AssertionError as e:
@@ -125,7 +164,7 @@ def test_each_process_has_its_folder():
                if not (ROOT / "mrl" / d / f"{m}.py").is_file()]
     assert not missing, missing
     assert not (ROOT / "mrl" / "train.py").exists(), "the loop lives in mrl/trainer; `mrl train` is the one entry"
-    server_side = {"patches", "replayed_load", "cpu_attention", "update_stats", "sitecustomize"}
+    server_side = {"patches", "replayed_load", "cpu_attention", "sitecustomize"}
     strays = [str(p.relative_to(ROOT)) for p in (ROOT / "mrl").rglob("*.py")
               if p.stem in server_side and "engine/server" not in p.as_posix()]
     assert not strays, f"engine-server modules outside mrl/engine/server: {strays}"
@@ -250,6 +289,69 @@ def test_the_checks_see_a_fault_switch_a_hook_and_a_test_only_name(tmp_path, mon
     assert "peek" in str(e.value) and "push" not in str(e.value).replace("PUSH", "")
 
 
+# -- no benchmark-only code in the package -------------------------------------------------------------
+BENCH_ONLY = {
+    # engine switches that existed only for comparisons, and the engine's update figures: bench/_engine_shim
+    # leaves the patches out (BENCH_BASELINE) and installs the figures as the patches' ``watch``
+    "MRL_COMPACT_ROUTES", "MRL_REPLAYED_LOAD", "MRL_LOAD_STREAM", "MRL_SYNC_STATS_DIR", "COMPACT_ROUTES_ENV",
+    "REPLAYED_LOAD_ENV", "LOAD_STREAM_ENV", "SYNC_STATS_ENV", "STATS_OFF", "engine_env", "observed", "top_ops",
+    # the executor's per-bucket timings and its one-request-per-bucket switch: bench/_live_sync_worker.py
+    # (a ``PushWatch`` of its own, the engines' announcement hidden from the clients)
+    "timings", "posted_at", "batch_requests", "_timed",
+}
+"""Names removed from mrl/ because only bench/ set or read them; the figures and comparisons live in bench/, and
+the package offers at most a neutral seam (``executor.PushWatch``, ``patches.UpdateWatch``)."""
+PLAIN_WORDS = {"timings", "posted_at"}
+"""Of ``BENCH_ONLY``, words an argument may well be called (``moe_tuning``'s timings): refused as attributes."""
+
+
+def test_no_benchmark_only_name_in_the_package():
+    """None of ``BENCH_ONLY`` is defined in mrl/ (a function, class, attribute, argument or module-level name) or
+    named in a string there (an environment variable), no module is named after one, and nothing in mrl/
+    names the bench's own engine environment (``BENCH_*``)."""
+    bad = []
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        where = str(path.relative_to(ROOT))
+        if set(module.split(".")) & BENCH_ONLY or path.stem == "update_stats":
+            bad.append(f"{where}: a module of its own")
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.arg):
+                names = [node.arg] if node.arg not in PLAIN_WORDS else []
+            elif isinstance(node, ast.keyword) and node.arg:
+                names = [node.arg] if node.arg not in PLAIN_WORDS else []
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names = [node.attr]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and id(node) in top:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [w for w in re.findall(r"\b(?:MRL|BENCH)_[A-Z0-9_]+", node.value)
+                         if w in BENCH_ONLY or w.startswith("BENCH_")]
+            bad += [f"{where}:{getattr(node, 'lineno', '?')} {n}" for n in names if n in BENCH_ONLY or
+                    n.startswith("BENCH_")]
+    assert not bad, f"benchmark-only names in mrl/: {bad}"
+
+
+def test_the_check_sees_benchmark_only_names(tmp_path, monkeypatch):
+    """The check above finds each kind: an attribute, an environment variable in a string, a module-level
+    constant, a module named after the engine's figures."""
+    (tmp_path / "mrl" / "engine").mkdir(parents=True)
+    (tmp_path / "mrl" / "x.py").write_text(
+        "import os\n\nLOAD_STREAM_ENV = 'MRL_LOAD_STREAM'\n\n\nclass Ex:\n    def __init__(self):\n"
+        "        self.timings = None\n        self.on = os.environ.get('BENCH_BASELINE')\n")
+    (tmp_path / "mrl" / "engine" / "update_stats.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError) as e:
+        test_no_benchmark_only_name_in_the_package()
+    for found in ("LOAD_STREAM_ENV", "MRL_LOAD_STREAM", "timings", "BENCH_BASELINE", "update_stats.py"):
+        assert found in str(e.value), found
+
+
 # -- one interface per seam ----------------------------------------------------------------------------
 def _class_methods(path: Path, cls: str) -> dict[str, bool]:
     """name -> abstract, of the methods class ``cls`` defines in ``path``."""
@@ -277,8 +379,8 @@ def test_both_sides_of_the_rank_interface_implement_every_call_the_loop_makes():
 def test_the_loop_holds_one_weight_channel():
     """Full-weight and adapter sync are both a ``WeightChannel``; the loop's annotation names only that."""
     loop = (ROOT / "mrl" / "trainer" / "loop.py").read_text()
-    assert "self.syncer: WeightChannel | None" in loop and "EngineSync | AdapterChannel" not in loop
-    for path, cls in (("sync.py", "EngineSync"), ("lora.py", "AdapterChannel")):
+    assert "self.syncer: WeightChannel | None" in loop and "FullWeightChannel | AdapterChannel" not in loop
+    for path, cls in (("full.py", "FullWeightChannel"), ("adapter.py", "AdapterChannel")):
         node = next(n for n in ast.parse((ROOT / "mrl" / "weight_sync" / path).read_text()).body
                     if isinstance(n, ast.ClassDef) and n.name == cls)
         assert [b.id for b in node.bases if isinstance(b, ast.Name)] == ["WeightChannel"], cls

@@ -116,12 +116,12 @@ def test_dead_engine_is_a_connection_error_naming_it():
 
 
 def test_weight_update_group_rendezvous_nobody_joins(reliability):
-    """``EngineSync.connect`` when the engines never join the sender's rendezvous (the store waits for them)."""
+    """``FullWeightChannel.connect`` when the engines never join the sender's rendezvous (the store waits for them)."""
     from types import SimpleNamespace
 
     from mrl.megatron.collectives import CollectiveError
     from mrl.sglang.endpoint import free_port
-    from mrl.weight_sync.sync import EngineSync
+    from mrl.weight_sync.full import FullWeightChannel
     from mrl.weight_sync.group import create_sender_group
     from mrl.sglang.endpoint import EngineEndpoint
     from mrl.weight_sync.transport import Transport
@@ -137,7 +137,7 @@ def test_weight_update_group_rendezvous_nobody_joins(reliability):
             raise AssertionError("not reached")
 
     engines = [EngineEndpoint("http://127.0.0.1:1")]
-    sync = EngineSync(Rendezvous(), None, SimpleNamespace(world_rank=0), engines)
+    sync = FullWeightChannel(Rendezvous(), None, SimpleNamespace(world_rank=0), engines)
     t0 = time.monotonic()
     with pytest.raises(CollectiveError) as e:
         sync.connect()

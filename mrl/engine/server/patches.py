@@ -7,7 +7,7 @@ one checks its target first: an SGLang without it runs unpatched, with a line in
 The trainer and the rollout process import only its wire constants (``BATCHED_BUCKETS_FORMAT`` and the
 marks); nothing is patched outside an engine.
 
-Compact routes (``MRL_COMPACT_ROUTES=1``, the launcher's default): SGLang keeps each request's routes
+Compact routes: SGLang keeps each request's routes
 (expert ids, ``[rows, layers, top_k]``) as int32, pickles them from the scheduler to the tokenizer
 manager and sends them as base64 in the JSON reply, 4 bytes per id. Expert ids fit in one byte up to
 256 experts, so the scheduler hands over the smallest integer type that holds every id of the request
@@ -18,7 +18,7 @@ the detokenizer's, without ``--skip-tokenizer-init``) base64 the small tensor as
 ``mrl.routing.codec`` tells the types apart by the payload's length, and engines without the patch
 still send int32, which it reads as before.
 
-Replayed loads (``MRL_REPLAYED_LOAD=1``, the launcher's default): a ``flattened_bucket`` weight update
+Replayed loads: a ``flattened_bucket`` weight update
 is received into one flat buffer (SGLang allocates every tensor, then concatenates them into a second
 buffer of the same size) and, from the second bucket of a layout on, loaded by the copies its first
 load made (``mrl.engine.server.replayed_load``) instead of the model's per-tensor ``load_weights``. A load
@@ -28,6 +28,8 @@ happened, once per layout. The same patch lets one request carry every bucket of
 posts its receives back to back instead of answering and waiting for the next request between buckets.
 CUDA IPC updates (``update_weights_from_tensor``) get the same loads for a bucket sent as one flat buffer
 (``FLAT_TENSOR_FORMAT``, announced in the answers to the per-tensor updates).
+
+Whoever wants to time an update's phases (a benchmark) sets ``watch`` to an ``UpdateWatch`` of its own.
 """
 
 from __future__ import annotations
@@ -39,17 +41,32 @@ import json
 import os
 import sys
 
-from mrl.engine.server.update_stats import Stats, observed
 from mrl.sglang.wire import (BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK, COMPACT_ROUTES_MARK, FLAT_TENSOR_FORMAT,
                              FLAT_TENSOR_MARK, KEEPS_LAYOUTS_MARK, LAYOUT_KEPT_MARK, REPLAYED_LOAD_MARK)
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
-COMPACT_ROUTES_ENV = "MRL_COMPACT_ROUTES"
 ROUTES_MODULE = "sglang.srt.state_capturer.routed_experts"
-REPLAYED_LOAD_ENV = "MRL_REPLAYED_LOAD"
 RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
-LOAD_STREAM_ENV = "MRL_LOAD_STREAM"
-"""``0``: a batched update's copies run on the receiving stream, after each receive (for comparisons)."""
+
+
+class UpdateWatch:
+    """The phase boundaries of a weight update in the model runner, for whoever times them (``watch``); this one
+    does nothing. ``update(runner)`` is a context around each update; per bucket ``bucket(key, dtypes, shapes)``
+    opens it and ``mark(phase, stream, **info)`` ends each phase (``wait_free`` in a batched request, ``receive``,
+    ``load`` with the load's path and copy counts in ``info``; ``stream``: the CUDA stream the phase ran on, None
+    for the current one)."""
+
+    def update(self, runner):
+        return contextlib.nullcontext()
+
+    def bucket(self, key: str, dtypes, shapes) -> None:
+        pass
+
+    def mark(self, phase: str, stream=None, **info) -> None:
+        pass
+
+
+watch = UpdateWatch()
 
 class PatchOnImport:
     """Meta-path finder that lets one SGLang module load as usual, then hands it to ``patch``."""
@@ -134,18 +151,19 @@ def replayed_load(module) -> None:
                                                                     load_format[len(BATCHED_BUCKETS_FORMAT):])
             except (ValueError, TypeError, KeyError) as e:
                 return False, f"Failed to update parameter online: bad batched bucket layout: {e}"
-            with observed(self) as stats:
-                ok, message = _receive_batch(self, names, dtypes, shapes, layout, stats)
+            with watch.update(self):
+                ok, message = _receive_batch(self, names, dtypes, shapes, layout)
             return ok, f"{message} {LAYOUT_KEPT_MARK}{kept}]" if ok and kept else message
         if load_format != "flattened_bucket" or group_name not in getattr(self, "_model_update_group", {}):
             return update(self, names, dtypes, shapes, group_name, load_format)
         try:
-            with observed(self) as stats:
-                b = stats.start(group_name, dtypes, shapes)
+            with watch.update(self):
+                watch.bucket(group_name, dtypes, shapes)
                 flat = _receive(self, dtypes, shapes, group_name)
-                stats.mark(b, "receive")
-                message = _load(self, flat, names, dtypes, shapes, group_name, b)
-                stats.mark(b, "load")
+                watch.mark("receive")
+                info: dict = {}
+                message = _load(self, flat, names, dtypes, shapes, group_name, info)
+                watch.mark("load", **info)
                 return True, message
         except Exception as e:
             return False, _partial(e)
@@ -177,8 +195,8 @@ def _replayed_tensor_load(module, runner) -> None:
             ok, message = update(self, named_tensors, load_format)
             return ok, f"{message} {FLAT_TENSOR_MARK}" if ok else message
         try:
-            with observed(self) as stats:
-                return True, _load_flat(self, named_tensors, load_format[len(FLAT_TENSOR_FORMAT):], unwrap, stats)
+            with watch.update(self):
+                return True, _load_flat(self, named_tensors, load_format[len(FLAT_TENSOR_FORMAT):], unwrap)
         except Exception as e:
             return False, _partial(e)
 
@@ -186,7 +204,7 @@ def _replayed_tensor_load(module, runner) -> None:
     runner.update_weights_from_tensor = update_weights_from_tensor
 
 
-def _load_flat(runner, named_tensors, meta_json: str, unwrap, stats: Stats) -> str:
+def _load_flat(runner, named_tensors, meta_json: str, unwrap) -> str:
     """One ``FLAT_TENSOR_FORMAT`` bucket: the flat buffer checked against its layout, loaded by ``_load``,
     the copies finished before the answer (the sender reuses the buffer for a later bucket)."""
     import torch
@@ -206,12 +224,13 @@ def _load_flat(runner, named_tensors, meta_json: str, unwrap, stats: Stats) -> s
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != want:
         raise ValueError(f"flat bucket {key}: a uint8 buffer of {want} bytes expected, got {flat.dtype} "
                          f"{tuple(flat.shape)}")
-    b = stats.start(key, dtypes, shapes)
-    stats.mark(b, "receive")
-    message = _load(runner, flat, names, dtypes, shapes, key, b)
+    watch.bucket(key, dtypes, shapes)
+    watch.mark("receive")
+    info: dict = {}
+    message = _load(runner, flat, names, dtypes, shapes, key, info)
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()
-    stats.mark(b, "load")
+    watch.mark("load", **info)
     return message
 
 
@@ -251,7 +270,7 @@ def _batch_layout(runner, names, dtypes, shapes, spec: str):
     return names, dtypes, shapes, layout, key
 
 
-def _receive_batch(runner, names, dtypes, shapes, layout: list[tuple[str, int]], stats: Stats | None = None):
+def _receive_batch(runner, names, dtypes, shapes, layout: list[tuple[str, int]]):
     """Every bucket of a sync from one request (``BATCHED_BUCKETS_FORMAT``): no request, answer and
     scheduler round trip between buckets, so on GPUs the broadcasts and the loads' copies queue back to back.
     A bucket whose load fails does not stop the receiving (the senders' broadcasts must stay matched); its
@@ -264,32 +283,32 @@ def _receive_batch(runner, names, dtypes, shapes, layout: list[tuple[str, int]],
                        f"{len(dtypes)} dtypes, {len(shapes)} shapes")
     import torch
 
-    stats = stats or Stats(runner, None)
     first, at = None, 0
     done = collections.deque()  # GPU: an event after each queued bucket's load
-    loads = _load_stream(runner)
+    loads = load_stream(runner)
     try:
         for i, (group, n) in enumerate(layout):
             part = slice(at, at + n)
             at += n
-            b = stats.start(group, dtypes[part], shapes[part])
+            watch.bucket(group, dtypes[part], shapes[part])
             if len(done) >= _BUCKETS_IN_FLIGHT:  # the host runs ahead of the GPU: bound the receive buffers
                 done.popleft().synchronize()
-            stats.mark(b, "wait_free")
+            watch.mark("wait_free")
             try:
                 flat = _receive(runner, dtypes[part], shapes[part], group)
             except Exception as e:
                 return False, _partial(RuntimeError(f"bucket {i} over {group}: {e}"))
-            stats.mark(b, "receive")
+            watch.mark("receive")
             if loads is not None:  # the copies wait for this receive only, and the next receive not for them
                 loads.wait_stream(torch.cuda.current_stream(flat.device))
                 flat.record_stream(loads)
+            info: dict = {}
             try:
                 with torch.cuda.stream(loads) if loads is not None else contextlib.nullcontext():
-                    _load(runner, flat, names[part], dtypes[part], shapes[part], group, b)
+                    _load(runner, flat, names[part], dtypes[part], shapes[part], group, info)
             except Exception as e:
                 first = first or RuntimeError(f"bucket {i} over {group}: {e}")
-            stats.mark(b, "load", loads)
+            watch.mark("load", loads, **info)
             if loads is not None:
                 done.append(loads.record_event())
     finally:
@@ -300,14 +319,14 @@ def _receive_batch(runner, names, dtypes, shapes, layout: list[tuple[str, int]],
     return True, f"Succeeded to update parameter online ({len(layout)} buckets in one request)."
 
 
-def _load_stream(runner):
-    """The CUDA stream a batched update's copies run on (None off CUDA, or with ``LOAD_STREAM_ENV=0``).
+def load_stream(runner):
+    """The CUDA stream a batched update's copies run on (None off CUDA).
     A process group's NCCL stream waits for the whole current stream before each collective, so copies
     queued there would hold every receive after them until they finish: receive and load of a bucket would
     take turns instead of the next bucket arriving while this one is copied."""
     import torch
 
-    if os.environ.get(LOAD_STREAM_ENV) == "0" or not str(getattr(runner, "device", "cpu")).startswith("cuda"):
+    if not str(getattr(runner, "device", "cpu")).startswith("cuda"):
         return None
     stream = runner.__dict__.get("_mrl_load_stream")
     if stream is None:
@@ -327,7 +346,7 @@ def _receive(runner, dtypes, shapes, group_name):
 
 
 def _load(runner, flat, names, dtypes, shapes, group_name, info: dict | None = None) -> str:
-    """Load a received bucket; ``info`` (stats) gets the path taken and, for a replay, the plan's counts."""
+    """Load a received bucket; ``info`` gets the path taken and, for a replay, the plan's counts (``watch``)."""
     from mrl.engine.server import replayed_load as rl
 
     info = {} if info is None else info
@@ -352,17 +371,6 @@ def _load(runner, flat, names, dtypes, shapes, group_name, info: dict | None = N
 
 
 def install() -> None:
-    """Register the patches the environment asks for (called from the engines' ``sitecustomize``)."""
-    if os.environ.get(COMPACT_ROUTES_ENV) == "1":
-        sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
-    if os.environ.get(REPLAYED_LOAD_ENV) == "1":
-        sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, replayed_load))
-
-
-def engine_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the switches :func:`install` reads, on unless ``env`` already sets them (so
-    ``MRL_COMPACT_ROUTES=0`` in the launcher's environment sends int32 routes and ``MRL_REPLAYED_LOAD=0``
-    loads every bucket through ``load_weights``, for comparisons)."""
-    env.setdefault(COMPACT_ROUTES_ENV, "1")
-    env.setdefault(REPLAYED_LOAD_ENV, "1")
-    return env
+    """Register the patches (called from the engines' ``sitecustomize``)."""
+    sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
+    sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, replayed_load))

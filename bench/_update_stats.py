@@ -1,6 +1,14 @@
-"""Per-bucket figures of an engine's weight updates, for benchmarks (``SYNC_STATS_ENV``); inert when unset.
+"""Per-bucket figures of an engine's weight updates, for ``bench/gpu_loop.py --sync-profile``: the engine patches'
+``watch`` (``mrl.engine.server.patches.UpdateWatch``), installed by the bench's engine shim
+(``bench/_engine_shim``, ``BENCH_SYNC_STATS_DIR``) inside the engines the bench starts.
 
-Used by the update paths of ``mrl.engine.server.patches`` inside the engine's model runner.
+Each weight update appends one JSON line to ``tp{rank}.jsonl`` in the directory: when the update reached the
+model runner (``entered_at``, wall clock) and per bucket the host seconds waiting for a free buffer, receiving
+and loading, the load's path and copy counts, and on GPUs the device seconds of the receive and of the load
+(CUDA events, read with one host sync after the update's last bucket). A file ``profile_next.tp{rank}`` there
+runs that rank's next update under ``torch.profiler`` (trace and top ops written next to it, the file
+removed); while a file ``STATS_OFF`` is there, updates run without any of it (the CUDA events and the host sync
+before the answer are not free).
 """
 
 from __future__ import annotations
@@ -10,19 +18,14 @@ import os
 import sys
 import time
 
-SYNC_STATS_ENV = "MRL_SYNC_STATS_DIR"
-"""A directory (benchmarks): each weight update appends one JSON line to ``tp{rank}.jsonl`` there: when the
-update reached the model runner (``entered_at``, wall clock) and per bucket the host seconds waiting for a
-free buffer, receiving and loading, the load's path and copy counts, and on GPUs the device seconds of the
-receive and of the load (CUDA events, read with one host sync after the update's last bucket). A file
-``profile_next.tp{rank}`` there runs that rank's next update under ``torch.profiler`` (trace and top ops
-written next to it, the file removed); while a file ``STATS_OFF`` is there, updates run without any of it
-(the CUDA events and the host sync before the answer are not free)."""
+from mrl.engine.server.patches import UpdateWatch
+from mrl.engine.server.replayed_load import bucket_nbytes
+
 STATS_OFF = "stats_off"
 
 
 class Stats:
-    """Per-bucket figures of one update (``SYNC_STATS_ENV``); inert when the variable is unset."""
+    """Per-bucket figures of one update; inert without a directory."""
 
     def __init__(self, runner, out_dir: str | None):
         self.dir, self.rank = out_dir, int(getattr(runner, "tp_rank", 0) or 0)
@@ -30,26 +33,25 @@ class Stats:
         self.buckets: list[dict] = []
         self.entered_at = time.time()  # wall clock: against the trainer's post, the request's way in
 
-    def start(self, group, dtypes, shapes) -> dict | None:
-        """A new bucket's record (None when off); ``mark`` closes each of its phases."""
+    def start(self, group, dtypes, shapes) -> None:
+        """A new bucket's record; ``mark`` closes each of its phases."""
         if self.dir is None:
-            return None
-        from mrl.engine.server import replayed_load as rl
+            return
+        self.buckets.append({"group": group, "bytes": bucket_nbytes(dtypes, shapes), "tensors": len(shapes),
+                             "_t": 0.0, "_ev": []})
+        self.mark(None)
 
-        b = {"group": group, "bytes": rl.bucket_nbytes(dtypes, shapes), "tensors": len(shapes), "_t": 0.0, "_ev": []}
-        self.buckets.append(b)
-        self.mark(b, None)
-        return b
-
-    def mark(self, b: dict | None, phase: str | None, stream=None) -> None:
+    def mark(self, phase: str | None, stream=None, info: dict | None = None) -> None:
         """Host seconds since the previous mark, as ``{phase}_s``; on CUDA an event too (device seconds), on
         ``stream`` (default: the current one)."""
-        if b is None:
+        if self.dir is None or not self.buckets:
             return
+        b = self.buckets[-1]
         now = time.perf_counter()
         if phase is not None:
             b[f"{phase}_s"] = now - b["_t"]
         b["_t"] = now
+        b.update(info or {})
         if self.cuda:
             import torch
 
@@ -73,16 +75,34 @@ class Stats:
             f.write(json.dumps({"entered_at": self.entered_at, "buckets": self.buckets}) + "\n")
 
 
-class observed:
-    """The update's ``Stats`` (written at the end) and, when asked for, a torch.profiler around it."""
+class UpdateStats(UpdateWatch):
+    """The engine patches' ``watch``: each update's ``Stats`` (written at its end) and, when asked for, a
+    torch.profiler around it."""
 
-    def __init__(self, runner):
-        d = os.environ.get(SYNC_STATS_ENV) or None
-        self.stats = Stats(runner, None if d and os.path.exists(os.path.join(d, STATS_OFF)) else d)
+    def __init__(self, out_dir: str):
+        self.dir = out_dir
+        self.now: Stats | None = None
+
+    def update(self, runner):
+        return _Observed(self, runner)
+
+    def bucket(self, key, dtypes, shapes) -> None:
+        if self.now is not None:
+            self.now.start(key, dtypes, shapes)
+
+    def mark(self, phase, stream=None, **info) -> None:
+        if self.now is not None:
+            self.now.mark(phase, stream, info)
+
+
+class _Observed:
+    def __init__(self, watch: UpdateStats, runner):
+        d = watch.dir
+        self.watch, self.stats = watch, Stats(runner, None if os.path.exists(os.path.join(d, STATS_OFF)) else d)
         self.prof = None
 
     def __enter__(self) -> Stats:
-        s = self.stats
+        s = self.watch.now = self.stats
         ask = os.path.join(s.dir, f"profile_next.tp{s.rank}") if s.dir else None
         if ask and os.path.exists(ask):
             os.remove(ask)
@@ -96,7 +116,7 @@ class observed:
         return s
 
     def __exit__(self, *exc) -> None:
-        s = self.stats
+        s, self.watch.now = self.stats, None
         try:  # figures for a benchmark: never the reason an update fails
             if self.prof is not None:
                 self.prof.__exit__(*exc)
@@ -105,7 +125,7 @@ class observed:
                     json.dump(top_ops(self.prof), f)
             s.write()
         except Exception as e:
-            print(f"mrl: weight update figures not written to {s.dir}: {e}", file=sys.stderr, flush=True)
+            print(f"bench: weight update figures not written to {s.dir}: {e}", file=sys.stderr, flush=True)
 
 
 def top_ops(prof, n: int = 25) -> list[dict]:

@@ -5,7 +5,7 @@
     rollout.set_adapter(report.name, 7)                     # new requests use v7; v6 unloaded when idle
     sync.add_engines([url]); rollout.add_engine(url)        # a restarted engine: the current adapter first
 
-The train loop drives this through ``AdapterChannel`` (every trainer rank; the calls of ``EngineSync``).
+The train loop drives this through ``AdapterChannel`` (every trainer rank; the calls of ``FullWeightChannel``).
 
 ``tensors`` are the full (unsharded) HF PEFT tensors, ``base_model.model.model.layers.L.self_attn.q_proj.
 lora_A.weight`` ..., and ``adapter_config`` the ``adapter_config.json`` dict. The base weights never change
@@ -33,22 +33,18 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.config.lora_engine import LoraEngineSpec
-from mrl.log import get_logger
-from mrl.sglang.wire import NAME_PREFIX, adapter_name, adapter_version
+from mrl.megatron.collectives import broadcast_object
+from mrl.sglang.client import ClientTimeouts, EngineClient
+from mrl.sglang.endpoint import EngineEndpoint
 from mrl.sglang.protocol import EngineError, EngineHTTPError
+from mrl.sglang.wire import NAME_PREFIX, adapter_name, adapter_version
 from mrl.weight_sync.channel import SyncReport, WeightChannel
-from mrl.weight_sync.transport import dead_engines
+from mrl.weight_sync.checks import check_finite_weights
 
-if TYPE_CHECKING:
-    from mrl.sglang.endpoint import EngineEndpoint
-
-log = get_logger(__name__)
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -311,7 +307,7 @@ class AdapterChannel(WeightChannel):
     engines as an adapter (``AdapterSync``), never as full weights, so there is no weight-update group and
     nothing is paused, flushed or re-stamped.
 
-    Collective like ``EngineSync.sync``: every rank joins the export (``Policy.export_lora`` gathers the
+    Collective like ``FullWeightChannel.sync``: every rank joins the export (``Policy.export_lora`` gathers the
     TP/EP shards), rank 0 pushes and switches the rollout side (``on_loaded(name, version)``:
     ``rollout.set_adapter``), and every rank learns the outcome -- the adapter name and the engines
     dropped -- or stops with rank 0's error."""
@@ -324,9 +320,8 @@ class AdapterChannel(WeightChannel):
                  dtype: torch.dtype | None = None, on_loaded=None):
         """``export_dir``: the disk transport's directory (adapters loaded by path); ``dtype``: the engines'
         (the export is cast to it); ``on_loaded``: rank 0's switch of the rollout side to a loaded version."""
-        self.policy, self.layout, self.engines = policy, layout, list(engines)
-        self.probe_timeout_s, self.dtype, self.on_loaded = probe_timeout_s, dtype, on_loaded
-        self.dropped: list[str] = []
+        super().__init__(layout, engines, probe_timeout_s=probe_timeout_s)
+        self.policy, self.dtype, self.on_loaded = policy, dtype, on_loaded
         self.adapter: str | None = None
         """The adapter the engines serve the trainer's weights under; None = the base model (version 0)."""
         self._joining: list[EngineEndpoint] = []
@@ -344,9 +339,6 @@ class AdapterChannel(WeightChannel):
         self._joining += list(new)
 
     def sync(self, version: str) -> SyncReport:
-        from mrl.megatron.collectives import broadcast_object
-        from mrl.weight_sync.sync import check_finite_weights
-
         t0 = time.perf_counter()
         check_finite_weights(self.policy.module, f"adapter sync v{version}")
         exported = self.policy.export_lora(dst=0, dtype=self.dtype)
@@ -361,8 +353,9 @@ class AdapterChannel(WeightChannel):
         if isinstance(outcome, str):
             raise RuntimeError(f"adapter sync v{version} failed on rank 0: {outcome}")
         dead = outcome["dead"]
-        self.engines = [e for e in self.engines + self._joining if e.url not in dead]
-        self._joining, self.dropped, self.adapter = [], self.dropped + list(dead), outcome["name"]
+        self.engines = self.engines + self._joining
+        self.forget_dead(dead)
+        self._joining, self.adapter = [], outcome["name"]
         return SyncReport(version=version, transport=f"lora-{outcome['mode']}", seconds=time.perf_counter() - t0,
                           push_seconds=outcome["seconds"], bytes_sent=outcome["bytes"], bytes_in_place=None,
                           dropped_engines=list(dead), dead_reasons=dead)
@@ -387,11 +380,10 @@ class AdapterChannel(WeightChannel):
         try:
             return call()
         except AdapterSyncError as e:
-            gone = dead_engines(list(e.failed), self.probe_timeout_s)
+            gone = self.judge(e.failed)
             if set(e.failed) - set(gone) or not set(self._pusher.urls) - set(gone):
                 raise
-            for url, why in gone.items():
-                log.warning("adapter sync %s: engine %s dropped: %s", e.name, url, why)
+            self.say_dropped(gone, f"adapter sync {e.name}")
             self._pusher.remove_engines(list(gone))
             dead |= gone
             return call()
