@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import hashlib
 import inspect
 import itertools
@@ -307,7 +308,7 @@ class CountdownTask(SyntheticTask):
         ids = tokenizer.encode(prompt.text).ids
         return ids + tokenizer.encode(self.reference(prompt), add_special_tokens=False).ids + [eos], len(ids)
 
-    @property
+    @functools.cached_property
     def max_response_tokens(self) -> int:
         """A bound on the tokens a worked solution takes, EOS included: its characters + 1 (no tokenizer of
         ours makes more than one token of an ASCII character)."""
@@ -316,12 +317,13 @@ class CountdownTask(SyntheticTask):
     def check_run(self, *, reward_fn: str, max_new_tokens: int) -> str | None:
         if max_new_tokens < self.max_response_tokens:
             return (f"rollout.max_new_tokens={max_new_tokens}: data.task=countdown's worked solutions take up to "
-                    f"{self.max_response_tokens} tokens at these data.task_args (num_numbers={self.num_numbers}, "
-                    f"max_number={self.max_number}); set rollout.max_new_tokens={self.max_response_tokens} or more")
+                    f"{self.max_response_tokens} tokens with data.task_args num_numbers={self.num_numbers}, "
+                    f"max_number={self.max_number}, ops={self.ops}; set rollout.max_new_tokens="
+                    f"{self.max_response_tokens} or more")
         if reward_fn.startswith("mrl.reward.") and reward_fn != self.reward_fn:
-            return (f"reward.fn={reward_fn} cannot score data.task=countdown: its responses are worked solutions "
-                    "ending in '#### <expression>', checked by using each given number at most once, which only "
-                    f"reward=countdown (reward.fn={self.reward_fn}) does ('#### 22' would pass a value check)")
+            return (f"reward.fn={reward_fn} cannot score data.task=countdown, whose responses are worked solutions "
+                    f"ending in '#### <expression>': use reward=countdown (reward.fn={self.reward_fn}), which checks "
+                    "that the expression reaches the target using each given number at most once")
         return None
 
 
