@@ -6,12 +6,13 @@
 The final answer is read by ``mrl.reward.builtin.extract_final_answer`` (the last ``\\boxed{}``, GSM8K's
 ``#### 42``, "The answer is 42", or the last line); the label ``prompt.answer`` may be plain ("42", "3/4",
 "1,000") or LaTeX, or a whole reference solution with a box or ``####`` in it. Both are parsed and compared
-by Hugging Face's ``math-verify`` (Apache-2.0; open-r1 and TRL's accuracy reward use it; its LaTeX grammar is
-``latex2sympy2_extended``, MIT, on ANTLR): fractions and decimals (3/4 = 0.75 = \\frac{3}{4}), thousands
+by Hugging Face's ``math-verify`` (0.9.0, Apache-2.0; its LaTeX grammar is ``latex2sympy2_extended``, MIT,
+on the ANTLR runtime hydra already pins): fractions and decimals (3/4 = 0.75 = \\frac{3}{4}), thousands
 separators, units and ``\\text{}`` dropped, percent signs, sets and intervals, tuples, equations (``x=5``
-matches 5), symbolic equality through sympy. We chose it over regex normalizers (verl's and
-NeMo-RL's MATH graders, lm-eval's) because it parses and compares instead of normalizing strings, and
-over writing our own for being the maintained verifier of the field.
+matches 5), symbolic equality through sympy. Why it: it parses both sides and compares values, where the
+string normalizers peers also carry (the Hendrycks MATH ``is_equiv`` of verl's ``math.py``, DAPO's) compare
+rewritten strings; and it is the field's maintained verifier (open-r1, TRL's accuracy reward, verl's
+``math_verify`` score and NeMo-RL's math environment use it) rather than one more of our own.
 
 Scores: 1.0 equivalent; 0.0 wrong; ``UNPARSED_REWARD`` (0.0) when the response states no answer or its answer
 does not parse. The scorer takes a number only, so an unparsed answer is not counted apart from a wrong one;
