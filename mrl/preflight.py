@@ -104,7 +104,7 @@ def check_layout(cfg: Config, where: str) -> str | None:
 
 
 def check_data(cfg: Config, where: str) -> str | None:
-    """The prompt files exist and yield at least one usable row (malformed rows: as the run reports them)."""
+    """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met."""
     if _in_image(cfg, where):
         return None
     from mrl.data import build_prompt_source
@@ -120,13 +120,13 @@ def check_data(cfg: Config, where: str) -> str | None:
                 return _named(key, path, "is a directory, not a JSONL file" if os.path.isdir(path)
                               else "no such file")
         try:
-            build_prompt_source(d, split=split)
+            source = build_prompt_source(d, split=split)
         except (ValueError, TypeError, OSError) as e:
             msg = str(e)
             if path is None:  # a built-in task: its errors name data.task / data.task_args
                 return msg if msg.startswith("data.") else f"data.task={d.task}: {msg}"
             return _named(key, path, msg)
-    return None
+    return None if d.path else source.check_run(reward_fn=cfg.reward.fn, max_new_tokens=cfg.rollout.max_new_tokens)
 
 
 @contextlib.contextmanager

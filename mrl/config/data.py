@@ -21,8 +21,8 @@ class DataConfig:
     """Prompt source: a built-in synthetic task (``task``) or a JSONL file (``path``)."""
 
     task: str = "reverse"
-    """Built-in synthetic task (``mrl.data.tasks.TASKS``: reverse, add_mod, copy_last), or ``jsonl``
-    (the ``data=jsonl`` preset), which requires ``path``. Unused when ``path`` is set."""
+    """Built-in synthetic task (``mrl.data.tasks.TASKS``: reverse, add_mod, copy_last, lookup, countdown), or
+    ``jsonl`` (the ``data=jsonl`` preset), which requires ``path``. Unused when ``path`` is set."""
     path: Optional[str] = None
     """JSONL prompt file, one JSON object per line; replaces ``task`` when set."""
     eval_path: Optional[str] = None
@@ -42,7 +42,8 @@ class DataConfig:
     eval_fraction: float = 0.2
     """Built-in tasks: fraction of the input space held out for eval (a fixed hash of each input)."""
     task_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the task's constructor, e.g. ``+data.task_args.max_len=4`` for reverse."""
+    """Keyword arguments of the task's constructor, e.g. ``+data.task_args.max_len=4`` for reverse; countdown's
+    difficulty (``num_numbers``, ``max_number``, ``ops``, ``ordered``, ``num_problems``) is set here."""
     apply_chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template when it has one (the tiny model's has none)."""
 

@@ -1,4 +1,4 @@
-"""Built-in synthetic verifiable tasks (``data.task=reverse|add_mod|copy_last|lookup``): seeded, endless, split.
+"""Built-in synthetic verifiable tasks (``data.task=reverse|add_mod|copy_last|lookup|countdown``): seeded, split.
 
 Why these tasks: the default run trains a 3-layer, hidden-64 MoE with a 512-token byte-level BPE on
 two CPU cores in minutes, so a task must be
@@ -8,7 +8,8 @@ two CPU cores in minutes, so a task must be
   - length-controlled: answers of 1-3 tokens ending the prompt's "=", so a short supervised warm start
     learns the format and RL works on correctness within a ``max_new_tokens`` of a few tokens.
 Difficulty, easiest first: copy_last (point at one prompt token), add_mod (a 100-entry table),
-reverse (a position-dependent copy).
+reverse (a position-dependent copy). countdown is the reasoning task: a worked solution of a few lines
+(``rollout.max_new_tokens`` of a few dozen), taught by the warm start, its difficulty set by its arguments.
 
 Splits: each input goes to ``train`` or ``eval`` by a fixed hash of (task name, input), so the splits
 are disjoint by content, not merely by index, and identical in every process and for every seed.
@@ -22,12 +23,15 @@ are disjoint by content, not merely by index, and identical in every process and
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
 import hashlib
 import inspect
 import itertools
 import random
 from typing import Any
 
+from mrl.data.countdown import OPS, Chain, random_chain, worked_solution
 from mrl.data.prompt import Prompt
 
 SPLITS = ("train", "eval")
@@ -53,6 +57,8 @@ class SyntheticTask(abc.ABC):
     name = ""
     answer_pattern = ""
     """Regex a well-formed answer fully matches (``meta["answer_pattern"]``, for format rewards)."""
+    reward_fn = "mrl.reward.builtin.exact_match"
+    """A reward that scores this task's reference 1.0 (``reward.fn``)."""
 
     def __init__(self, *, split: str = "train", seed: int = 0, eval_fraction: float = 0.2, shuffle: bool = True):
         if split not in SPLITS:
@@ -95,6 +101,10 @@ class SyntheticTask(abc.ABC):
     def reference(self, prompt: Prompt) -> str:
         """The correct response text for a prompt of this task (EOS not included)."""
         return self.solve(prompt.meta["input"])
+
+    def check_run(self, *, reward_fn: str, max_new_tokens: int) -> str | None:
+        """Why a run's reward or token budget cannot train this task (None when they can); the preflight asks."""
+        return None
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self.shuffle and epoch != self._order_epoch:
@@ -227,8 +237,98 @@ class LookupTask(_LetterTask):
         return ids + rest, len(ids)
 
 
+class CountdownTask(SyntheticTask):
+    """``3 5 7->22=`` -> ``3*5=15`` / ``15+7=22`` / ``#### 3*5+7``: reach the target with + - * /, each number once.
+
+    Difficulty: ``num_numbers`` drawn from 1..``max_number``, joined by ``ops`` (any of ``+-*/``), to a target
+    that is not one of them. Inputs are ``num_problems`` distinct problems (the numbers as a multiset and the
+    target) from a generator seeded by those arguments, not by ``data.seed``: every process and seed sees the
+    same problems and the same split (a small setting may have fewer problems than asked: then it has all
+    there are). The prompt lists the numbers in the order the worked solution uses them when ``ordered``, else
+    ascending (harder: the policy must find the order). ``answer`` is the target; ``meta`` holds ``numbers``
+    and ``target`` for ``reward.fn=mrl.reward.builtin.countdown``, which accepts any valid expression. The
+    warm start trains on the worked solution (``warm_start_tokens``)."""
+
+    name = "countdown"
+    reward_fn = "mrl.reward.builtin.countdown"  # reward=countdown
+
+    def __init__(self, *, num_numbers: int = 3, max_number: int = 9, ops: str = "+-", ordered: bool = True,
+                 num_problems: int = 2000, **kw: Any):
+        if not 2 <= num_numbers <= 8:
+            raise ValueError(f"data.task_args.num_numbers: must be in [2, 8], got {num_numbers}")
+        if not 2 <= max_number <= 999:
+            raise ValueError(f"data.task_args.max_number: must be in [2, 999], got {max_number}")
+        if not ops or set(ops) - set(OPS) or len(set(ops)) != len(ops):
+            raise ValueError(f"data.task_args.ops: must be distinct operators out of {OPS!r}, got {ops!r}")
+        if num_problems < 2:
+            raise ValueError(f"data.task_args.num_problems: must be >= 2, got {num_problems}")
+        self.num_numbers, self.max_number, self.ops, self.ordered = num_numbers, max_number, ops, ordered
+        self._chains = self._problems(num_problems)
+        super().__init__(**kw)
+
+    def _problems(self, num_problems: int) -> dict[str, Chain]:
+        """Problem key ("3 5 7:22", numbers ascending) -> its generated solution, in generation order."""
+        rng = random.Random(f"countdown:{self.num_numbers}:{self.max_number}:{self.ops}")
+        chains: dict[str, Chain] = {}
+        misses = 0
+        while len(chains) < num_problems and misses < 2000:  # 2000 draws in a row with nothing new: all found
+            chain = random_chain(rng, num_numbers=self.num_numbers, max_number=self.max_number, ops=self.ops)
+            trivial = chain is None or chain.target in chain.numbers  # "#### 4" would solve "6 4 6->4="
+            key = None if trivial else f"{' '.join(map(str, sorted(chain.numbers)))}:{chain.target}"
+            if key is None or key in chains:
+                misses += 1
+            else:
+                chains[key], misses = chain, 0
+        return chains
+
+    def _shown(self, chain: Chain) -> list[int]:
+        return list(chain.numbers) if self.ordered else sorted(chain.numbers)
+
+    def inputs(self) -> list[str]:
+        return list(self._chains)
+
+    def render(self, item: str) -> str:
+        chain = self._chains[item]
+        return f"{' '.join(map(str, self._shown(chain)))}->{chain.target}="
+
+    def solve(self, item: str) -> str:
+        return str(self._chains[item].target)
+
+    def sample(self, index: int) -> Prompt:
+        p = super().sample(index)
+        chain = self._chains[p.meta["input"]]
+        return dataclasses.replace(p, meta=p.meta | {"numbers": self._shown(chain), "target": chain.target})
+
+    def reference(self, prompt: Prompt) -> str:
+        return worked_solution(self._chains[prompt.meta["input"]])
+
+    def warm_start_tokens(self, prompt: Prompt, tokenizer, eos: int) -> tuple[list[int], int]:
+        """(prompt + worked solution + EOS token ids, prompt length): the warm start learns the solution's steps,
+        not the bare target that ``prompt.answer`` holds."""
+        ids = tokenizer.encode(prompt.text).ids
+        return ids + tokenizer.encode(self.reference(prompt), add_special_tokens=False).ids + [eos], len(ids)
+
+    @functools.cached_property
+    def max_response_tokens(self) -> int:
+        """A bound on the tokens a worked solution takes, EOS included: its characters + 1 (no tokenizer of
+        ours makes more than one token of an ASCII character)."""
+        return max(len(worked_solution(c)) for c in self._chains.values()) + 1
+
+    def check_run(self, *, reward_fn: str, max_new_tokens: int) -> str | None:
+        if max_new_tokens < self.max_response_tokens:
+            return (f"rollout.max_new_tokens={max_new_tokens}: data.task=countdown's worked solutions take up to "
+                    f"{self.max_response_tokens} tokens with data.task_args num_numbers={self.num_numbers}, "
+                    f"max_number={self.max_number}, ops={self.ops}; set rollout.max_new_tokens="
+                    f"{self.max_response_tokens} or more")
+        if reward_fn.startswith("mrl.reward.") and reward_fn != self.reward_fn:
+            return (f"reward.fn={reward_fn} cannot score data.task=countdown, whose responses are worked solutions "
+                    f"ending in '#### <expression>': use reward=countdown (reward.fn={self.reward_fn}), which checks "
+                    "that the expression reaches the target using each given number at most once")
+        return None
+
+
 TASKS: dict[str, type[SyntheticTask]] = {"reverse": ReverseTask, "add_mod": AddModTask, "copy_last": CopyLastTask,
-                                         "lookup": LookupTask}
+                                         "lookup": LookupTask, "countdown": CountdownTask}
 
 
 def build_task(name: str, *, split: str = "train", seed: int = 0, eval_fraction: float = 0.2, shuffle: bool = True,

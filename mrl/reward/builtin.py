@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import regex
 
+from mrl.data.countdown import countdown_value
 from mrl.data.prompt import Prompt
 
 STOP_TEXTS = ("\n", "<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>")
@@ -73,3 +74,56 @@ def format_and_correct(prompt: Prompt, response_text: str) -> float:
         raise TimeoutError(f"answer_pattern {pattern!r} of prompt {prompt.id!r} did not finish matching within "
                            f"{PATTERN_TIMEOUT_S} s (reward.timeout_s)") from None
     return FORMAT_CREDIT if well_formed else 0.0
+
+
+_BOX_OR_BRACE = regex.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
+_ANSWER_IS = regex.compile(r"\banswer\s*(?:is\s*:?|:)[ \t]*([^\n]*)", regex.IGNORECASE)
+_DELIMITERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+
+
+def extract_final_answer(response_text: str) -> str | None:
+    """The final answer a worked solution states, or None when it states none. Read up to the first EOS text
+    (``STOP_TEXTS`` but the newline), the first of these that is there:
+      - the content of the last complete ``\\boxed{...}`` (or ``\\fbox``), nested braces included;
+      - what follows the last ``####`` on its line (GSM8K's format);
+      - what follows the last "answer is" / "answer:" on its line ("The answer is 42." -> "42");
+      - the last non-empty line.
+    Surrounding ``$...$``, ``\\(...\\)``, ``\\[...\\]``, spaces and a final period are stripped. One pass
+    over the text, however it nests (a box left open by a cut-off response is skipped)."""
+    text = response_text
+    for stop in STOP_TEXTS[1:]:
+        text = text.split(stop, 1)[0]
+    answer = _last_box(text)
+    if answer is None and (i := text.rfind("####")) >= 0:
+        answer = text[i:].split("\n", 1)[0].lstrip("#")
+    if not (answer or "").strip():
+        said = [m.group(1) for m in _ANSWER_IS.finditer(text) if m.group(1).strip()]
+        lines = [line for line in text.split("\n") if line.strip()]
+        answer = said[-1] if said else lines[-1] if lines else ""
+    answer = answer.strip().removesuffix(".").strip()
+    for left, right in _DELIMITERS:
+        if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left) + len(right):
+            answer = answer[len(left):-len(right)].strip()
+    return answer or None
+
+
+def _last_box(text: str) -> str | None:
+    """The content of the box that closes last (an enclosing box over the boxes inside it)."""
+    opened: list[int] = []  # per open brace: where its box's content starts, or -1 for a plain brace
+    last = None
+    for m in _BOX_OR_BRACE.finditer(text):
+        if m.group() == "}":
+            if opened and (start := opened.pop()) >= 0:
+                last = text[start:m.start()]
+        else:
+            opened.append(-1 if m.group() == "{" else m.end())
+    return last
+
+
+def countdown(prompt: Prompt, response_text: str) -> float:
+    """1.0 when the final answer (``extract_final_answer``) is an expression of ``prompt.meta["numbers"]``, each
+    used at most once, with + - * / and parentheses, equal to ``prompt.meta["target"]`` (``data=countdown``);
+    0.0 otherwise, an answer that does not parse included."""
+    answer = extract_final_answer(response_text)
+    value = None if answer is None else countdown_value(answer, prompt.meta["numbers"])
+    return float(value is not None and value == prompt.meta["target"])
