@@ -38,6 +38,7 @@ from mrl.engine.launcher import launch_job_engines
 from mrl.megatron import compat
 from mrl.megatron.batch_scatter import BatchScatter
 from mrl.megatron.collectives import broadcast_object
+from mrl.megatron.export import save_hf_due
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.megatron.warm_up import warm_up
@@ -145,6 +146,7 @@ class Loop:
                 m |= {"step_seconds": time.perf_counter() - t0, "version": self.version}
                 m |= self._first_step_marks()
                 self.duties.log_step(self.step, m, time.monotonic() - t_loop)
+                save_hf_due(self.cfg, self.policy, self.step)  # train.save_hf(_every): run_dir/hf/final, step_N
                 if self.maybe_checkpoint():
                     break
                 if t.mode == LoopMode.sync:  # after the checkpoint: nothing is in flight in it
