@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.schema import LoraConfig
+from mrl.config.train import TrainConfig
 from mrl.megatron import checkpoint_format
 from mrl.megatron.collectives import broadcast_object
 from mrl.megatron.lora import export_peft, is_adapter_key
@@ -164,17 +165,21 @@ def load_trainer_weights(model: torch.nn.Module, layout: Layout, path: str, *, l
                               f"missing {[k for k in missing if is_adapter_key(k)][:4]}")
 
 
+def hf_dir_due(train: TrainConfig, step: int) -> str | None:
+    """The ``run_dir/hf`` directory ``train.save_hf`` / ``train.save_hf_every`` ask for after ``step``, if any:
+    ``final`` at the run's last step, ``step_N`` every N steps (the last one is ``final`` when both apply)."""
+    if train.save_hf and step == train.steps:
+        return "final"
+    if train.save_hf_every and step % train.save_hf_every == 0:
+        return f"step_{step}"
+    return None
+
+
 def save_hf_due(cfg, policy, step: int) -> None:
-    """``train.save_hf`` / ``train.save_hf_every``: after ``step``, the live model to ``run_dir/hf/final`` (the
-    run's last step) or ``run_dir/hf/step_N``, replacing one there. Collective (``cfg``: the run's Config;
-    ``policy``: its ``Policy``)."""
-    t = cfg.train
-    last = step == t.steps
-    if t.save_hf and last:
-        name = "final"
-    elif t.save_hf_every and step % t.save_hf_every == 0:
-        name = f"step_{step}"
-    else:
+    """After ``step``, the live model to ``run_dir/hf/<hf_dir_due>``, replacing one there. Collective (``cfg``: the
+    run's Config; ``policy``: its ``Policy``)."""
+    name = hf_dir_due(cfg.train, step)
+    if name is None:
         return
     out = os.path.join(cfg.run_dir, "hf", name)
     r = export_hf_dir(policy.module, policy.layout, policy.bridge, policy.padded_vocab, out,

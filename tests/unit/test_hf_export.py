@@ -112,3 +112,16 @@ def test_mrl_export_refuses_before_starting_a_rank(run_dir, ckpt_dir, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("[mrl] export: ") and re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_which_hf_directory_a_step_writes():
+    from mrl.config.train import TrainConfig
+    from mrl.megatron.export import hf_dir_due
+
+    every = TrainConfig(steps=6, save_hf_every=2)
+    assert [hf_dir_due(every, s) for s in range(1, 7)] == [None, "step_2", None, "step_4", None, "final"]
+    assert [hf_dir_due(TrainConfig(steps=6, save_hf=False, save_hf_every=3), s) for s in (3, 6)] == ["step_3",
+                                                                                                   "step_6"]
+    assert [hf_dir_due(TrainConfig(steps=6, save_hf=False), s) for s in range(1, 7)] == [None] * 6
+    with pytest.raises(ValueError, match="train.save_hf_every"):
+        TrainConfig(save_hf_every=-1)
