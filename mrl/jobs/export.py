@@ -112,8 +112,10 @@ def launch(argv: list[str]) -> int:
         if os.path.exists(out) and not (a.force and os.path.isdir(out)):
             raise CheckpointError(f"{out}: already exists; choose another output directory"
                                   + (" (--force replaces it)" if os.path.isdir(out) else ""))
-        if out == src.checkpoint or out.startswith(src.checkpoint + os.sep):
-            raise CheckpointError(f"{out}: inside the checkpoint it exports")
+        for what, path in (("the checkpoint it exports", src.checkpoint), ("model.hf_path", src.cfg.model.hf_path)):
+            path = os.path.abspath(path)
+            if out == path or out.startswith(path + os.sep) or path.startswith(out + os.sep):
+                raise CheckpointError(f"{out}: is, holds or lies inside {what} ({path}); choose another directory")
         pcfg = layout(a)
     except (CheckpointError, ValueError) as e:
         print(f"[mrl] export: {e}", file=sys.stderr)

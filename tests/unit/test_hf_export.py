@@ -101,7 +101,9 @@ def test_a_run_directory_means_its_newest_complete_checkpoint(run_dir, ckpt_dir)
     ("no model", lambda run, ck: [str(run), "out", "--hf", str(run)], "no config.json there"),
     ("out exists", lambda run, ck: [str(run), str(run / "checkpoints")], "already exists.*--force"),
     ("out inside", lambda run, ck: [str(run / "checkpoints" / "step_2"), str(run / "checkpoints" / "step_2" / "o"),
-                                    "--force"], "inside the checkpoint"),
+                                    "--force"], "lies inside the checkpoint it exports"),
+    ("out holds it", lambda run, ck: [str(run), str(run), "--force"], "holds or lies inside the checkpoint"),
+    ("out is the model", lambda run, ck: [str(run), ck["tiny"], "--force"], "is, holds or lies inside model.hf_path"),
 ])
 def test_mrl_export_refuses_before_starting_a_rank(run_dir, ckpt_dir, tmp_path, monkeypatch, capsys, what, args,
                                                   message):
