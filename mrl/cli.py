@@ -5,6 +5,7 @@
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
     mrl engine [overrides...]             start the SGLang engines of engine.* and serve until Ctrl-C
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
+    mrl export CHECKPOINT OUT [--merge]   a trainer checkpoint (any layout) as a Hugging Face checkpoint
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
     mrl export-fp8 SRC DST [--ignore M]   write the block-FP8 (e4m3, 128x128) checkpoint of a bf16/fp32 one
     mrl tune-moe HF_DIR OUT [--dtype D]   tune SGLang's fused-MoE kernel for the model on this GPU
@@ -269,6 +270,10 @@ def main() -> None:
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "make-tiny-model":
         sys.exit(make_tiny(rest))
+    if cmd == "export":
+        from mrl.jobs.export import launch as export
+
+        sys.exit(export(rest))
     if cmd == "export-fp8":
         from mrl.quant.export import main as export_fp8
 
@@ -280,7 +285,7 @@ def main() -> None:
     if cmd == "launch":
         sys.exit(launch(rest))
     if cmd not in COMMANDS:
-        others = ['export-fp8', 'launch', 'make-tiny-model', 'tune-moe']
+        others = ['export', 'export-fp8', 'launch', 'make-tiny-model', 'tune-moe']
         print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + others}", file=sys.stderr)
         sys.exit(2)
     sys.argv = [f"mrl {cmd}", *rest]

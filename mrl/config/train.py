@@ -86,6 +86,12 @@ class TrainConfig:
     layout (DP may change). fully_reshardable: resumes in any layout, but each save gathers every
     model-parallel group's fp32 state into host memory on its DP rank 0, several copies of it while
     saving (docs/training.md). A resume reads each checkpoint in its own format."""
+    save_hf: bool = True
+    """At the run's last step, the model as a Hugging Face checkpoint in ``run_dir/hf/final`` (sharded
+    safetensors + index, config and tokenizer; LoRA runs: the PEFT adapter directory), written from the
+    live model as ``mrl export`` writes one from a checkpoint (docs/training.md, "Getting the model out")."""
+    save_hf_every: int = 0
+    """Also every N steps, as ``run_dir/hf/step_N`` (0 = never); each is a full copy of the weights."""
     resume: bool = True
     """Resume from the newest checkpoint in run_dir/checkpoints if there is one."""
     stop_after: Optional[int] = None
@@ -157,6 +163,8 @@ class TrainConfig:
         if self.optimizer_checkpoint not in OPTIMIZER_CHECKPOINT_FORMATS:
             fail("train.optimizer_checkpoint", f"must be one of {', '.join(OPTIMIZER_CHECKPOINT_FORMATS)}, got "
                  f"{self.optimizer_checkpoint!r}")
+        if self.save_hf_every < 0:
+            fail("train.save_hf_every", f"must be >= 0 (0 = never), got {self.save_hf_every}")
         if self.keep_checkpoints < 0:
             fail("train.keep_checkpoints", f"must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}")
         if self.pack_max_len is not None and self.pack_max_len < 2:

@@ -24,6 +24,7 @@ from mrl.megatron import checkpoint_format, compat, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
 from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
+from mrl.megatron.export import check_model_keys
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
 from mrl.megatron.model import build_gpt_model, transformer_config, use_grouped_gemm
 from mrl.megatron.optim import build_optimizer, wrap_ddp
@@ -33,7 +34,7 @@ from mrl.megatron.reference import ReferenceWeights
 from mrl.megatron.train_step import MicroBatch, forward_backward
 from mrl.megatron.weights import load_hf_into
 from mrl.models import get_bridge
-from mrl.models.checkpoint import HFCheckpoint, check_trainer_checkpoint
+from mrl.models.checkpoint import HFCheckpoint
 from mrl.routing.codec import RoutesCodec
 from mrl.routing.replay import (RankSlice, ReplayDriver, ReplayMode, align_routes, routing_disagreement,
                                 stage_moe_columns)
@@ -447,21 +448,9 @@ class Policy:
 
     def _check_checkpoint(self, path: str, fmt: str) -> None:
         """Fail with the mismatched tensors, not megatron's first shape error, when ``path`` was written for
-        another model (collective: every rank's keys are compared with the checkpoint's)."""
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-        mine = {t.key: tuple(t.global_shape) if isinstance(t, ShardedTensor) else None  # factories: key only
-                for t in nested_values(self._model_sharded(fmt))
-                if isinstance(t, (ShardedTensor, ShardedTensorFactory))}
-        everyone = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, mine)
-        expected: dict = {}
-        for d in everyone:
-            for k, shape in d.items():
-                expected[k] = expected.get(k) or shape
-        saved = {k: tuple(t.global_shape) for k, t in dist_checkpointing.load_tensors_metadata(path).items()}
-        check_trainer_checkpoint(path, saved, expected, model=self.cfg.model.hf_path)
+        another model (collective)."""
+        check_model_keys(path, self._model_sharded(fmt), self.layout, model=self.cfg.model.hf_path,
+                         hint="point run_dir elsewhere or set train.resume=false")
 
     def load(self, path: str) -> None:
         fmt = checkpoint_format.read_format(path, self.layout.config)  # refuses a layout it cannot serve

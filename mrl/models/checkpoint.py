@@ -184,11 +184,11 @@ _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")  # megatron's optimizer
 
 
 def check_trainer_checkpoint(path: str, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...] | None],
-                             *, model: str) -> None:
+                             *, model: str, hint: str) -> None:
     """Before resuming from a trainer checkpoint (megatron dist_checkpointing): its tensors (``saved``: key ->
     global shape, optimizer state excluded) must be the model's (``expected``: every rank's keys, shape None
     where megatron does not give one up front). Raise CheckpointError naming the checkpoint, the model and
-    every missing, unexpected or mis-shaped tensor."""
+    every missing, unexpected or mis-shaped tensor, and ``hint``: what to do."""
     saved = {k: v for k, v in saved.items() if not _OPTIMIZER.match(k)}
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
@@ -211,5 +211,4 @@ def check_trainer_checkpoint(path: str, saved: dict[str, tuple[int, ...]], expec
         if keys:
             problems.append(f"{len(keys)} tensors {what}: {keys[:5]}" + (" ..." if len(keys) > 5 else ""))
     raise CheckpointError(f"{path}: this trainer checkpoint does not match the model of model.hf_path={model}: "
-                          + "; ".join(problems) + " -- it was written for another model: point run_dir elsewhere "
-                          "or set train.resume=false")
+                          + "; ".join(problems) + f" -- it was written for another model: {hint}")

@@ -39,6 +39,7 @@ from mrl.log import get_logger
 from mrl.megatron import compat
 from mrl.megatron.batch_scatter import BatchScatter
 from mrl.megatron.collectives import broadcast_object
+from mrl.megatron.export import save_hf_due
 from mrl.megatron.parallel import destroy, init_parallel
 from mrl.megatron.policy import Policy, RLBatch
 from mrl.megatron.warm_up import warm_up
@@ -156,6 +157,7 @@ class Loop:
                 with phases.timed("eval"):
                     self.duties.maybe_evaluate(self.step)
                 with phases.timed("checkpoint"):
+                    save_hf_due(self.cfg, self.policy, self.step)  # train.save_hf(_every): run_dir/hf/final, step_N
                     stop = self.maybe_checkpoint()
                 if stop:
                     break
