@@ -100,7 +100,7 @@ def overrides(a, hf: str, prompts: str, run_dir: str, steps: int) -> list[str]:
             f"train.steps={steps}", f"train.prompts_per_step={a.prompts}", f"rollout.n_samples_per_prompt={a.samples}",
             "train.mode=overlap", "weight_sync.every_n_steps=1", "rollout.ignore_eos=true", "train.eval_every=0",
             "train.sft_warmup_steps=0", "train.routing_metrics_every=0", f"train.max_inflight_groups={a.inflight}",
-            f"engine.max_running_requests={a.engine_batch}", f"run_dir={run_dir}"]
+            f"engine.max_running_requests={a.engine_batch}", "train.save_hf=false", f"run_dir={run_dir}"]
     if a.cpu:
         args += ["+engine.server_args.max_total_tokens=16384"]
     return args + list(a.set)
