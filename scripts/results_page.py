@@ -99,6 +99,8 @@ def kind(d: dict, fname: str) -> str:
         return "parity"
     if "reward" in d and "step_seconds" in d:
         return "mrl_train_summary"
+    if "sides" in d and "rounds" in d:
+        return "default_run"
     return "unknown"
 
 
@@ -422,6 +424,27 @@ def mrl_train_summary(d):
             f"{d['step_seconds']['last']:.2f} s"]
 
 
+def default_run(d):
+    """``bench/default_run_ab.py``: per side, the whole run's wall time and the median step with its phases."""
+    out = []
+    for side in d["sides"]:
+        summary, runs = d["summary"][side], [r[side] for r in d["rounds"] if side in r]
+        ph = {k.removesuffix("_seconds"): statistics.median(r["phases"][k]["median"] for r in runs
+                                                             if k in r["phases"])
+              for k in runs[0]["phases"] if k not in ("step_seconds", "rest")}
+        top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        w, st = summary["wall_seconds"], summary["median_step"]
+        out.append(f"{side} ({' '.join(runs[0]['overrides']) or 'the default run'}), {len(runs)} runs: wall "
+                   f"**{w['median']:.0f} s** ({w['p25']:.0f}-{w['p75']:.0f}), step **{st['median']:.2f} s** "
+                   f"(phases, s: {top}); reward last 10 steps "
+                   f"{statistics.median(r['reward_last10'] for r in runs):.2f}")
+    if "B_over_A" in d["summary"]:
+        ratio = d["summary"]["B_over_A"]
+        out.append(f"B / A: wall {ratio['wall']['median']:.2f}, step {ratio['median_step']['median']:.2f} (median "
+                   "of the rounds' ratios)")
+    return out
+
+
 def lookup_learning(d):
     runs = {n: r for n, r in d["runs"].items() if r.get("success_last10_mean") is not None}
     return [f"{n}: episode success {r['success_first10_mean']:.2f} -> **{r['success_last10_mean']:.2f}** "
@@ -485,7 +508,7 @@ EXTRACTORS = {
     "replay_overhead": replay_overhead, "routing_mismatch": routing_mismatch, "async_vs_sync": async_vs_sync,
     "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
-    "lookup_learning": lookup_learning, "parity": parity, "gpu_mismatch_split": mismatch_split,
+    "lookup_learning": lookup_learning, "default_run": default_run, "parity": parity, "gpu_mismatch_split": mismatch_split,
     "preflight_timing": preflight_timing, "fp8_quant": fp8_quant, "loop_e2e_trainer_start": trainer_start,
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
