@@ -90,7 +90,7 @@ def test_the_phases_of_each_step_sum_to_its_wall_time(tmp_path):
 
     steps = 4
     cfg = compose([f"run_dir={tmp_path}", f"train.steps={steps}", "train.routing_metrics_every=1",
-                   "weight_sync.every_n_steps=2", "engine.max_restarts=0"])
+                   "weight_sync.every_n_steps=2", "engine.max_restarts=0", "train.save_hf=false"])
     loop = Loop.__new__(Loop)  # no model, no process group: the parts of the step are stubs
     loop.cfg, loop.clock, loop.step, loop.version, loop.saves = cfg, StartupClock(), 0, 0, None
     loop.policy, loop.duties, loop.syncer, loop.nonfinite = _Policy(), _Duties(), _Channel(), NonFiniteSteps(0)
