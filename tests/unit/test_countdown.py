@@ -48,6 +48,14 @@ def test_invalid_expressions_have_no_value(expression):
     assert countdown_value(expression, [3, 3 if expression == "5/(3-3)" else 5, 7]) is None
 
 
+def test_a_policys_malformed_answer_draws_no_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a SyntaxWarning from the parser would reach the console once per sample
+        assert countdown_value("2a+3", [2, 3]) is None
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_worked_solutions_reach_the_target_in_valid_steps(seed):
     rng = random.Random(seed)
