@@ -53,7 +53,7 @@ def test_a_policys_malformed_answer_draws_no_warning():
 
     with warnings.catch_warnings(record=True) as caught:  # not "error": the parser would raise it as SyntaxError
         warnings.simplefilter("always")
-        assert countdown_value("2a+3", [2, 3]) is None
+        assert countdown_value("3in 5", [3, 5]) is None
     assert not caught  # a SyntaxWarning from the parser would reach the console once per sample
 
 
