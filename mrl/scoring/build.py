@@ -27,7 +27,8 @@ def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_
         parts.append((scorer, spec.weight))
     if sc.teacher.enabled:
         from mrl.scoring.pool import ScoringPool
-        from mrl.scoring.teacher import TeacherScorer, tokenizer_mismatch
+        from mrl.scoring.teacher import TeacherScorer
+        from mrl.scoring.tokenizer import tokenizer_mismatch
 
         if why := tokenizer_mismatch(student_path, sc.teacher.hf_path):
             raise ValueError(f"scoring.teacher.hf_path={sc.teacher.hf_path}: the teacher must share the student's "

@@ -54,6 +54,7 @@ class ScoringPool:
         self._booting: set[Engine] = set()
         self._ready: list[Engine] = []
         self._replacements_joined = 0
+        self._replacing = 0  # replacements being started (the dead engine is killed first: seconds)
         self._lock = threading.Lock()
         self.counts: Counter = Counter()
         self.errors: list[str] = []  # replacements or starts that failed
@@ -100,7 +101,7 @@ class ScoringPool:
             if healthy:
                 return min(healthy, key=lambda s: s.inflight)
             with self._lock:
-                booting = bool(self._booting) or (
+                booting = bool(self._booting) or self._replacing > 0 or (
                     self.restarter.restarted > len(self.restarter.failed) + self._replacements_joined)
             if not booting or loop.time() > deadline:
                 raise NoScoringEngine(f"{self.name}: no engine left to score on (down: "
@@ -148,7 +149,11 @@ class ScoringPool:
         slot.healthy = False
         self.counts["engines_lost"] += 1
         if slot.engine is not None:  # ours: killed (a hung one holds its cores) and replaced, off the loop
-            started = await asyncio.to_thread(self.restarter.replace, [slot.engine.url])
+            self._replacing += 1
+            try:
+                started = await asyncio.to_thread(self.restarter.replace, [slot.engine.url])
+            finally:
+                self._replacing -= 1
             self.counts["engines_restarted"] += len(started)
 
     def stats(self) -> dict[str, float]:

@@ -26,7 +26,8 @@ class DropsFirst(Scorer):
     """Drops sample 0 of every group (reward None)."""
 
     async def score(self, group: ScoringGroup) -> GroupScores:
-        return GroupScores(rewards=[None] + [1.0] * (len(group) - 1), errors=["judge said no"] + [None] * (len(group) - 1))
+        rest = len(group) - 1
+        return GroupScores(rewards=[None] + [1.0] * rest, errors=["judge said no"] + [None] * rest)
 
 
 class NotAScorer:

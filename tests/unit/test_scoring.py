@@ -185,3 +185,40 @@ def test_token_advantages_reach_the_loss_micro_batch_and_its_gradient():
     n = float(mask.sum())
     assert torch.allclose(logp.grad, -adv.double() * mask.double() / n, atol=1e-12)
     assert np.isclose(float(loss), -float((adv * mask).sum()) / n)
+
+
+# -- preflight ------------------------------------------------------------------------------------------
+def _teacher_copy(src: str, dst, *, extra_token: str | None = None, eos: int | None = None) -> str:
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    shutil.copytree(src, dst)
+    if extra_token:
+        tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+        tok.add_tokens([extra_token])
+        tok.save(str(dst / "tokenizer.json"))
+    if eos is not None:
+        c = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(c | {"eos_token_id": eos}))
+    return str(dst)
+
+
+def test_preflight_refuses_a_teacher_with_another_tokenizer(ckpt_dir, tmp_path):
+    from mrl.preflight import check_scoring
+
+    student = ckpt_dir["tiny"]
+
+    def check(teacher):
+        return check_scoring(compose([f"model.hf_path={student}", "scoring=opd",
+                                      f"scoring.teacher.hf_path={teacher}"]), "local")
+
+    assert check(_teacher_copy(student, tmp_path / "same")) is None
+    msg = check(_teacher_copy(student, tmp_path / "extra", extra_token="<think>"))
+    assert "must share the student's tokenizer" in msg and "1 only in the teacher's" in msg and "<think>" in msg
+    assert "special token ids differ" in check(_teacher_copy(student, tmp_path / "eos", eos=3))
+    assert "no config.json there" in check(tmp_path / "nowhere")
+    bad = compose(["scoring.scorers=[{cls: tests.unit.scorers.NotAScorer}]"])
+    assert "is not a subclass of mrl.scoring.Scorer" in check_scoring(bad, "local")
+    assert "cannot import it" in check_scoring(compose(["scoring.scorers=[{cls: tests.unit.nope.X}]"]), "local")
