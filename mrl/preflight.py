@@ -7,11 +7,10 @@
 or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each check is a function of the
 config returning None or its one-line message. Nothing here writes a file.
 
-The cheap checks (run directory, layout, data, reward and environment fns, scorers and the teacher's tokenizer,
-GPU packages, ports, trackers) run first, all of them; the model check runs only when they pass. It reads
-safetensors headers, never tensor data, and the model's bridge reads config.json itself: neither torch nor
-transformers is imported (seconds on a small CPU box), unless config.json leaves a key to transformers' defaults
-or type checks.
+The cheap checks (run directory, layout, data, reward and environment fns and scorers, GPU packages, ports,
+trackers) run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
+tensor data, and the model's bridge reads config.json itself: neither torch nor transformers is imported
+(seconds on a small CPU box), unless config.json leaves a key to transformers' defaults or type checks.
 """
 
 from __future__ import annotations
@@ -146,17 +145,18 @@ def _ranks_sys_path():
 
 
 def check_reward_fn(cfg: Config, where: str) -> str | None:
-    """``reward.fn`` imports and accepts ``(prompt, response_text)``."""
+    """``reward.fn`` imports and accepts ``(prompt, response_text)``; the scorers pass ``mrl.scoring.checks``."""
     if _in_image(cfg, where):
         return None
     from mrl.reward import load_reward_fn
+    from mrl.scoring.checks import scoring_problem
 
     try:
         with _ranks_sys_path():
             load_reward_fn(cfg.reward.fn)
+            return scoring_problem(cfg)
     except (ValueError, ImportError) as e:
         return str(e)
-    return None
 
 
 def check_env_fn(cfg: Config, where: str) -> str | None:
@@ -192,40 +192,6 @@ def check_env_fn(cfg: Config, where: str) -> str | None:
     except TypeError as e:
         return (f"rollout.env.fn={path!r}: cannot be called with rollout.env.args={args} ({e}); "
                 f"its signature is {sig}")
-    return None
-
-
-def check_scoring(cfg: Config, where: str) -> str | None:
-    """``scoring.scorers`` import as ``mrl.scoring.Scorer`` classes; a teacher's checkpoint has a config and a
-    tokenizer, the student's tokenizer (when the student exists already; a tiny one made at start is checked
-    then)."""
-    if _in_image(cfg, where):
-        return None
-    sc = cfg.scoring
-    for i, spec in enumerate(sc.scorers):
-        module_name, _, attr = spec.cls.rpartition(".")
-        try:
-            with _ranks_sys_path():
-                obj = getattr(importlib.import_module(module_name), attr)
-        except Exception as e:  # missing module or attribute, or the module raised on import
-            return f"scoring.scorers[{i}].cls={spec.cls!r}: cannot import it ({type(e).__name__}: {e})"
-        from mrl.scoring.base import Scorer
-
-        if inspect.isclass(obj) and not issubclass(obj, Scorer):
-            return f"scoring.scorers[{i}].cls={spec.cls!r}: {obj.__name__} is not a subclass of mrl.scoring.Scorer"
-    t = sc.teacher
-    if not t.enabled:
-        return None
-    for name in ("config.json", "tokenizer.json"):
-        if not os.path.isfile(os.path.join(t.hf_path, name)):
-            return _named("scoring.teacher.hf_path", t.hf_path, f"no {name} there (a Hugging Face checkpoint "
-                          "with tokenizers' tokenizer.json, as the student's)")
-    if os.path.isfile(os.path.join(cfg.model.hf_path, "tokenizer.json")):
-        from mrl.scoring.tokenizer import tokenizer_mismatch
-
-        if why := tokenizer_mismatch(cfg.model.hf_path, t.hf_path):
-            return (f"scoring.teacher.hf_path={t.hf_path}: the teacher must share the student's tokenizer "
-                    f"(model.hf_path={cfg.model.hf_path}): {why}")
     return None
 
 
@@ -515,14 +481,13 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
     free = shutil.disk_usage(_existing_ancestor(os.path.join(cfg.run_dir, "checkpoints"))).free
     if free >= need:
         return None
-    gib = 1 << 30
-    return (f"run_dir={cfg.run_dir}: its filesystem has {free / gib:.1f} GiB free, and one checkpoint of this model "
-            f"takes at least {need / gib:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} and the "
-            f"optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every run "
-            "saves one at its end: put run_dir on a filesystem with room")
+    return (f"run_dir={cfg.run_dir}: its filesystem has {free / 2**30:.1f} GiB free, and one checkpoint of this "
+            f"model takes at least {need / 2**30:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} "
+            f"and the optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every "
+            "run saves one at its end: put run_dir on a filesystem with room")
 
 
-CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn, check_scoring,
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
                             check_gpu_stack, check_ports, check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 

@@ -310,6 +310,7 @@ class LocalRollout(RolloutSide):
 
         if self.producer.running:  # its loop owns the clients' connections
             self.producer.run(close_clients([s.client for s in self.manager.slots]))
+            self.producer.run(self.group_scorer.aclose())
         self.producer.stop()
         self.group_scorer.close()  # teacher engines included
         self.scorer.close()

@@ -94,7 +94,7 @@ class GroupScores:
 
 class Scorer(abc.ABC):
     """A group-level scorer (see the module docstring). ``stats`` are counters the loop logs under
-    ``rollout/scoring_<name>_*``; ``close`` ends what it started (servers, workers)."""
+    ``rollout/scoring_*``; ``aclose`` and then ``close`` end what it started (connections, servers, workers)."""
 
     name: str = "scorer"
 
@@ -104,6 +104,9 @@ class Scorer(abc.ABC):
 
     def stats(self) -> dict[str, float]:
         return {}
+
+    async def aclose(self) -> None:
+        """Close what lives on the scoring event loop (HTTP sessions); called on that loop before ``close``."""
 
     def close(self) -> None:
         pass

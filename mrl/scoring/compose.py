@@ -57,6 +57,10 @@ class WeightedSum(Scorer):
             out |= {f"{s.name}_{k}": v for k, v in s.stats().items()}
         return out
 
+    async def aclose(self) -> None:
+        for s, _ in self.parts:
+            await s.aclose()
+
     def close(self) -> None:
         for s, _ in self.parts:
             s.close()
@@ -90,6 +94,10 @@ class Gate(Scorer):
 
     def stats(self) -> dict[str, float]:
         return {"closed_gates": float(self.closed_gates), **self.scorer.stats()}
+
+    async def aclose(self) -> None:
+        await self.check_scorer.aclose()
+        await self.scorer.aclose()
 
     def close(self) -> None:
         self.check_scorer.close()

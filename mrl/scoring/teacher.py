@@ -72,5 +72,8 @@ class TeacherScorer(Scorer):
     def stats(self) -> dict[str, float]:
         return {"groups": float(self.groups), "groups_failed": float(self.failed), **self.pool.stats()}
 
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
     def close(self) -> None:
         self.pool.close()

@@ -60,7 +60,7 @@ def _score_all(scorer: TeacherScorer, groups) -> list[list[list[float]]]:
         try:
             return [(await scorer.score(g)).token_rewards for g in groups]
         finally:
-            await scorer.pool.aclose()
+            await scorer.aclose()
 
     return asyncio.run(go())
 

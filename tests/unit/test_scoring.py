@@ -206,7 +206,7 @@ def _teacher_copy(src: str, dst, *, extra_token: str | None = None, eos: int | N
 
 
 def test_preflight_refuses_a_teacher_with_another_tokenizer(ckpt_dir, tmp_path):
-    from mrl.preflight import check_scoring
+    from mrl.preflight import check_reward_fn as check_scoring
 
     student = ckpt_dir["tiny"]
 
