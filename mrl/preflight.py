@@ -7,8 +7,8 @@
 or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each check is a function of the
 config returning None or its one-line message. Nothing here writes a file.
 
-The cheap checks (run directory, layout, data, reward and environment fns, GPU packages, ports, trackers)
-run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
+The cheap checks (run directory, layout, data, reward and environment fns and scorers, GPU packages, ports,
+trackers) run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
 tensor data, and the model's bridge reads config.json itself: neither torch nor transformers is imported
 (seconds on a small CPU box), unless config.json leaves a key to transformers' defaults or type checks.
 """
@@ -145,17 +145,18 @@ def _ranks_sys_path():
 
 
 def check_reward_fn(cfg: Config, where: str) -> str | None:
-    """``reward.fn`` imports and accepts ``(prompt, response_text)``."""
+    """``reward.fn`` imports and accepts ``(prompt, response_text)``; the scorers pass ``mrl.scoring.checks``."""
     if _in_image(cfg, where):
         return None
     from mrl.reward import load_reward_fn
+    from mrl.scoring.checks import scoring_problem
 
     try:
         with _ranks_sys_path():
             load_reward_fn(cfg.reward.fn)
+            return scoring_problem(cfg)
     except (ValueError, ImportError) as e:
         return str(e)
-    return None
 
 
 def check_env_fn(cfg: Config, where: str) -> str | None:
@@ -480,11 +481,10 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
     free = shutil.disk_usage(_existing_ancestor(os.path.join(cfg.run_dir, "checkpoints"))).free
     if free >= need:
         return None
-    gib = 1 << 30
-    return (f"run_dir={cfg.run_dir}: its filesystem has {free / gib:.1f} GiB free, and one checkpoint of this model "
-            f"takes at least {need / gib:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} and the "
-            f"optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every run "
-            "saves one at its end: put run_dir on a filesystem with room")
+    return (f"run_dir={cfg.run_dir}: its filesystem has {free / 2**30:.1f} GiB free, and one checkpoint of this "
+            f"model takes at least {need / 2**30:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} "
+            f"and the optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every "
+            "run saves one at its end: put run_dir on a filesystem with room")
 
 
 CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
