@@ -176,7 +176,7 @@ def main() -> int:
     out = a.out or os.path.join(REPORTS, "learning", f"{time.strftime('%Y-%m-%d', time.gmtime())}_{name}.json")
     plot(runs, out.removesuffix(".json") + ".png", f"+experiment={a.recipe} on {device_name()}")
     dump({"recipe": a.recipe, "sets": a.set, "eval_set": a.eval_set, "summary": summary, "runs": runs}, out,
-         name=name)
+         name=f"mrl_train_recipe_{a.recipe}_{slug(device_name())}")
     return 0
 
 
