@@ -46,7 +46,8 @@ TOPICS = {  # folder -> (title, what its reports measure)
     "learning": ("Learning runs", "`mrl train` runs to the end: reward and held-out accuracy, step and sync time."),
     "parity": ("Parity", "HF <-> Megatron logits on GPUs (`tests/gpu/parity.sh`)."),
     "checkpoints": ("Checkpoints", "Host memory and seconds of a trainer checkpoint save per optimizer format "
-                    "(`bench/checkpoint_save.py`)."),
+                    "(`bench/checkpoint_save.py`); `mrl export` of a trainer checkpoint as a whole process, against "
+                    "a synced copy of the same bytes (`bench/export_time.py`)."),
 }
 
 
@@ -306,6 +307,20 @@ def checkpoint_save(d):
     return out
 
 
+def export_time(d):
+    w, t = d["export_wall_s"], d["trainer"]
+    out = [f"`mrl export` of {d['model']['shape']} ({d['model']['layers']} layers, {d['export_gb']:.3g} GB): "
+           f"**{w['median']:.1f} s** wall, process start to exit (median of {len(d['reps'])}, {w['min']:.1f}-"
+           f"{w['max']:.1f}; {d['export_gb_per_s_median']:.3g} GB/s; {d['cache']} page cache)"]
+    if d.get("export_vs_copy_median"):
+        out.append(f"{d['export_vs_copy_median']:.2f}x a synced copy of the same bytes "
+                   f"({d['copy_baseline_s']['median']:.1f} s)")
+    same = "bit for bit" if d["round_trip_bitwise"] else "**differs**"
+    out.append(f"round trip HF -> trainer checkpoint -> export: {same}; checkpoint "
+               f"{t['checkpoint_bytes'] / 1e9:.3g} GB, Adam's states: {t['optimizer_state']}")
+    return out
+
+
 def learn_compare(d):
     out = []
     for run, r in d["summary"].items():
@@ -514,7 +529,7 @@ EXTRACTORS = {
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
     "logprob_kernel": logprob_kernel, "gpu_loop_sync_profile": sync_profile,
-    "update_request_latency": update_request_latency,
+    "update_request_latency": update_request_latency, "export_time": export_time,
 }
 
 

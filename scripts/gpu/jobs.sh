@@ -44,6 +44,12 @@
 #   keeprouting tests/gpu/keep_routing_bench.sh on the 490M model: routing mismatch, Keep Routing's step overhead
 #           (replay on / off, TP2+SP and EP2, the median of per-repetition ratios), rl_step against bare megatron
 #           (BENCHES and ARGS_<bench> pass through, e.g. BENCHES=replay_overhead ARGS_replay_overhead="--reps 16")
+#   export  bench/export_time.py: a trainer checkpoint of a random-weight model written as `mrl train` writes one,
+#           then `mrl export` of it timed as a whole process (3 repetitions, cold page cache, a synced copy of
+#           the same bytes as the baseline), every export checked bit for bit against the source; one GPU,
+#           always with Transformer Engine (the trainer's bf16 Adam states); output in WORK/export/. EXPORT_ARGS:
+#           the model (default "--shape qwen3_30b_a3b --layers 12", the 30B slice: 16.2 GB exported; on an 80 GB
+#           H100 its checkpoint is saved without Adam's states, which fit up to 8 layers: the report says which)
 #   resume  tests/gpu/resume.sh: RL steps after a dist_checkpointing save and a restart against an uninterrupted
 #           run and a control run (RESUME_ARGS: parallel preset and model dtype, default "ep2 bf16")
 prepare_work() {  # WORK made, unbuffered Python, the host's GPUs recorded
@@ -57,6 +63,7 @@ job() {  # name gpus te
   n=$(echo "$gpus" | tr ',' '\n' | wc -l)
   (
     cd "$ROOT"
+    case $name in export) te=te ;; esac  # its trainer keeps bf16 Adam states: TE's FusedAdam
     # shellcheck disable=SC1091
     source "$STACK/env.sh" $te
     export PYTHONPATH=$ROOT:$PYTHONPATH CUDA_VISIBLE_DEVICES=$gpus
@@ -94,6 +101,9 @@ job() {  # name gpus te
       keeprouting) timeout "$TIMEOUT" bash tests/gpu/keep_routing_bench.sh "$WORK/keeprouting" ;;
       fp8quant) timeout "$TIMEOUT" bash tests/gpu/fp8_quant.sh "$WORK/fp8quant" ;;
       fp8sync) timeout "$TIMEOUT" bash tests/gpu/fp8_sync.sh "$WORK/fp8sync" ;;
+      # shellcheck disable=SC2086
+      export) timeout "$TIMEOUT" python3 bench/export_time.py --out "$WORK/export" \
+                ${EXPORT_ARGS:---shape qwen3_30b_a3b --layers 12} ;;
       # shellcheck disable=SC2086
       resume) timeout "$TIMEOUT" bash tests/gpu/resume.sh "$WORK/resume" ${RESUME_ARGS:-ep2 bf16} ;;
       *) echo "unknown job $name"; exit 2 ;;
