@@ -17,7 +17,8 @@ from mrl.config.base import DType
 from mrl.config.base import fail as _fail
 from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, ParallelConfig, LORA_TARGETS,
                               LORA_HF_MODULES)
-from mrl.config.algo import AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig
+from mrl.config.algo import (AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig,
+                             OldLogprobs)
 from mrl.config.data import BadRowPolicy, DataConfig, RewardExecutor, RewardOnError, RewardConfig
 from mrl.config.weight_sync import WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
@@ -52,6 +53,7 @@ __all__ = [
     "LoopMode",
     "LoraConfig",
     "LossType",
+    "OldLogprobs",
     "ModelConfig",
     "ParallelConfig",
     "RewardConfig",
