@@ -103,6 +103,21 @@ def check_layout(cfg: Config, where: str) -> str | None:
     return None
 
 
+def check_mini_batches(cfg: Config, where: str) -> str | None:
+    """A step's samples split evenly over the DP ranks and each rank's share into ``algo.mini_batches``."""
+    world, how = trainer_world(cfg, where)
+    p = cfg.parallel
+    if world % (p.tp * p.pp * p.cp):
+        return None  # check_layout says why
+    dp, n = world // (p.tp * p.pp * p.cp), cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    if n % (dp * cfg.algo.mini_batches):
+        return (f"algo.mini_batches={cfg.algo.mini_batches}: a step's {n} samples (train.prompts_per_step * "
+                f"rollout.n_samples_per_prompt = {cfg.train.prompts_per_step}*{cfg.rollout.n_samples_per_prompt}) "
+                f"over {dp} DP rank(s){how} do not split into {cfg.algo.mini_batches} equal mini-batches per rank; "
+                f"choose a divisor of {n // dp if n % dp == 0 else n}")
+    return None
+
+
 def check_data(cfg: Config, where: str) -> str | None:
     """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met."""
     if _in_image(cfg, where):
@@ -487,7 +502,7 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
             "saves one at its end: put run_dir on a filesystem with room")
 
 
-CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_mini_batches, check_data, check_reward_fn, check_env_fn,
                             check_gpu_stack, check_ports, check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 
