@@ -56,8 +56,7 @@ def _existing_ancestor(path: str) -> str:
 
 def check_run_dir(cfg: Config, where: str) -> str | None:
     """An existing run directory must be this user's, private and writable; a new one must be creatable."""
-    from mrl.cluster.rundir import UnsafeRunDir
-    from mrl.cluster.rundir import check_run_dir as refuse_unsafe
+    from mrl.cluster.rundir import UnsafeRunDir, check_run_dir as refuse_unsafe
 
     path = cfg.run_dir
     if os.path.exists(path):
@@ -94,27 +93,13 @@ def trainer_world(cfg: Config, where: str) -> tuple[int, str]:
 
 
 def check_layout(cfg: Config, where: str) -> str | None:
-    """The trainer's world size fits parallel.* (the model's own constraints are checked with the model)."""
+    """The world size fits parallel.* and a DP share algo.mini_batches (the model's own needs: check_model)."""
     world, how = trainer_world(cfg, where)
     try:
         cfg.parallel.check_world_size(world)
+        cfg.algo.check_mini_batches(cfg.samples_per_step, world // cfg.parallel.model_parallel_size)
     except ValueError as e:
         return f"{e}{how}"
-    return None
-
-
-def check_mini_batches(cfg: Config, where: str) -> str | None:
-    """A step's samples split evenly over the DP ranks and each rank's share into ``algo.mini_batches``."""
-    world, how = trainer_world(cfg, where)
-    p = cfg.parallel
-    if world % (p.tp * p.pp * p.cp):
-        return None  # check_layout says why
-    dp, n = world // (p.tp * p.pp * p.cp), cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    if n % (dp * cfg.algo.mini_batches):
-        return (f"algo.mini_batches={cfg.algo.mini_batches}: a step's {n} samples (train.prompts_per_step * "
-                f"rollout.n_samples_per_prompt = {cfg.train.prompts_per_step}*{cfg.rollout.n_samples_per_prompt}) "
-                f"over {dp} DP rank(s){how} do not split into {cfg.algo.mini_batches} equal mini-batches per rank; "
-                f"choose a divisor of {n // dp if n % dp == 0 else n}")
     return None
 
 
@@ -502,7 +487,7 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
             "saves one at its end: put run_dir on a filesystem with room")
 
 
-CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_mini_batches, check_data, check_reward_fn, check_env_fn,
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
                             check_gpu_stack, check_ports, check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 

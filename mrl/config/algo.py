@@ -131,6 +131,14 @@ class AlgoConfig:
     lr: float = 1e-5
     """Adam learning rate of the trainer."""
 
+    def check_mini_batches(self, samples: int, dp: int) -> None:
+        """Raise naming ``algo.mini_batches`` when a step's ``samples`` over ``dp`` DP ranks do not split into
+        that many equal mini-batches per rank (a batch that does not split over DP is another error)."""
+        if samples % dp == 0 and (samples // dp) % self.mini_batches:
+            fail("algo.mini_batches", f"is {self.mini_batches}, but a step's {samples} samples "
+                 f"(train.prompts_per_step * rollout.n_samples_per_prompt) over {dp} DP rank(s) do not split into "
+                 f"{self.mini_batches} equal mini-batches per rank; choose a divisor of {samples // dp}")
+
     def __post_init__(self) -> None:
         if not 0.0 < self.clip_low < 1.0:
             fail("algo.clip_low", f"must be in (0, 1), got {self.clip_low}")

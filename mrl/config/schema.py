@@ -159,6 +159,11 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Project and run names of the trackers, offline mode."""
 
+    @property
+    def samples_per_step(self) -> int:
+        """Samples in a step's batch: train.prompts_per_step groups of rollout.n_samples_per_prompt."""
+        return self.train.prompts_per_step * self.rollout.n_samples_per_prompt
+
     def __post_init__(self) -> None:
         for name in self.logger:
             if name not in LOGGERS:

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mrl.algo import compute_policy_loss, describe_update, importance_correction
+from mrl.algo import compute_policy_loss, describe_update
 from mrl._compat.te import HAVE_TE, optimizer_states_for_checkpoint
-from mrl.config.schema import BadSupport, Config, Correction, DType, OldLogprobs
+from mrl.config.schema import BadSupport, Config, DType, OldLogprobs
 from mrl.megatron import checkpoint_format, compat, minibatch, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
 from mrl.megatron.collectives import named
@@ -60,23 +60,8 @@ def _host(values, dtype) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
-_PER_STEP = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "approx_kl")
-"""Loss metrics reported per optimizer step when a rollout batch feeds several (``minibatch/<j>/<key>``)."""
-
-
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
-
-
-def _mean_metrics(outs: list[dict[str, Any]]) -> dict[str, float]:
-    """Each loss metric (0-dim tensors, every key but ``logprobs``) averaged over the micro-batches,
-    with one host sync for all of them (not one per value)."""
-    keys = [k for k in outs[0] if k != "logprobs"]
-    if not keys:
-        return {}
-    vals = torch.stack([torch.stack([torch.as_tensor(o[k], dtype=torch.float64, device=outs[0]["logprobs"].device)
-                                     .reshape(()) for k in keys]) for o in outs]).T.tolist()
-    return {k: _mean(v) for k, v in zip(keys, vals)}
 
 
 class Policy:
@@ -275,8 +260,8 @@ class Policy:
                 for mbs in plans:
                     for mb, o in zip(mbs, forward_backward(self.model, self.layout, mbs, forward_only=True, **passes)):
                         mb.data["ref"] = o["logprobs"]
-        before = self._old_logprobs(plans, passes)
-        norms = self._normalizers(batch, plans, before, normalizer)
+        before = minibatch.old_logprobs(self, plans, passes)
+        norms = minibatch.loss_normalizers(self, batch, plans, before, normalizer)
 
         def loss_fn_of(norm):
             def loss_fn(lp, mb):
@@ -318,10 +303,7 @@ class Policy:
         if self.support_spec is not None:
             metrics["support_unknown_tokens"] = float(WholeBatch.of(batch).support_unknown)
         if steps[0][0]:
-            per_step = [_mean_metrics(outs) for outs, *_ in steps]
-            metrics |= {k: _mean([m[k] for m in per_step]) for k in per_step[0]}
-            if len(steps) > 1:
-                metrics |= {f"minibatch/{j}/{k}": m[k] for j, m in enumerate(per_step) for k in _PER_STEP if k in m}
+            metrics |= minibatch.step_metrics([outs for outs, *_ in steps])
             # under the weights before the first step (with old_logprobs=engine: the first mini-batch's only)
             old_outs = [o for outs in before if outs is not None for o in outs]
             mbs = [mb for plan, outs in zip(plans, before) if outs is not None for mb in plan]
@@ -331,53 +313,6 @@ class Policy:
             if replay and off is not None and off[0] is batch:
                 metrics |= off[1]
         return mismatch.ratios(self._reduce(metrics), self.layout.dp.size)
-
-    def _old_logprobs(self, plans: list[list[MicroBatch]], passes: dict) -> list[list[dict[str, Any]] | None]:
-        """pi_old into each micro-batch's ``data["old"]`` before the first optimizer step; returns each
-        mini-batch's forward outputs under the weights before it (None: its own first training forward
-        will be, as for the first mini-batch, unless masked IS must know its rejections before the loss)."""
-        algo = self.cfg.algo
-        if algo.old_logprobs is OldLogprobs.engine:
-            for mb in (mb for plan in plans for mb in plan):
-                mb.data["old"] = mb.data["behav"]
-            return [None] * len(plans)
-        masked = algo.correction is Correction.mis
-
-        def rejected(lp, mb):  # the sequences masked IS rejects, from the mask the loss will see
-            d = mb.data
-            counted = importance_correction(lp, d["behav"], d["mask"], algo).counted
-            return lp.sum() * 0.0, {"rejected": (d["mask"] > 0).any(-1) & ~counted.any(-1)}
-
-        before: list[list[dict[str, Any]] | None] = [None] * len(plans)
-        for k, mbs in enumerate(plans):
-            if k == 0 and not masked:
-                continue
-            before[k] = forward_backward(self.model, self.layout, mbs, forward_only=True,
-                                         loss_fn=rejected if masked else None, **passes)
-            for mb, o in zip(mbs, before[k]):
-                mb.data["old"] = o["logprobs"]
-        return before
-
-    def _normalizers(self, batch: RLBatch, plans: list[list[MicroBatch]], before: list, normalizer: float
-                     ) -> list[torch.Tensor | None]:
-        """Each mini-batch's loss normalizer on the device: ``normalizer`` itself for a single mini-batch (made
-        by a fill: no host copy), else the mini-batch's trained tokens (or sequences) summed over the DP
-        group, without the sequences masked IS rejects. Only the last PP stage computes a loss."""
-        algo = self.cfg.algo
-        masked = algo.correction is Correction.mis
-        if len(plans) == 1 and not masked:
-            return [torch.full((), float(normalizer), dtype=torch.float32, device=compat.DEVICE)]
-        if not self.layout.is_last_stage:
-            return [None] * len(plans)
-        counts = []
-        for k, mbs in enumerate(plans):
-            n = 0
-            for j, mb in enumerate(mbs):
-                drop = [bool(r) for r in before[k][j]["rejected"].tolist()] if masked else [False] * len(mb.samples)
-                n += sum(minibatch.trained_count(batch, i, algo.aggregation) for i, d in zip(mb.samples, drop) if not d)
-            counts.append(float(n))
-        group = self.layout.dp.group if self.layout.dp.size > 1 else None
-        return minibatch.normalizers(counts, group, compat.DEVICE)
 
     def routing_metrics(self, batch: RLBatch) -> dict[str, float]:
         """Natural routing (RECORD, no replay) vs the engine's: disagreement rate, and the train-vs-engine
