@@ -53,6 +53,7 @@ def main() -> None:
     from mrl.megatron.policy import Policy
     from tests.conftest import one_rank_gloo_world
 
+    load_before = os.getloadavg()  # a loaded box widens the spread of the pairs: reported with them
     with tempfile.TemporaryDirectory() as tmp, one_rank_gloo_world():
         hf = make_model(os.path.join(tmp, "model"), a.preset)
         cfg = compose([f"model.hf_path={hf}", "algo.correction=none", f"algo.mini_batches={a.mini_batches}",
@@ -92,7 +93,8 @@ def main() -> None:
               "old_logprob_pass_vs_step": statistics.median(ratios), "ratio_p25": q[0], "ratio_p75": q[2],
               "engine_median_s": statistics.median(p["engine_s"] for p in pairs),
               "recompute_median_s": statistics.median(p["recompute_s"] for p in pairs),
-              "pass_covers": (a.mini_batches - 1) / a.mini_batches}
+              "pass_covers": (a.mini_batches - 1) / a.mini_batches,
+              "load_average": {"before": load_before, "after": os.getloadavg()}}
     print(f"pi_old's pass over {a.mini_batches - 1} of {a.mini_batches} mini-batches: "
           f"{100 * result['old_logprob_pass_vs_step']:.1f}% of the RL step without it "
           f"(median of {a.pairs} pairs, p25-p75 {100 * q[0]:.1f}-{100 * q[2]:.1f}%)")
