@@ -56,8 +56,7 @@ def _existing_ancestor(path: str) -> str:
 
 def check_run_dir(cfg: Config, where: str) -> str | None:
     """An existing run directory must be this user's, private and writable; a new one must be creatable."""
-    from mrl.cluster.rundir import UnsafeRunDir
-    from mrl.cluster.rundir import check_run_dir as refuse_unsafe
+    from mrl.cluster.rundir import UnsafeRunDir, check_run_dir as refuse_unsafe
 
     path = cfg.run_dir
     if os.path.exists(path):
@@ -94,10 +93,11 @@ def trainer_world(cfg: Config, where: str) -> tuple[int, str]:
 
 
 def check_layout(cfg: Config, where: str) -> str | None:
-    """The trainer's world size fits parallel.* (the model's own constraints are checked with the model)."""
+    """The world size fits parallel.* and a DP share algo.mini_batches (the model's own needs: check_model)."""
     world, how = trainer_world(cfg, where)
     try:
         cfg.parallel.check_world_size(world)
+        cfg.algo.check_mini_batches(cfg.samples_per_step, world // cfg.parallel.model_parallel_size)
     except ValueError as e:
         return f"{e}{how}"
     return None

@@ -413,6 +413,13 @@ def batch_delivery(d):
             f"(**{d['ratio_scatter_vs_broadcast']['median']:.2f}x**)"]
 
 
+def old_logprob_pass(d):
+    a = d["args"]
+    return [f"pi_old's forward over {a['mini_batches'] - 1} of {a['mini_batches']} mini-batches: "
+            f"**{100 * d['old_logprob_pass_vs_step']:.0f}%** of the RL step without it (median of {a['pairs']} pairs, "
+            f"p25-p75 {100 * d['ratio_p25']:.0f}-{100 * d['ratio_p75']:.0f}%)"]
+
+
 def _first_last(d, a, b, label):
     if d.get(a) is None or d.get(b) is None:
         return []
@@ -522,6 +529,7 @@ EXTRACTORS = {
     "rollout_throughput": rollout_throughput, "weight_sync": weight_sync, "lora_sync_cpu": lora_sync,
     "replay_overhead": replay_overhead, "routing_mismatch": routing_mismatch, "async_vs_sync": async_vs_sync,
     "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
+    "old_logprob_pass": old_logprob_pass,
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
     "lookup_learning": lookup_learning, "default_run": default_run, "parity": parity,
     "gpu_mismatch_split": mismatch_split,

@@ -11,7 +11,8 @@ from mrl.algo.advantages import (
 from mrl.algo.aggregation import aggregate, loss_normalizer, masked_mean
 from mrl.algo.correction import ISCorrection, importance_correction
 from mrl.algo.kl import kl_penalty
-from mrl.algo.losses import clipped_surrogate, compute_policy_loss, sequence_log_ratio, token_log_ratio
+from mrl.algo.losses import (clipped_surrogate, compute_policy_loss, describe_update, sequence_log_ratio,
+                             token_log_ratio)
 
 __all__ = [
     "ISCorrection",
@@ -19,6 +20,7 @@ __all__ = [
     "clipped_surrogate",
     "compute_advantages",
     "compute_policy_loss",
+    "describe_update",
     "dynamic_sampling_mask",
     "group_advantages",
     "importance_correction",

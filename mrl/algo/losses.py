@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import aggregate, masked_mean
+from mrl.algo.aggregation import aggregate, loss_normalizer, masked_mean
 from mrl.algo.correction import importance_correction
 from mrl.algo.kl import kl_penalty
-from mrl.config.schema import AlgoConfig, LossType
+from mrl.config.schema import AlgoConfig, Correction, LossType, OldLogprobs
 
 _MAX_LOG_RATIO = 20.0  # keeps exp() finite; a ratio of e^20 is far outside any clip range
 
@@ -69,9 +69,10 @@ def compute_policy_loss(
     """Policy loss of every algorithm: clipped surrogate x IS correction, aggregated, + kl_coef * KL.
 
     ``advantages`` is [B] (one per sequence) or [B, T]. ``normalizer``: the global normalizer of
-    ``cfg.aggregation`` (sum of ``loss_normalizer`` over all micro-batches and DP ranks); None = this
-    batch's own. With the global one, summing the returned loss over micro-batches (and DP ranks) gives
-    the full-batch loss; a DP gradient all-reduce that averages must be scaled back by the DP size.
+    ``cfg.aggregation`` (sum of ``loss_normalizer`` over all micro-batches and DP ranks, without the
+    sequences masked IS rejects); None = this batch's own. With the global one, summing the returned
+    loss over micro-batches (and DP ranks) gives the full-batch loss; a DP gradient all-reduce that
+    averages must be scaled back by the DP size.
     Metrics are detached 0-dim tensors, means over this batch's response tokens.
     """
     m = mask.bool()
@@ -84,6 +85,8 @@ def compute_policy_loss(
         log_ratio, advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )
     corr = importance_correction(old_logp, behav_logp, m, cfg)
+    if normalizer is None:  # sequences masked IS rejects leave it
+        normalizer = loss_normalizer(corr.counted, cfg.aggregation)
     agg = dict(normalizer=normalizer, max_response_len=cfg.max_response_len)
     pg_loss = aggregate(pg_BT * corr.weight, m, cfg.aggregation, **agg)
     loss = pg_loss
@@ -93,7 +96,7 @@ def compute_policy_loss(
         if ref_logp is None:
             raise ValueError(f"algo.kl_coef: is {cfg.kl_coef} > 0 but no ref_logp was given")
         kl_BT = kl_penalty(torch.where(m, logp, 0), torch.where(m, ref_logp, 0), cfg.kl_estimator)
-        kl_loss = aggregate(kl_BT, m, cfg.aggregation, **agg)
+        kl_loss = aggregate(kl_BT, corr.counted, cfg.aggregation, **agg)
         loss = loss + cfg.kl_coef * kl_loss
         metrics["kl_ref"] = kl_loss.detach()
     with torch.no_grad():
@@ -115,3 +118,23 @@ def _ratio_metrics(
     if cfg.dual_clip is not None:
         out["dual_clip_frac"] = masked_mean(((ratio > cfg.dual_clip) & (advantages < 0)).to(ratio.dtype), m)
     return out
+
+
+def describe_update(cfg: AlgoConfig) -> str:
+    """One line for the start of a run: how many optimizer steps a rollout batch feeds, which policy the
+    ratio is clipped against, and whether the clip can act at all (one step against the recomputed policy:
+    the ratio is exactly 1 and only the correction bounds the update)."""
+    steps = cfg.mini_batches * cfg.ppo_epochs
+    ratio = "sequence ratio (geometric mean)" if cfg.loss is LossType.gspo else "token ratio"
+    head = (f"policy loss: {cfg.loss.value}, {steps} optimizer step(s) per rollout batch "
+            f"(algo.mini_batches={cfg.mini_batches} x algo.ppo_epochs={cfg.ppo_epochs}), {ratio} clipped to "
+            f"[1-{cfg.clip_low:g}, 1+{cfg.clip_high:g}]")
+    corr = "no correction" if cfg.correction is Correction.none else \
+        f"correction={cfg.correction.value} ({cfg.correction_level.value}) of pi_old/pi_engine"
+    if cfg.old_logprobs is OldLogprobs.engine:
+        return f"{head} against the engine's policy; {corr}"
+    if steps == 1:
+        return (f"{head} against the recomputed policy: with one step the ratio is exactly 1, so clip_low/clip_high"
+                f"{'/dual_clip' if cfg.dual_clip is not None else ''} do not act; the update is bounded by the "
+                f"{corr} alone (algo.mini_batches > 1 or algo.ppo_epochs > 1 lets the clip act)")
+    return f"{head} against the policy recomputed before the first step (decoupled PPO: {corr})"

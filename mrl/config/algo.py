@@ -36,14 +36,24 @@ class Correction(str, enum.Enum):
     """Off-policy correction with w = pi_old / pi_behav (``mrl.algo.correction``)."""
 
     none = "none"
-    tis = "tis"  # truncated IS: loss_t * min(w, is_cap)
-    mis = "mis"  # masked IS: loss_t * w if w in [mis_low, mis_high] else 0; token or sequence level
+    tis = "tis"  # truncated IS: loss_t * min(w, is_cap); w per correction_level
+    mis = "mis"  # masked IS (Liu et al. 2025): sequence w; w > mis_high rejects the sequence (out of the normalizer)
     icepop = "icepop"  # IcePop: loss_t * w if w in [icepop_low, icepop_high] else 0; token level
 
 
 class CorrectionLevel(str, enum.Enum):
-    token = "token"  # one w per token
-    sequence = "sequence"  # one w per sequence: geometric mean exp(mean_t log w_t)
+    """Which w the correction weighs: one per token, or one per sequence from its tokens' ratios."""
+
+    token = "token"  # w_t = pi_old(y_t) / pi_behav(y_t)
+    sequence_product = "sequence_product"  # prod_t w_t = pi_old(y) / pi_behav(y): the unbiased sequence weight
+    sequence_geomean = "sequence_geomean"  # exp(mean_t log w_t): length-normalised (GSPO's form), biased
+
+
+class OldLogprobs(str, enum.Enum):
+    """Where pi_old, the policy the PPO ratio pi / pi_old is taken against, comes from."""
+
+    recompute = "recompute"  # the trainer's forward before the batch's first optimizer step (decoupled PPO)
+    engine = "engine"  # the engine's logprobs (pi_old = pi_behav: PPO against the sampling policy)
 
 
 class KLEstimator(str, enum.Enum):
@@ -58,11 +68,13 @@ class KLEstimator(str, enum.Enum):
 class AlgoConfig:
     """RL algorithm: advantage estimator, policy loss, off-policy correction, KL; defaults are GRPO.
 
-    Logprob names used below: ``logp`` = current trainer policy pi; ``old_logp`` = trainer recompute
-    before this step's updates (pi_old); ``behav_logp`` = the SGLang engine's logprobs of the tokens it
-    sampled (pi_behav, possibly several weight versions old and numerically different from the
-    trainer). The PPO ratio is pi/pi_old; the correction weight w = pi_old/pi_behav covers staleness
-    and train/inference mismatch. conf/algo/{grpo,dapo,gspo}.yaml hold the presets.
+    Logprob names used below: ``logp`` = current trainer policy pi; ``old_logp`` = pi_old, the trainer's
+    forward before the rollout batch's first optimizer step (``old_logprobs=recompute``) or the engine's
+    (``engine``); ``behav_logp`` = the SGLang engine's logprobs of the tokens it sampled (pi_behav,
+    possibly several weight versions old and numerically different from the trainer). The PPO ratio is
+    pi/pi_old; the correction weight w = pi_old/pi_behav covers staleness and train/inference mismatch
+    (decoupled PPO). A rollout batch feeds ``mini_batches * ppo_epochs`` optimizer steps.
+    conf/algo/{grpo,dapo,gspo}.yaml hold the presets.
     """
 
     adv_estimator: AdvEstimator = AdvEstimator.grpo
@@ -83,15 +95,25 @@ class AlgoConfig:
     """Reduction of per-token losses (GRPO: seq_mean_token_mean; DAPO: token_mean)."""
     max_response_len: Optional[int] = None
     """L_max for seq_mean_token_sum_norm and overlong shaping; the presets set ${rollout.max_new_tokens}."""
+    mini_batches: int = 1
+    """Optimizer steps per pass over a rollout batch: the batch splits into this many mini-batches (each DP
+    rank's share into equal consecutive parts). verl: train_batch_size / ppo_mini_batch_size; slime:
+    rollout_batch_size * n_samples_per_prompt / global_batch_size; AReaL: ppo_n_minibatches."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch (verl's ppo_epochs); optimizer steps per batch: mini_batches * ppo_epochs."""
+    old_logprobs: OldLogprobs = OldLogprobs.recompute
+    """pi_old of the PPO ratio: ``recompute`` (one forward of the batch before its first optimizer step; the
+    correction then weighs pi_old / pi_behav: AReaL's decoupled PPO) or ``engine`` (pi_old = pi_behav; no
+    correction to make, ``correction`` must be none)."""
     correction: Correction = Correction.tis
     """Off-policy correction against the engine's (behaviour) logprobs."""
     correction_level: CorrectionLevel = CorrectionLevel.token
-    """Per-token or per-sequence (geometric mean) weight for tis and mis; icepop is per token."""
+    """The weight w of tis and mis: per token, or per sequence as the product of its token ratios (unbiased)
+    or their geometric mean (length-normalised); mis is per sequence, icepop per token."""
     is_cap: float = 2.0
     """TIS truncation C: weight = min(w, C)."""
-    mis_low: float = 0.5
-    """MIS band: tokens (or sequences) with w outside [mis_low, mis_high] get weight 0."""
     mis_high: float = 2.0
+    """MIS threshold C: a sequence with w > C is rejected (no gradient, out of the loss normalizer)."""
     icepop_low: float = 0.5
     """IcePop band [alpha, beta]: tokens with w outside it get weight 0 (zero gradient)."""
     icepop_high: float = 2.0
@@ -113,6 +135,14 @@ class AlgoConfig:
     lr: float = 1e-5
     """Adam learning rate of the trainer."""
 
+    def check_mini_batches(self, samples: int, dp: int) -> None:
+        """Raise naming ``algo.mini_batches`` when a step's ``samples`` over ``dp`` DP ranks do not split into
+        that many equal mini-batches per rank (a batch that does not split over DP is another error)."""
+        if samples % dp == 0 and (samples // dp) % self.mini_batches:
+            fail("algo.mini_batches", f"is {self.mini_batches}, but a step's {samples} samples "
+                 f"(train.prompts_per_step * rollout.n_samples_per_prompt) over {dp} DP rank(s) do not split into "
+                 f"{self.mini_batches} equal mini-batches per rank; choose a divisor of {samples // dp}")
+
     def __post_init__(self) -> None:
         if not 0.0 < self.clip_low < 1.0:
             fail("algo.clip_low", f"must be in (0, 1), got {self.clip_low}")
@@ -126,12 +156,23 @@ class AlgoConfig:
             fail("algo.max_response_len", f"must be >= 1 or null, got {self.max_response_len}")
         if self.is_cap <= 0.0:
             fail("algo.is_cap", f"must be > 0, got {self.is_cap}")
-        for name in ("mis", "icepop"):
-            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
-            if not 0.0 <= low <= 1.0 <= high:
-                fail(f"algo.{name}_low/{name}_high", f"must satisfy 0 <= low <= 1 <= high, got [{low}, {high}]")
-        if self.correction is Correction.icepop and self.correction_level is CorrectionLevel.sequence:
-            fail("algo.correction_level", "icepop is per token; use correction=mis for a per-sequence mask")
+        if self.mis_high < 1.0:
+            fail("algo.mis_high", f"must be >= 1, got {self.mis_high}")
+        if not 0.0 <= self.icepop_low <= 1.0 <= self.icepop_high:
+            fail("algo.icepop_low/icepop_high",
+                 f"must satisfy 0 <= low <= 1 <= high, got [{self.icepop_low}, {self.icepop_high}]")
+        if self.correction is Correction.icepop and self.correction_level is not CorrectionLevel.token:
+            fail("algo.correction_level", "icepop is per token; correction=mis masks whole sequences")
+        if self.correction is Correction.mis and self.correction_level is CorrectionLevel.token:
+            fail("algo.correction_level", "correction=mis (masked IS) rejects whole sequences: set sequence_product "
+                 "(its paper's ratio) or sequence_geomean; a per-token band is correction=icepop")
+        for name in ("mini_batches", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                fail(f"algo.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.old_logprobs is OldLogprobs.engine and self.correction is not Correction.none:
+            fail("algo.correction", f"{self.correction.value} weighs pi_old / pi_engine, which is 1 when "
+                 "algo.old_logprobs=engine (pi_old is the engine's policy): set algo.correction=none, or "
+                 "algo.old_logprobs=recompute for decoupled PPO")
         if self.kl_coef < 0.0:
             fail("algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
         if self.aggregation is Aggregation.seq_mean_token_sum_norm and self.max_response_len is None:

@@ -4,6 +4,8 @@ with one line naming the old key and the new one::
 
     mrl train rollout.num_engines=2   ->  rollout.num_engines moved to engine.count
     mrl train rollout=gpu_tp8         ->  rollout=gpu_tp8 moved to engine=gpu_tp8 rollout=long
+
+Values whose meaning a new name now states are refused the same way (``algo.correction_level=sequence``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,23 @@ _SAME_NAME = ("cpu_mode", "cpu_batched_attention", "memory_saver", "base_gpu_id"
               "server_args", "lora_max_rank", "lora_slots", "lora_backend")
 MOVED = {f"rollout.{old}": f"engine.{new}" for old, new in {**_RENAMED, **{k: k for k in _SAME_NAME}}.items()}
 """Old key -> new key."""
-REMOVED = {"rollout.client_process": "the rollout client always runs in its own process"}
+REMOVED = {"rollout.client_process": "the rollout client always runs in its own process",
+           "algo.mis_low": "masked IS (algo.correction=mis) rejects only sequences whose weight exceeds "
+                           "algo.mis_high, as its paper does; a two-sided band per token is algo.correction=icepop "
+                           "(icepop_low/icepop_high)"}
 """Old key -> why it has no successor."""
+MOVED_VALUES = {("algo.correction_level", "sequence"):
+                "algo.correction_level=sequence (the geometric mean of the token ratios) is now sequence_geomean; "
+                "sequence_product is the unbiased product of the token ratios"}
+"""(key, old value) -> what it is called now."""
 MOVED_PRESETS = {"rollout/cpu": "engine=cpu", "rollout/gpu": "engine=gpu",
                  "rollout/gpu_tp8": "engine=gpu_tp8 rollout=long"}
 """Old preset (group/name) -> the preset that replaces it."""
+
+
+def moved_value_message(key: str, value) -> Optional[str]:
+    """What became of ``key=value`` when the value was renamed, or None."""
+    return MOVED_VALUES.get((key, str(value)))
 
 
 class MovedKeyError(ValueError):
@@ -56,7 +70,7 @@ def check_overrides(overrides: list[str]) -> None:
         key, _, value = item.partition("=")
         key = key.lstrip("+~").partition("@")[0]
         msg = moved_preset_message(f"{key}/{value}") if key == "rollout" else moved_key_message(key)
-        if msg:
+        if msg := msg or moved_value_message(key, value):
             raise MovedKeyError(msg)
 
 
@@ -71,7 +85,7 @@ def explain(error: BaseException) -> Optional[MovedKeyError]:
             return e
         msg = None
         if full_key := getattr(e, "full_key", None):
-            msg = moved_key_message(str(full_key))
+            msg = moved_key_message(str(full_key)) or moved_value_message(str(full_key), getattr(e, "value", None))
         if not msg and (missing := getattr(e, "missing_cfg_file", None)):
             msg = moved_preset_message(str(missing))
         if msg:

@@ -17,7 +17,8 @@ from mrl.config.base import DType
 from mrl.config.base import fail as _fail
 from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, ParallelConfig, LORA_TARGETS,
                               LORA_HF_MODULES)
-from mrl.config.algo import AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig
+from mrl.config.algo import (AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig,
+                             OldLogprobs)
 from mrl.config.data import BadRowPolicy, DataConfig, RewardExecutor, RewardOnError, RewardConfig
 from mrl.config.weight_sync import WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
@@ -53,6 +54,7 @@ __all__ = [
     "LoopMode",
     "LoraConfig",
     "LossType",
+    "OldLogprobs",
     "ModelConfig",
     "ParallelConfig",
     "RewardConfig",
@@ -161,6 +163,11 @@ class Config:
     'mrl[tracking]'``). ``metrics.jsonl`` and ``curves.png`` are written whatever the list."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Project and run names of the trackers, offline mode."""
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples in a step's batch: train.prompts_per_step groups of rollout.n_samples_per_prompt."""
+        return self.train.prompts_per_step * self.rollout.n_samples_per_prompt
 
     def __post_init__(self) -> None:
         for name in self.logger:

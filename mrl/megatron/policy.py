@@ -17,10 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mrl.algo import compute_policy_loss
+from mrl.algo import compute_policy_loss, describe_update
 from mrl._compat.te import HAVE_TE, optimizer_states_for_checkpoint
-from mrl.config.schema import BadSupport, Config, DType
-from mrl.megatron import checkpoint_format, compat, mismatch
+from mrl.config.schema import BadSupport, Config, DType, OldLogprobs
+from mrl.megatron import checkpoint_format, compat, minibatch, mismatch
 from mrl.megatron.batch import RLBatch, WholeBatch, dp_share
 from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
@@ -33,6 +33,7 @@ from mrl.megatron.parallel import Layout
 from mrl.megatron.reference import ReferenceWeights
 from mrl.megatron.train_step import MicroBatch, forward_backward
 from mrl.megatron.weights import load_hf_into
+from mrl.log import get_logger
 from mrl.models import get_bridge
 from mrl.models.checkpoint import HFCheckpoint
 from mrl.routing.codec import RoutesCodec
@@ -42,6 +43,8 @@ from mrl.routing.sampling_mask import SupportSpec, support_tensor, top_logprobs_
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+
+log = get_logger(__name__)
 
 LOCAL_SPEC_ON_GPU = (
     "Transformer Engine is not installed: the trainer runs megatron-core's local spec on GPUs, which measured "
@@ -59,17 +62,6 @@ def _host(values, dtype) -> torch.Tensor:
 
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
-
-
-def _mean_metrics(outs: list[dict[str, Any]]) -> dict[str, float]:
-    """Each loss metric (0-dim tensors, every key but ``logprobs``) averaged over the micro-batches,
-    with one host sync for all of them (not one per value)."""
-    keys = [k for k in outs[0] if k != "logprobs"]
-    if not keys:
-        return {}
-    vals = torch.stack([torch.stack([torch.as_tensor(o[k], dtype=torch.float64, device=outs[0]["logprobs"].device)
-                                     .reshape(()) for k in keys]) for o in outs]).T.tolist()
-    return {k: _mean(v) for k, v in zip(keys, vals)}
 
 
 class Policy:
@@ -119,6 +111,7 @@ class Policy:
         self.fused_logprob = cfg.train.fused_logprob
         self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 else None
         """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
+        log.info("%s", describe_update(cfg.algo))
         self.collector = StepCollector(freeze=t.gc_freeze, interval=t.gc_interval)
         self.collector.after_setup()
         self.version = mismatch.WeightsVersion()
@@ -154,20 +147,23 @@ class Policy:
         return export_peft(self.module, self.layout, self.bridge, self.lora, dst=dst, dtype=dtype)
 
     # -- batches ---------------------------------------------------------------------------------
-    def micro_batches(self, batch: RLBatch, with_routes: bool,
-                       version: int | None = None) -> tuple[list[MicroBatch], list[int]]:
+    def micro_batches(self, batch: RLBatch, with_routes: bool, version: int | None = None,
+                      samples: list[int] | None = None) -> tuple[list[MicroBatch], list[int]]:
         """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices (in
         the whole batch). ``batch`` is the whole batch or this DP rank's share of it: the same plan.
         ``version``: the trainer's (``WeightsVersion.current``); with ``batch.versions`` each token's lag behind
-        it goes along as ``data["lag"]``."""
+        it goes along as ``data["lag"]``. ``samples``: a mini-batch's whole-batch indices, DP rank 0's part
+        first (``minibatch.mini_batch_samples``); None: the whole batch."""
         dp, r = self.layout.dp.size, self.layout.dp.rank
         whole = WholeBatch.of(batch)
-        lengths = list(whole.lengths)
-        mine = list(dp_share(len(lengths), dp, r))
+        samples = list(range(len(whole.lengths))) if samples is None else samples
+        lengths = [whole.lengths[i] for i in samples]
+        mine = [samples[j] for j in dp_share(len(lengths), dp, r)]
         if self.cfg.train.packing:
             row_len = round_up(max(self.cfg.train.pack_max_len or 0, max(lengths)), self.layout.tp.size)
-            plan = pack_micro_batches(lengths, dp_size=dp, dp_rank=r, row_len=row_len, device=compat.DEVICE,
-                                      rows_per_micro_batch=self.cfg.train.micro_batch_size)
+            plan = [([samples[j] for j in idx], pk) for idx, pk in
+                    pack_micro_batches(lengths, dp_size=dp, dp_rank=r, row_len=row_len, device=compat.DEVICE,
+                                       rows_per_micro_batch=self.cfg.train.micro_batch_size)]
         else:
             size = min(self.cfg.train.micro_batch_size, len(mine))
             while len(mine) % size:
@@ -239,59 +235,83 @@ class Policy:
         if lag is not None:
             data["lag"] = dev(lag)
         return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None, data,
-                          packing=pk, support=dev(support_t) if support_t is not None else None)
+                          packing=pk, support=dev(support_t) if support_t is not None else None, samples=list(idx))
 
     # -- steps -----------------------------------------------------------------------------------
     def rl_step(self, batch: RLBatch, normalizer: float) -> dict[str, float]:
+        """``algo.mini_batches * algo.ppo_epochs`` optimizer steps on ``batch`` (``normalizer``: the whole batch's
+        loss normalizer, ``mrl.trainer.batch.build_batch``'s). pi_old comes from the weights before the first
+        step: with ``algo.old_logprobs=recompute`` from a forward-only pass over the mini-batches after the
+        first (the first one's is its own training forward, taken before any update), with ``engine`` from
+        the engine's logprobs. Metrics: the loss metrics averaged over the steps (each step's clip fractions
+        as ``minibatch/<j>/*`` when there are several), the engine gap and mismatch split from pi_old."""
         replay = self.cfg.train.replay and batch.routes is not None
         if self.support_spec is not None and batch.support is None:
             raise ValueError("train.sampling_mask=true but the batch carries no sampling supports (the rollout "
                              "must ask for top logprobs and rebuild them: sampling_mask.engine_support)")
         version = self.version.current
-        mbs, _ = self.micro_batches(batch, replay, version)
         algo = self.cfg.algo
+        minis = minibatch.mini_batch_samples(len(WholeBatch.of(batch).lengths), self.layout.dp.size,
+                                             algo.mini_batches)
+        plans = [self.micro_batches(batch, replay, version, samples=s)[0] for s in minis]
 
         driver = self.replay if replay else None
+        passes = dict(vocab_size=self.bridge.vocab_size, driver=driver, support=self.support_spec,
+                      temperature=self.temperature, fused_logprob=self.fused_logprob)
         if self.reference is not None:  # same micro-batches and routes, the reference's weights
             with self.reference.swapped_in(self.module):
-                ref = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
-                                       forward_only=True, driver=driver, support=self.support_spec,
-                                       temperature=self.temperature, fused_logprob=self.fused_logprob)
-            for mb, o in zip(mbs, ref):
-                mb.data["ref"] = o["logprobs"]
+                for mbs in plans:
+                    for mb, o in zip(mbs, forward_backward(self.model, self.layout, mbs, forward_only=True, **passes)):
+                        mb.data["ref"] = o["logprobs"]
+        before = minibatch.old_logprobs(self, plans, passes)
+        norms = minibatch.loss_normalizers(self, batch, plans, before, normalizer)
 
-        # on the device once: a python number would be copied to it (a blocking copy, a host sync) in
-        # every micro-batch's loss, between its forward and its backward; made by a fill on the device
-        # (torch.tensor(x, device=...) builds it on the host and copies it over)
-        norm = torch.full((), float(normalizer), dtype=torch.float32, device=compat.DEVICE)
+        def loss_fn_of(norm):
+            def loss_fn(lp, mb):
+                d = mb.data
+                # no "old": the mini-batch's first forward before any update, so pi_old is its own logprobs
+                return compute_policy_loss(lp, d["old"] if "old" in d else lp.detach(), d["behav"], d["adv"],
+                                           d["mask"], algo, ref_logp=d.get("ref"), normalizer=norm)
+            return loss_fn
 
-        def loss_fn(lp, mb):
-            d = mb.data
-            # one optimizer step per batch: pi_old is this forward's own (detached) logprobs, so the PPO
-            # ratio starts at 1 and the correction weight pi_old / pi_engine carries all off-policyness
-            return compute_policy_loss(lp, lp.detach(), d["behav"], d["adv"], d["mask"], algo,
-                                       ref_logp=d.get("ref"), normalizer=norm)
-
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outs = forward_backward(self.model, self.layout, mbs, vocab_size=self.bridge.vocab_size,
-                                loss_fn=loss_fn, driver=driver, loss_scale=float(self.layout.dp.size),
-                                support=self.support_spec, temperature=self.temperature,
-                                fused_logprob=self.fused_logprob)
-        stepped = self._step_if_finite(outs)
-        if stepped is None:  # no update, no scheduler step (as megatron skips an overflow)
+        steps: list[tuple[list[dict[str, Any]], Any, bool]] = []  # each step's outputs, grad norm, success
+        nonfinite = False
+        for _ in range(algo.ppo_epochs):
+            for k, mbs in enumerate(plans):
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                outs = forward_backward(self.model, self.layout, mbs, loss_fn=loss_fn_of(norms[k]),
+                                        loss_scale=float(self.layout.dp.size), **passes)
+                if before[k] is None and not steps:  # a forward before any update: pi_old of its later epochs
+                    before[k] = outs
+                    if algo.old_logprobs is OldLogprobs.recompute:
+                        for mb, o in zip(mbs, outs):
+                            mb.data["old"] = o["logprobs"]
+                stepped = self._step_if_finite(outs)
+                if stepped is None:  # no update, and none after it on this batch (as megatron skips an overflow)
+                    nonfinite = True
+                    break
+                ok, grad_norm = stepped
+                self.version.stepped(bool(ok))
+                steps.append((outs, grad_norm, bool(ok)))
+            if nonfinite:
+                break
+        if steps:
+            self.scheduler.step(increment=1)  # once per rollout batch: train.lr_warmup_steps counts RL steps
+        if nonfinite:
             return self._reduce({"update_ok": 0.0, "nonfinite_update": 1.0, "lr": self.optimizer.param_groups[0]["lr"]})
-        ok, grad_norm = stepped
-        self.version.stepped(bool(ok))
-        self.scheduler.step(increment=1)
-        metrics: dict[str, Any] = {"grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok)),
+        metrics: dict[str, Any] = {"grad_norm": _mean([float(g or 0.0) for _, g, _ in steps]),
+                                   "update_ok": float(all(ok for *_, ok in steps)),
                                    "nonfinite_update": 0.0, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.support_spec is not None:
             metrics["support_unknown_tokens"] = float(WholeBatch.of(batch).support_unknown)
-        if outs:
-            metrics |= _mean_metrics(outs)
-            metrics |= self._engine_gap(outs, mbs, "replay_on" if replay else "replay_off")
-            metrics |= mismatch.split_sums(WholeBatch.of(batch).versions, outs, mbs, version, replay, algo)
+        if steps[0][0]:
+            metrics |= minibatch.step_metrics([outs for outs, *_ in steps])
+            # under the weights before the first step (with old_logprobs=engine: the first mini-batch's only)
+            old_outs = [o for outs in before if outs is not None for o in outs]
+            mbs = [mb for plan, outs in zip(plans, before) if outs is not None for mb in plan]
+            metrics |= self._engine_gap(old_outs, mbs, "replay_on" if replay else "replay_off")
+            metrics |= mismatch.split_sums(WholeBatch.of(batch).versions, old_outs, mbs, version, replay, algo)
             off, self._replay_off_split = self._replay_off_split, None
             if replay and off is not None and off[0] is batch:
                 metrics |= off[1]

@@ -44,6 +44,8 @@ class MicroBatch:
     support: torch.Tensor | None = None
     """[b, S-1, K] Keep Sampling Mask: token ids of the engine's sampling support for the token at t + 1
     (-1 = empty slot; a position with no id is not masked), in the input's row layout."""
+    samples: list[int] = field(default_factory=list)
+    """Whole-batch indices of the samples of ``data``'s rows, in row order."""
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]

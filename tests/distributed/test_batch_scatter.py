@@ -2,7 +2,10 @@
 DP rank trains on, and an RL step (routing metrics, replayed routes, Keep Sampling Mask, loss masks, the
 optimizer step) on the delivered share equals the step on the whole batch bit for bit: dp=2 packed (the plan
 comes from every sample's length), TP2 (one DP rank: both ranks get every sample) and EP2 (expert peers
-are DP ranks of the dense model). A source that never sends fails the receiver naming the transfer.
+are DP ranks of the dense model); and with two mini-batches and two epochs (pi_old from a forward before the
+first step, the KL reference, masked IS whose rejections leave each mini-batch's normalizer summed over DP,
+pipeline stages of which only the last computes the loss). A source that never sends fails the receiver
+naming the transfer.
 
 The worker is this file run under torchrun (``python -m tests.distributed.test_batch_scatter``).
 """
@@ -19,10 +22,16 @@ import pytest
 from tests.conftest import read_json, run_torchrun
 from tests.jobs.outcome import record_outcome
 
+MINI = ["algo.mini_batches=2", "algo.ppo_epochs=2"]  # 4 optimizer steps, pi_old from a pass before the first
 CASES = {  # name: (parallel preset, overrides, DP size)
     "dp2_packed": ("tp1", ["parallel.world_size=2", "train.packing=true"], 2),
     "tp2": ("tp2_sp", ["train.packing=false"], 1),
     "ep2_packed": ("ep2", ["train.packing=true"], 2),
+    "dp2_packed_minibatches_kl": ("tp1", ["parallel.world_size=2", "train.packing=true", *MINI,
+                                          "algo.kl_coef=0.05"], 2),
+    "ep2_minibatches_masked_is": ("ep2", ["train.packing=false", *MINI, "algo.correction=mis",
+                                          "algo.correction_level=sequence_geomean", "algo.mis_high=1.2"], 2),
+    "pp2_minibatches": ("pp2", ["parallel.pp_first_layers=2", "train.packing=true", *MINI], 1),
 }
 N = 8
 
@@ -50,6 +59,10 @@ def test_each_rank_gets_its_share_and_the_same_step(results, case):
         assert whole["grad_norm"] > 0 and whole["support_unknown_tokens"] == 1.0
         assert share == whole  # every metric, bit for bit
         assert got["same_parameters"]
+        if "minibatches" in case:  # four optimizer steps; pi_old from before the first: the ratio moves after it
+            assert whole["minibatch/0/ratio_mean"] == 1.0 and whole["minibatch/3/approx_kl"] > 0, whole
+        if "masked_is" in case:  # sequences rejected before the loss, on both DP ranks' shares
+            assert whole["is_masked_tokens"] > 0
 
 
 def test_a_source_that_never_sends_fails_the_receiver_naming_the_transfer(tmp_path):
@@ -94,6 +107,7 @@ def _case(hf: str, preset: str, overrides: list[str]) -> dict:
         return policy.routing_metrics(batch) | policy.rl_step(batch, 41.0)
 
     policy = Policy(cfg, lay, hf)
+    policy.capture_reference()  # with algo.kl_coef > 0: the starting weights (no-op without)
     c = policy.codec
     batch = synthetic_batch(0, N, policy.bridge.vocab_size, len(c.moe_layers), c.top_k, c.num_experts)
     batch.support, batch.support_log_mass = _supports(batch, policy.bridge.vocab_size, 0)
@@ -115,6 +129,7 @@ def _case(hf: str, preset: str, overrides: list[str]) -> dict:
     received = 0 if lay.world_rank == 0 else buffer_layout(header, mine)[1] + len(pickle.dumps(header))
 
     fresh = Policy(cfg, lay, hf)
+    fresh.capture_reference()
     share = step(fresh, got)
     after = torch.cat([p.detach().flatten() for p in fresh.module.parameters()])
     return {"first": got.first, "n": len(got), "same_samples": bool(same), "routes_dtype": str(got.routes[0].dtype),

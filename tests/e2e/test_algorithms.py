@@ -3,9 +3,10 @@ and the loop's mechanics, several per run (each `mrl train` run costs minutes on
 
 Their losses are unit-tested against hand-computed values (tests/unit/test_algo.py); here the loop
 must feed them what they need: DAPO's dynamic sampling keeps groups without signal out of every batch
-(and counts them), overlong shaping and clip-higher run, the KL to the reference is exactly 0 while
-the policy still is the reference and grows after; GSPO's sequence-level ratio trains in sync mode
-with Keep Sampling Mask on (top-k sampling).
+(and counts them), overlong shaping runs, the KL to the reference is exactly 0 while the policy still is
+the reference and grows after; GSPO's sequence-level ratio trains in sync mode with Keep Sampling Mask on
+(top-k sampling). With one optimizer step per batch the ratio is 1 and no clip acts (DAPO's clip-higher
+included); the multi-turn DAPO run takes two mini-batches per batch, so its second step's ratio moves.
 The DAPO run (overlap) also syncs only every second step and saves its checkpoints asynchronously; the
 GSPO run (sync mode) also writes every output and checkpoints, and syncs in small buckets, most of them in
 place from the DDP buffer.
@@ -100,7 +101,7 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
     assert os.listdir(run / "tb")
     # no Transformer Engine on CPU: the local spec ran, and the summary says so
     assert json.load(open(run / "summary.json"))["run"]["trainer_spec"] == "local"
-    # sync mode, one optimizer step per batch: the sequence ratio starts at 1, nothing is clipped
+    # sync mode, one optimizer step per batch: the sequence ratio is 1, nothing can be clipped
     assert all(r["clip_frac_high"] == 0.0 and r["clip_frac_low"] == 0.0 for r in steps)
     assert all(r["support_unknown_tokens"] == 0 and r["outside_support_tokens"] == 0 for r in steps)
     assert all(r["logprob_diff_replay_on"] < 1e-4 for r in steps)
@@ -111,13 +112,15 @@ def test_gspo_sync_with_sampling_mask_writes_everything(tmp_path):
 
 
 def test_dapo_on_multi_turn_episodes(tmp_path):
-    """DAPO (dynamic sampling, overlong shaping, clip-higher) in the async loop on multi-turn episodes
-    (data=lookup after a warm start that makes the policy call its tool in most episodes): no trained
-    group lacks signal, the skipped ones are counted, and the episodes really had several turns. Run with
-    train.save_at_end=false: it ends without a checkpoint."""
+    """DAPO (dynamic sampling, overlong shaping, clip-higher from the second of two mini-batches per batch) in
+    the async loop on multi-turn episodes (data=lookup after a warm start that makes the policy call its tool
+    in most episodes): no trained group lacks signal, the skipped ones are counted, and the episodes really
+    had several turns; the first mini-batch trains at ratio 1, the second against the policy before the
+    first step. Run with train.save_at_end=false: it ends without a checkpoint."""
     run = tmp_path / "dapo_mt"
     p, rows = mrl_train(run, "data=lookup", "algo=dapo", "algo.max_response_len=32", "train.sft_warmup_steps=70",
-                        "algo.lr=3e-4", "train.steps=4", "train.eval_every=0", "train.save_at_end=false")
+                        "algo.lr=3e-4", "train.steps=4", "train.eval_every=0", "train.save_at_end=false",
+                        "algo.mini_batches=2")
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints"), os.listdir(run / "checkpoints")
     assert "saving checkpoint" not in p.stdout
     steps = [r for r in rows if "step_seconds" in r]
@@ -126,6 +129,9 @@ def test_dapo_on_multi_turn_episodes(tmp_path):
     assert steps[-1]["rollout/groups_no_signal"] > 0
     assert all(r["rollout/env_turns_per_episode"] > 1.2 for r in steps)  # tool calls, observations, answers
     assert all(k in steps[-1] for k in ("clip_frac_high", "clip_frac_low", "is_weight_mean"))
+    assert "2 optimizer step(s) per rollout batch" in p.stdout
+    assert all(r["minibatch/0/ratio_mean"] == 1.0 and r["minibatch/0/clip_frac_high"] == 0.0 for r in steps)
+    assert all(r["minibatch/1/approx_kl"] > 0 for r in steps), steps  # pi moved away from pi_old
     # episodes whose turns span a sync included: the trainer's own tokens match the engine's exactly (fp32)
     exact = [r for r in steps if r["mismatch/numerics_tokens"] > 0]
     assert exact and all(r["mismatch/numerics_kl"] <= 1e-6 and r["mismatch/numerics_logprob_diff"] <= 1e-6

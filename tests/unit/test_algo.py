@@ -27,6 +27,7 @@ from mrl.config.schema import (
     CorrectionLevel,
     KLEstimator,
     LossType,
+    OldLogprobs,
 )
 
 LOG_HALF = math.log(0.5)
@@ -252,6 +253,105 @@ def test_gspo_per_token_gradients_are_identical_within_a_sequence():
     _close(logp.grad, [[s0 / 2 / 2] * 2 + [0, 0], [0.5 * s1 / 4 / 2] * 4])
 
 
+# ---------------------------------------------------------------- the papers' formulas, ratio != 1
+
+
+def _batch(seed, B=5, T=6):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([6, 2, 4, 5, 3])[:B]
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 0.1
+    logp = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios of about e^(+-0.3)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return logp, old, adv, mask
+
+
+def _ppo_reference(logp, old, adv, mask, eps_low, eps_high, dual=None):
+    """PPO-clip (Schulman et al. 2017) with DAPO's decoupled clip range (Yu et al. 2025, eq. 8) and dual-clip
+    (Ye et al. 2020, eq. 5), token-mean over the batch, written token by token from the formulas."""
+    total, n = 0.0, 0
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            r = torch.exp(logp[i, t] - old[i, t])
+            a = adv[i]
+            obj = torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+            if dual is not None and a < 0:
+                obj = torch.maximum(obj, dual * a)
+            total, n = total - obj, n + 1
+    return total / n
+
+
+def _gspo_reference(logp, old, adv, mask, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, eqs. 5-7): s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|), J = mean_i
+    min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); its gradient through s_i (eq. 10)."""
+    total = 0.0
+    for i in range(logp.shape[0]):
+        m = mask[i]
+        s_i = torch.exp((logp[i][m] - old[i][m]).sum() / m.sum())
+        total = total - torch.minimum(s_i * adv[i], torch.clamp(s_i, 1 - eps_low, 1 + eps_high) * adv[i])
+    return total / logp.shape[0]
+
+
+@pytest.mark.parametrize("clip,dual", [((0.2, 0.2), None), ((0.2, 0.28), None), ((0.1, 0.15), 1.5)])
+def test_ppo_and_dapo_clip_against_the_paper_formula(clip, dual):
+    logp0, old, adv, mask = _batch(3)
+    ref_logp = logp0.clone().requires_grad_()
+    want = _ppo_reference(ref_logp, old, adv, mask, *clip, dual)
+    want.backward()
+    logp = logp0.clone().requires_grad_()
+    cfg = _cfg(loss=LossType.dapo, clip_low=clip[0], clip_high=clip[1], dual_clip=dual)
+    got, metrics = compute_policy_loss(logp, old, old, adv, mask, cfg)
+    got.backward()
+    _close(got, want.item(), tol=1e-12)
+    torch.testing.assert_close(logp.grad, torch.where(mask, ref_logp.grad, 0), atol=1e-12, rtol=0)
+    r = torch.exp(logp0 - old)
+    assert 0 < metrics["clip_frac_high"] and 0 < metrics["clip_frac_low"]  # ratio != 1: the clip acts
+    # where it acts the gradient is zero; the unclipped loss (clip range wide open) differs
+    clipped = mask & (((r > 1 + clip[1]) & (adv[:, None] > 0)) | ((r < 1 - clip[0]) & (adv[:, None] < 0)))
+    assert clipped.any() and torch.all(logp.grad[clipped] == 0)
+    wide = logp0.clone().requires_grad_()
+    compute_policy_loss(wide, old, old, adv, mask, _cfg(clip_low=0.99, clip_high=100.0))[0].backward()
+    assert not torch.allclose(wide.grad, logp.grad)
+
+
+def test_gspo_loss_and_gradient_against_the_paper_formula():
+    logp0, old, adv, mask = _batch(7)
+    ref_logp = logp0.clone().requires_grad_()
+    want = _gspo_reference(ref_logp, old, adv, mask, 0.03, 0.04)
+    want.backward()
+    logp = logp0.clone().requires_grad_()
+    cfg = _cfg(loss=LossType.gspo, clip_low=0.03, clip_high=0.04, aggregation=Aggregation.seq_mean_token_mean)
+    got, metrics = compute_policy_loss(logp, old, old, adv, mask, cfg)
+    got.backward()
+    _close(got, want.item(), tol=1e-12)
+    torch.testing.assert_close(logp.grad, torch.where(mask, ref_logp.grad, 0), atol=1e-12, rtol=0)
+    assert metrics["clip_frac_high"] + metrics["clip_frac_low"] > 0
+    # with ratio != 1 GSPO's sequence clip gives another gradient than GRPO's token clip (at ratio 1 they agree)
+    grpo = logp0.clone().requires_grad_()
+    compute_policy_loss(grpo, old, old, adv, mask, _cfg(loss=LossType.grpo, clip_low=0.03, clip_high=0.04,
+                                                        aggregation=Aggregation.seq_mean_token_mean))[0].backward()
+    assert not torch.allclose(grpo.grad, logp.grad)
+    at_one = [old.clone().requires_grad_() for _ in range(2)]
+    for x, loss in zip(at_one, (LossType.gspo, LossType.grpo)):
+        compute_policy_loss(x, old, old, adv, mask, _cfg(loss=loss, clip_low=0.03, clip_high=0.04,
+                                                         aggregation=Aggregation.seq_mean_token_mean))[0].backward()
+    torch.testing.assert_close(at_one[0].grad, at_one[1].grad, atol=1e-12, rtol=0)
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy_and_weighs_by_the_behaviour_one():
+    """AReaL (Fu et al. 2025, eq. 5): -min(r A, clip(r) A) * min(pi_prox / pi_behav, C), r = pi / pi_prox."""
+    logp0, prox, adv, mask = _batch(5)
+    behav = prox + 0.5 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    logp = logp0.clone().requires_grad_()
+    got, _ = compute_policy_loss(logp, prox, behav, adv, mask, _cfg(correction=Correction.tis, is_cap=1.5))
+    r = torch.exp(logp0 - prox)
+    w = torch.exp(prox - behav).clamp(max=1.5)
+    per_tok = -torch.minimum(r * adv[:, None], r.clamp(0.8, 1.2) * adv[:, None]) * w
+    _close(got, (torch.where(mask, per_tok, 0).sum() / mask.sum()).item(), tol=1e-12)
+
+
 # ---------------------------------------------------------------- micro-batches
 
 
@@ -268,7 +368,9 @@ def test_micro_batches_sum_to_full_batch(aggregation, loss_type, correction):
     behav_logp = old_logp + 0.4 * torch.randn(B, T, dtype=torch.float64)
     ref_logp = old_logp + 0.2 * torch.randn(B, T, dtype=torch.float64)
     adv = torch.randn(B, dtype=torch.float64)
-    cfg = _cfg(loss=loss_type, correction=correction, aggregation=aggregation, max_response_len=T, kl_coef=0.05)
+    level = CorrectionLevel.sequence_product if correction is Correction.mis else CorrectionLevel.token
+    cfg = _cfg(loss=loss_type, correction=correction, aggregation=aggregation, max_response_len=T, kl_coef=0.05,
+               correction_level=level, mis_high=1.5)
 
     logp = logp0.clone().requires_grad_()
     full, _ = compute_policy_loss(logp, old_logp, behav_logp, adv, mask, cfg, ref_logp=ref_logp)
@@ -276,7 +378,9 @@ def test_micro_batches_sum_to_full_batch(aggregation, loss_type, correction):
 
     logp_mb = logp0.clone().requires_grad_()
     splits = [slice(0, 2), slice(2, 3), slice(3, 6)]
-    normalizer = sum(loss_normalizer(mask[s], aggregation) for s in splits)
+    # sequences masked IS rejects leave the normalizer: the trainer counts them out before the loss
+    normalizer = sum(loss_normalizer(importance_correction(old_logp[s], behav_logp[s], mask[s], cfg).counted,
+                                     aggregation) for s in splits)
     total = 0.0
     for s in splits:
         part, _ = compute_policy_loss(logp_mb[s], old_logp[s], behav_logp[s], adv[s], mask[s], cfg,
@@ -314,29 +418,53 @@ def test_tis_truncates_weights():
     _close(c.metrics["mismatch_kl"], sum(w - 1 - math.log(w) for w in W_TOKENS[:5]) / 5)
 
 
-def test_mis_masks_tokens_outside_band():
-    c = _correct(_cfg(correction=Correction.mis, mis_low=0.9, mis_high=1.6))
-    _close(c.weight, [[0.0, 0.0, 1.0, 1.5, 0.0, 0.0]])
-    assert c.keep.tolist() == [[False, False, True, True, False, False]]
-    _close(c.metrics["is_masked_frac"], 3 / 5)
-    _close(c.metrics["is_masked_tokens"], 3)
-
-
-def test_icepop_uses_its_own_band():
-    c = _correct(_cfg(correction=Correction.icepop, icepop_low=0.5, icepop_high=2.0, mis_low=0.9, mis_high=1.6))
+def test_icepop_masks_tokens_outside_its_band():
+    c = _correct(_cfg(correction=Correction.icepop, icepop_low=0.5, icepop_high=2.0))
     _close(c.weight, [[0.0, 0.8, 1.0, 1.5, 0.0, 0.0]])
     _close(c.metrics["is_masked_frac"], 2 / 5)
+    assert c.counted.tolist() == W_MASK.tolist()  # masked tokens still count in the normalizer
 
 
-def test_sequence_level_uses_geometric_mean():
-    # row 0: w = 2, 1 -> sqrt(2) on both tokens; row 1: w = 4, 4, (masked 100) -> 4
+def test_sequence_weights_product_and_geometric_mean():
+    # row 0: w = 2, 1 -> product 2, geometric mean sqrt(2); row 1: w = 4, 4, (masked 100) -> 16 and 4
     w = [[2.0, 1.0, 7.0], [4.0, 4.0, 100.0]]
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
-    mis = _correct(_cfg(correction=Correction.mis, correction_level=CorrectionLevel.sequence), w, mask)
-    _close(mis.weight, [[math.sqrt(2), math.sqrt(2), 0.0], [0.0, 0.0, 0.0]])
-    _close(mis.metrics["is_masked_frac"], 2 / 4)
-    tis = _correct(_cfg(correction=Correction.tis, correction_level=CorrectionLevel.sequence), w, mask)
-    _close(tis.weight, [[math.sqrt(2), math.sqrt(2), 0.0], [2.0, 2.0, 0.0]])
+    geo = _correct(_cfg(correction=Correction.tis, is_cap=5.0, correction_level=CorrectionLevel.sequence_geomean),
+                   w, mask)
+    _close(geo.weight, [[math.sqrt(2), math.sqrt(2), 0.0], [4.0, 4.0, 0.0]])
+    prod = _correct(_cfg(correction=Correction.tis, is_cap=5.0, correction_level=CorrectionLevel.sequence_product),
+                    w, mask)
+    _close(prod.weight, [[2.0, 2.0, 0.0], [5.0, 5.0, 0.0]])  # 16 truncated at the cap
+    _close(prod.metrics["is_clip_frac"], 2 / 4)
+
+
+def test_masked_is_rejects_sequences_above_the_threshold_out_of_the_normalizer():
+    # Liu et al. 2025 (MIS): rho = prod_t w_t; rho > C drops the sequence from the gradient and the normalizer.
+    # row 0: rho = .5 * 3 = 1.5 <= 2 kept; row 1: rho = 1.5 * 1.5 = 2.25 > 2 rejected although each token < 2;
+    # row 2: rho = .1 (small weights are kept: the threshold is an upper one)
+    w = [[0.5, 3.0, 1.0], [1.5, 1.5, 1.0], [0.1, 1.0, 1.0]]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    cfg = _cfg(correction=Correction.mis, mis_high=2.0, correction_level=CorrectionLevel.sequence_product)
+    c = _correct(cfg, w, mask)
+    _close(c.weight, [[1.5, 1.5, 0.0], [0.0, 0.0, 0.0], [0.1, 0.0, 0.0]])
+    assert c.counted.tolist() == [[True, True, False], [False, False, False], [True, False, False]]
+    _close(c.metrics["is_masked_tokens"], 2)
+    # the loss at ratio 1 (A = 1): token mean over the kept sequences' tokens only: -(2 * 1.5 + .1) / 3
+    behav = torch.full(mask.shape, -1.0, dtype=torch.float64)
+    old = behav + torch.log(_t(w))
+    logp = old.clone().requires_grad_()
+    loss, _ = compute_policy_loss(logp, old, behav, _t([1.0, 1.0, 1.0]), mask, cfg)
+    _close(loss, -(2 * 1.5 + 0.1) / 3)
+    loss.backward()
+    _close(logp.grad, [[-1.5 / 3, -1.5 / 3, 0.0], [0.0, 0.0, 0.0], [-0.1 / 3, 0.0, 0.0]])
+    # per-sequence mean: 2 sequences remain
+    seq, _ = compute_policy_loss(old, old, behav, _t([1.0, 1.0, 1.0]), mask,
+                                 _cfg(correction=Correction.mis, correction_level=CorrectionLevel.sequence_product,
+                                      aggregation=Aggregation.seq_mean_token_mean))
+    _close(seq, -(1.5 + 0.1) / 2)
+    # the geometric mean variant judges row 1 by sqrt(2.25) = 1.5: kept
+    geo = _correct(_cfg(correction=Correction.mis, correction_level=CorrectionLevel.sequence_geomean), w, mask)
+    assert geo.counted[1].tolist() == [True, True, False]
 
 
 def test_correction_weights_loss_and_icepop_zeroes_grad():
@@ -412,7 +540,7 @@ def test_presets_compose():
     assert dapo.max_response_len == 64  # interpolated from rollout.max_new_tokens
     gspo = compose(["algo=gspo"]).algo
     assert (gspo.loss, gspo.clip_low, gspo.clip_high) == (LossType.gspo, 3e-4, 4e-4)
-    assert gspo.correction_level is CorrectionLevel.sequence
+    assert gspo.correction_level is CorrectionLevel.sequence_geomean
     assert compose().algo == grpo
 
 
@@ -423,8 +551,13 @@ def test_presets_compose():
         (dict(clip_high=0.0), r"algo\.clip_high"),
         (dict(dual_clip=1.0), r"algo\.dual_clip"),
         (dict(icepop_low=1.2), r"algo\.icepop_low/icepop_high"),
-        (dict(mis_high=0.9), r"algo\.mis_low/mis_high"),
-        (dict(correction=Correction.icepop, correction_level=CorrectionLevel.sequence), r"algo\.correction_level"),
+        (dict(mis_high=0.9), r"algo\.mis_high"),
+        (dict(correction=Correction.icepop, correction_level=CorrectionLevel.sequence_product),
+         r"algo\.correction_level"),
+        (dict(correction=Correction.mis), r"algo\.correction_level.*sequence_product"),
+        (dict(mini_batches=0), r"algo\.mini_batches"),
+        (dict(ppo_epochs=0), r"algo\.ppo_epochs"),
+        (dict(old_logprobs=OldLogprobs.engine, correction=Correction.tis), r"algo\.correction: tis.*old_logprobs"),
         (dict(kl_coef=-0.1), r"algo\.kl_coef"),
         (dict(aggregation=Aggregation.seq_mean_token_sum_norm), r"algo\.max_response_len"),
         (dict(overlong_shaping=True, max_response_len=4, overlong_buffer_len=8), r"algo\.overlong_buffer_len"),

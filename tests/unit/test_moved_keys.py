@@ -42,6 +42,27 @@ def test_old_overrides_name_the_new_key(override, message):
     assert str(e.value) == message
 
 
+_SEQUENCE = ("algo.correction_level=sequence (the geometric mean of the token ratios) is now sequence_geomean; "
+             "sequence_product is the unbiased product of the token ratios")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algo.correction_level=sequence", _SEQUENCE),
+    ("algo.mis_low=0.5", "algo.mis_low was removed: masked IS (algo.correction=mis) rejects only sequences whose "
+                         "weight exceeds algo.mis_high, as its paper does; a two-sided band per token is "
+                         "algo.correction=icepop (icepop_low/icepop_high)"),
+])
+def test_renamed_correction_settings_are_refused_naming_what_they_are_now(tmp_path, override, message):
+    with pytest.raises(MovedKeyError) as e:
+        compose([override])
+    assert str(e.value) == message
+    key, value = override.split("=")
+    (tmp_path / "config.yaml").write_text(f"algo:\n  {key.split('.')[1]}: {value}\n")  # an older run directory
+    with pytest.raises(MovedKeyError) as e:
+        load_resolved(str(tmp_path / "config.yaml"))
+    assert str(e.value) == message
+
+
 def _old_experiments(tmp_path):
     exp = tmp_path / "conf" / "experiment"
     exp.mkdir(parents=True)

@@ -354,3 +354,14 @@ def test_a_run_dir_without_room_for_one_checkpoint_is_refused(tiny, tmp_path, mo
     assert check_checkpoint_space(compose([f"model.hf_path={tiny}", f"run_dir={tmp_path / 'run'}",
                                            "model.lora.rank=4"]), "local") is None
     assert check_checkpoint_space(cfg, "submit") is None  # checked on the nodes, where run_dir lives
+
+
+def test_mini_batches_that_do_not_split_a_dp_share_are_refused():
+    from mrl.config.load import compose
+    from mrl.preflight import check_layout
+
+    base = ["train.prompts_per_step=4", "rollout.n_samples_per_prompt=3", "parallel=ep2"]  # 12 samples, dp=2
+    assert check_layout(compose([*base, "algo.mini_batches=3"]), "local") is None
+    assert check_layout(compose([*base, "algo.mini_batches=4"]), "local") == (
+        "algo.mini_batches: is 4, but a step's 12 samples (train.prompts_per_step * rollout.n_samples_per_prompt) "
+        "over 2 DP rank(s) do not split into 4 equal mini-batches per rank; choose a divisor of 6")
