@@ -1,6 +1,6 @@
-"""Keys that left the ``rollout:`` node, refused with what replaced them. A command-line override, a YAML
-preset or experiment, or a run directory's ``config.yaml`` that sets one fails before anything starts,
-with one line naming the old key and the new one::
+"""Keys that moved or went away (those that left the ``rollout:`` node, ``train.eval_prompts``), refused with
+what replaced them. A command-line override, a YAML preset or experiment, or a run directory's
+``config.yaml`` that sets one fails before anything starts, with one line naming the old key and the new one::
 
     mrl train rollout.num_engines=2   ->  rollout.num_engines moved to engine.count
     mrl train rollout=gpu_tp8         ->  rollout=gpu_tp8 moved to engine=gpu_tp8 rollout=long
@@ -18,7 +18,8 @@ _SAME_NAME = ("cpu_mode", "cpu_batched_attention", "memory_saver", "base_gpu_id"
               "server_args", "lora_max_rank", "lora_slots", "lora_backend")
 MOVED = {f"rollout.{old}": f"engine.{new}" for old, new in {**_RENAMED, **{k: k for k in _SAME_NAME}}.items()}
 """Old key -> new key."""
-REMOVED = {"rollout.client_process": "the rollout client always runs in its own process"}
+REMOVED = {"rollout.client_process": "the rollout client always runs in its own process",
+           "train.eval_prompts": "each evaluation set has its own, train.eval_sets.<i>.max_prompts"}
 """Old key -> why it has no successor."""
 MOVED_PRESETS = {"rollout/cpu": "engine=cpu", "rollout/gpu": "engine=gpu",
                  "rollout/gpu_tp8": "engine=gpu_tp8 rollout=long"}

@@ -154,8 +154,8 @@ class Loop:
                 m |= phases.close() | {"version": self.version}
                 with phases.timed("log"):
                     self.duties.log_step(self.step, m, time.monotonic() - t_loop)
-                with phases.timed("eval"):
-                    self.duties.maybe_evaluate(self.step)
+                with phases.timed("eval"):  # submission and collection only: generation runs beside training
+                    self.duties.maybe_evaluate(self.step, self.version)
                 with phases.timed("checkpoint"):
                     save_hf_due(self.cfg, self.policy, self.step)  # train.save_hf(_every): run_dir/hf/final, step_N
                     stop = self.maybe_checkpoint()
@@ -166,6 +166,7 @@ class Loop:
             if self.saves is not None:
                 self._report(self.saves.finalize(blocking=True))
             if self.step == t.steps:
+                self.duties.finish_evaluations()
                 self.write_outputs()
         finally:
             self.close()
@@ -200,7 +201,7 @@ class Loop:
         self.policy.version.synced(self.version)  # the engines' weights are the trainer's now
         self.verify_engines()
         self.duties.start_producing(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step,
-                                    self.state.step)
+                                    self.state.step, self.version)
         self.clock.mark("generation_started")
 
     def _first_step_marks(self) -> dict:
