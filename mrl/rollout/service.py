@@ -237,9 +237,10 @@ class LocalRollout(RolloutSide):
                 sc.source, prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key,
                 on_bad_row=d.on_bad_row, seed=d.seed, shuffle=False)
             if sc.greedy and greedy is None:
-                greedy = completer(replace(sampling, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0))
-            sampled = completer(replace(sampling, temperature=sc.temperature, top_p=sc.top_p, top_k=-1, min_p=0.0)) \
-                if sc.n else None
+                greedy = completer(replace(sampling, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0,
+                                           ignore_eos=False))
+            sampled = completer(replace(sampling, temperature=sc.temperature, top_p=sc.top_p, top_k=-1, min_p=0.0,
+                                        ignore_eos=False)) if sc.n else None
             sets.append(EvalSet(cfg=sc, prompts=[src.sample(i) for i in range(min(sc.max_prompts, len(src)))],
                                 greedy=greedy if sc.greedy else None, sampled=sampled,
                                 default_budget=sampling.max_new_tokens))

@@ -100,8 +100,9 @@ class RankDuties(abc.ABC):
         that have arrived. Never waits for generation."""
 
     @abc.abstractmethod
-    def finish_evaluations(self) -> None:
-        """The run's end: wait (``train.eval_wait_at_end_s``) for the evaluations still generating."""
+    def finish_evaluations(self, wait_s: float) -> bool | None:
+        """The run's end: wait up to ``wait_s`` more (``train.eval_wait_at_end_s`` in all) for the evaluations
+        still generating, and submit the last step's if it was skipped; whether nothing is left to wait for."""
 
     @abc.abstractmethod
     def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
@@ -135,6 +136,7 @@ class Controller(RankDuties):
         self.restarter: EngineRestarter | None = None
         self.rollout: RolloutSide | None = None
         self.evals = EvalBook()
+        self._end_of_evals: float | None = None
 
     def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint]:
         endpoints = self.engines.ready()
@@ -210,23 +212,27 @@ class Controller(RankDuties):
                 row["eval/accuracy"] = r.metrics["greedy_pass_at_1"]
             self.log.evaluation(r, row, step_now)
 
-    def finish_evaluations(self) -> None:
+    def finish_evaluations(self, wait_s: float) -> bool:
         t = self.cfg.train
         if not t.eval_every:
-            return
-        deadline = time.monotonic() + t.eval_wait_at_end_s
-        if self.evals.skipped is not None and self.evals.skipped[0] == t.steps:
-            # the last step's evaluation was skipped: it runs once the one before it is done
-            self._report_evals(self.rollout.eval_results(max(0.0, deadline - time.monotonic())))
-            if not self.evals.outstanding:
-                self._submit_eval(*self.evals.skipped)
-        if self.evals.outstanding:
-            log.info("waiting up to %.0f s for the evaluation still generating (train.eval_wait_at_end_s)",
-                     max(0.0, deadline - time.monotonic()))
-            self._report_evals(self.rollout.eval_results(max(0.0, deadline - time.monotonic())))
+            return True
+        now = time.monotonic()
+        if self._end_of_evals is None:
+            self._end_of_evals = now + t.eval_wait_at_end_s
+            if self.evals.outstanding or self.evals.skipped:
+                log.info("waiting up to %.0f s for the evaluations still generating (train.eval_wait_at_end_s)",
+                         t.eval_wait_at_end_s)
+        left = self._end_of_evals - now
+        if self.evals.outstanding and left > 0:
+            self._report_evals(self.rollout.eval_results(min(wait_s, left)))
+        if not self.evals.outstanding and self.evals.skipped is not None and self.evals.skipped[0] == t.steps:
+            self._submit_eval(*self.evals.skipped)  # the last step's, skipped while the one before it ran
+        if self.evals.outstanding and time.monotonic() < self._end_of_evals:
+            return False
         if self.evals.outstanding:
             log.warning("%d evaluation results (steps %s) not in after train.eval_wait_at_end_s=%.0f s: not reported",
                         self.evals.outstanding, sorted(self.evals.waiting), t.eval_wait_at_end_s)
+        return True
 
     def warm_start_progress(self, step: int, nll: float) -> None:
         self.log.scalar("sft/nll", nll, step)
@@ -326,8 +332,8 @@ class OtherRank(RankDuties):
     def maybe_evaluate(self, step: int, version: int) -> None:
         pass
 
-    def finish_evaluations(self) -> None:
-        pass
+    def finish_evaluations(self, wait_s: float) -> None:
+        return None
 
     def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
         pass

@@ -166,8 +166,8 @@ class Loop:
             if self.saves is not None:
                 self._report(self.saves.finalize(blocking=True))
             if self.step == t.steps:
-                self.duties.finish_evaluations()
                 self.write_outputs()
+                self.wait_for_evaluations()
         finally:
             self.close()
         return 0
@@ -331,6 +331,13 @@ class Loop:
     def _report(self, completed: list[tuple[str, float]]) -> None:
         for path, seconds in completed:
             self.duties.checkpoint_written(path, seconds, asynchronous=True)
+
+    def wait_for_evaluations(self) -> None:
+        """The run's end: rank 0 waits for the evaluations still generating (``train.eval_wait_at_end_s``); the
+        other ranks wait with it in rounds shorter than a collective's timeout."""
+        wait_s = min(60.0, self.cfg.parallel.collective_timeout_s / 2)
+        while not broadcast_object(self.duties.finish_evaluations(wait_s), what="the end of the evaluations"):
+            pass
 
     def write_outputs(self) -> None:
         """At the end of a run: a LoRA run's final adapter as a Hugging Face PEFT directory, ``run_dir/adapter``

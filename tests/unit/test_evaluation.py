@@ -50,7 +50,7 @@ def test_eval_sets_config_refuses_what_it_cannot_measure():
     two = compose(["train.eval_sets=[{name: a},{name: b, source: b.jsonl, n: 2, k: [2], greedy: false}]"])
     assert [x.name for x in two.train.eval_sets] == ["a", "b"] and two.train.eval_sets[1].max_prompts == 32
     assert [x.name for x in two.train.eval_files] == ["b"]
-    for bad, msg in [(["train.eval_sets.0.n=2", "train.eval_sets.0.k=[4]"], r"k: must be distinct values in \[1, n=2\]"),
+    for bad, msg in [(["train.eval_sets.0.n=2", "train.eval_sets.0.k=[4]"], r"k: must be distinct values in \[1, n=2"),
                      (["train.eval_sets.0.greedy=false"], "measures nothing"),
                      (["train.eval_sets.0.n=2", "train.eval_sets.0.temperature=0"], "temperature: must be > 0"),
                      (["train.eval_sets=[{name: a},{name: a}]"], r"names must be unique, \['a'\] repeat"),
@@ -150,7 +150,8 @@ def test_the_loop_does_not_wait_for_evaluation(tmp_path, ckpt_dir):
         loop.verify_engines = dict
         loop.maybe_checkpoint = lambda: False
         finished = []
-        duties.finish_evaluations = lambda f=duties.finish_evaluations: (finished.append(time.perf_counter()), f())
+        end = duties.finish_evaluations
+        duties.finish_evaluations = lambda w: (finished.append(time.perf_counter()), end(w))[1]
         t0 = time.perf_counter()
         loop.run()
         rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
@@ -176,3 +177,13 @@ def test_the_loop_does_not_wait_for_evaluation(tmp_path, ckpt_dir):
     assert (tmp_path / "curves.png").is_file()
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["eval/heldout/pass_at_3"]["first"] == first["eval/heldout/pass_at_3"]
+
+
+def test_each_set_gets_a_panel_of_its_pass_rates_in_order_of_k():
+    from mrl.metrics import eval_panels
+
+    rows = [{"step": 0, "eval/a/pass_at_10": 0.5, "eval/a/greedy_pass_at_1": 0.2, "eval/a/pass_at_4": 0.4,
+             "eval/a/version": 1.0, "eval/accuracy": 0.2}, {"step": 2, "eval/b/greedy_pass_at_1": 0.1}]
+    assert eval_panels(rows) == [(("eval/a/greedy_pass_at_1", "eval/a/pass_at_4", "eval/a/pass_at_10"),
+                                  "eval a (x: step measured)"),
+                                 (("eval/b/greedy_pass_at_1",), "eval b (x: step measured)")]
