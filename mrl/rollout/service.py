@@ -241,6 +241,8 @@ class LocalRollout(RolloutSide):
                                            ignore_eos=False))
             sampled = completer(replace(sampling, temperature=sc.temperature, top_p=sc.top_p, top_k=-1, min_p=0.0,
                                         ignore_eos=False)) if sc.n else None
+            if not len(src):
+                raise ValueError(f"train.eval_sets[{sc.name}]: its source {sc.source!r} holds no prompt")
             sets.append(EvalSet(cfg=sc, prompts=[src.sample(i) for i in range(min(sc.max_prompts, len(src)))],
                                 greedy=greedy if sc.greedy else None, sampled=sampled,
                                 default_budget=sampling.max_new_tokens))

@@ -13,8 +13,10 @@ import types
 from fractions import Fraction
 
 import pytest
+import torch.distributed
 
 from mrl.rollout.evaluation import EvalResult, pass_at_k
+from tests.conftest import one_rank_gloo_world
 from tests.fakes.fake_sglang import FakeSGLang, FakeState
 
 
@@ -128,7 +130,8 @@ def test_the_loop_does_not_wait_for_evaluation(tmp_path, ckpt_dir):
     from mrl.trainer.phases import StepPhases
     from mrl.trainer.state import LoopState
 
-    with FakeSGLang(state=FakeState(tick_s=0.004)) as srv:
+    with one_rank_gloo_world(), FakeSGLang(state=FakeState(tick_s=0.004)) as srv:
+        torch.distributed.init_process_group("gloo")  # the end-of-run wait is a round of broadcasts
         cfg = compose([f"run_dir={tmp_path}", f"model.hf_path={ckpt_dir['tiny']}", f"engine.urls=[{srv.url}]",
                        f"train.steps={STEPS}", "train.prompts_per_step=2", "train.max_inflight_groups=4",
                        "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=3", "train.replay=false",
