@@ -11,8 +11,13 @@ figure other jobs move least), the loop's (first RL step to the last), the media
 phases from ``metrics.jsonl`` (``step_seconds`` and the loop's phases, ``mrl.trainer.phases``: wait for
 rollouts, routing diagnostics, train, drain, sync, verify, log, eval, checkpoint, other; ``rest``: the step
 less the named phases, which is ``other``), the staleness of the trained samples, the reward of the first
-and last 10 steps and the last held-out accuracy. Per round: B / A of the wall time and of the median step.
-The first RL step is left out of the medians (it fills the pipeline).
+and last 10 steps, the last held-out accuracy and every evaluation's result (``eval/<set>/...``: the step
+and weight versions it measured, its pass rates, how long it generated). Per round: B / A of the wall time
+and of the median step. The first RL step is left out of the medians (it fills the pipeline).
+
+    # what evaluation beside training costs the steps (docs/evaluation.md): eval off (A) vs sampled pass@k on (B)
+    .venv/bin/python bench/default_run_ab.py --steps 60 --rounds 2 --name eval_overhead_cpu --a train.eval_every=0 \
+        --b 'train.eval_every=10 train.eval_sets.0.n=8 train.eval_sets.0.k=[1,4,8]'
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def run(overrides: list[str], steps: int, run_dir: str) -> dict:
     rest = [r["step_seconds"] - sum(r.get(k, 0.0) for k in PHASES[1:]) for r in timed]
     rewards = [r["reward"] for r in steps_rows]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    results = [r for r in rows if any(k.startswith("eval/") and k.endswith("/version") for k in r)]
     stale = steps_rows[-1].get("staleness_hist", {})
     return {"overrides": overrides, "wall_seconds": wall, "cpu_seconds": cpu,
             "loop_seconds": steps_rows[-1]["wall_seconds"],
@@ -63,7 +69,8 @@ def run(overrides: list[str], steps: int, run_dir: str) -> dict:
             "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
             "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "reward_last": rewards[-1],
             "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None,
-            "staleness_hist": stale, "step_seconds_all": [r["step_seconds"] for r in steps_rows]}
+            "staleness_hist": stale, "step_seconds_all": [r["step_seconds"] for r in steps_rows],
+            "evaluations": results}
 
 
 def main() -> int:
@@ -74,6 +81,7 @@ def main() -> int:
     ap.add_argument("--b", default="", help="overrides of B")
     ap.add_argument("--only-a", action="store_true", help="run A alone, --rounds times")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="default_ab_cpu", help="the report's file name: <date>_mrl_train_<name>.json")
     a = ap.parse_args()
     sides = {"A": shlex.split(a.a)} | ({} if a.only_a else {"B": shlex.split(a.b)})
     rounds = []
@@ -100,8 +108,7 @@ def main() -> int:
                for name in sides}
     if "B" in sides:
         summary["B_over_A"] = {k: quartiles([r["B_over_A"][k] for r in rounds]) for k in ("wall", "cpu", "median_step")}
-    dump({"steps": a.steps, "sides": sides, "summary": summary, "rounds": rounds}, a.out,
-         name="mrl_train_default_ab_cpu")
+    dump({"steps": a.steps, "sides": sides, "summary": summary, "rounds": rounds}, a.out, name=f"mrl_train_{a.name}")
     return 0
 
 

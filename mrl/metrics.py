@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 from collections import Counter
 
@@ -25,10 +26,13 @@ log = get_logger(__name__)
 
 MISMATCH_KL = ("mismatch/numerics_kl", "mismatch/routing_kl", "mismatch/stale_kl")
 """The engine-vs-trainer KL by cause (``mrl.megatron.mismatch``; docs/keep_routing.md)."""
-CURVES = [("reward", "train reward (sampled)"), ("eval/accuracy", "eval accuracy (greedy, held out)"),
+CURVES = [("reward", "train reward (sampled)"),
           ("routing_disagreement", "routing disagreement, replay off"), ("kl_engine_replay_on", "KL engine->train"),
           (MISMATCH_KL, "KL engine->train by cause"), ("sync_seconds", "weight sync [s]"), ("step_seconds", "step [s]")]
-"""(key or keys, title) per panel of curves.png; a panel of several keys draws one line each."""
+"""(key or keys, title) per panel of curves.png; a panel of several keys draws one line each. Each evaluation
+set gets a panel of its own after the first (``eval_panels``)."""
+EVAL_KEY = re.compile(r"eval/([^/]+)/(greedy_pass_at_1|pass_at_(\d+))")
+"""An evaluation set's pass rates (``mrl.rollout.evaluation.EvalResult.row``)."""
 SYMLOG_FLOOR = 1e-15
 """Panels of several keys use a symmetric log scale, linear below this: KLs span decades (fp32 numerics
 near 1e-13 next to staleness near 1e-3), and the routing part (a difference) may be slightly negative."""
@@ -62,6 +66,36 @@ def bound_by(rows: list[dict], mode: str = "overlap") -> str | None:
         return None
     wait = sum(r["wait_seconds"] for r in recent)
     return "engine-bound" if wait / step >= ENGINE_BOUND_WAIT[mode] else "trainer-bound"
+
+
+def eval_panels(rows: list[dict]) -> list[tuple[tuple[str, ...], str]]:
+    """One panel per evaluation set in ``rows``: its greedy pass@1, then pass@k by k."""
+    sets: dict[str, set[str]] = {}
+    for r in rows:
+        for k in r:
+            if m := EVAL_KEY.fullmatch(k):
+                sets.setdefault(m.group(1), set()).add(k)
+
+    def order(key: str) -> int:
+        m = EVAL_KEY.fullmatch(key)
+        return 0 if m.group(3) is None else int(m.group(3))
+
+    return [(tuple(sorted(keys, key=order)), f"eval {name} (x: step measured)") for name, keys in sets.items()]
+
+
+def eval_line(result, step_now: int | None = None) -> str:
+    """The console's line for an evaluation result (``mrl.rollout.evaluation.EvalResult``)."""
+    v = f"v{result.version}" + (f"-{result.version_max}" if result.version_max != result.version else "")
+    rates = "  ".join(f"{k.replace('_pass_at_', ' pass@').replace('pass_at_', 'pass@')} {x:.3f}"
+                      for k, x in result.metrics.items())
+    notes = [f"{result.prompts} prompts", f"{result.seconds:.1f} s"]
+    if result.version_max != result.version:
+        notes.append(f"{result.mixed:.0%} of completions span a weight sync")
+    if result.failed:
+        notes.append(f"{result.failed} completions failed")
+    if step_now is not None and step_now != result.step:
+        notes.append(f"arrived at step {step_now}")
+    return f"eval {result.name} step {result.step} ({v}): {rates}  ({', '.join(notes)})"
 
 
 def tracker_key(key: str) -> str:
@@ -99,6 +133,18 @@ class MetricsLog:
         for lg in self.loggers:
             lg.log_metrics(step, {key: value})
         self._record({"step": step, key: value})
+
+    def evaluation(self, result, row: dict[str, float], step_now: int | None = None) -> None:
+        """An evaluation's ``row`` (``eval/<set>/...``) at the step it measured, to the trackers and
+        metrics.jsonl, and its line on the console."""
+        for lg in self.loggers:
+            lg.log_metrics(result.step, row)
+        self._record({"step": result.step, **row})
+        line = eval_line(result, step_now)
+        if self.plain:
+            log.info("%s", line)
+        else:
+            self.console.print(f"[mrl] {line}", highlight=False)
 
     def progress(self, text: str, step: int | None = None, total: int | None = None) -> None:
         """The bar's text; without a terminal a line, every ``PLAIN_EVERY`` steps of ``total`` if given."""
@@ -158,8 +204,9 @@ class MetricsLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        present = [(keys, t) for keys, t in CURVES
+        present = [(keys, t, not isinstance(keys, str)) for keys, t in CURVES
                    if any(self.series(k)[0] for k in ((keys,) if isinstance(keys, str) else keys))]
+        present[1:1] = [(keys, t, False) for keys, t in eval_panels(self.history)]  # after the train reward
         if not present:
             return False
         cols = min(3, len(present))
@@ -167,14 +214,15 @@ class MetricsLog:
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
         for ax in axes.flat[len(present):]:
             ax.set_visible(False)
-        for ax, (keys, title) in zip(axes.flat, present):
+        for ax, (keys, title, symlog) in zip(axes.flat, present):
             many = not isinstance(keys, str)
             for k in (keys if many else (keys,)):
                 xs, ys = self.series(k)
                 if xs:
                     ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=k.split("/")[-1] if many else None)
-            if many:
+            if symlog:
                 ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
+            if many:
                 ax.legend(fontsize=7)
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
@@ -191,7 +239,8 @@ class MetricsLog:
                 return float("nan"), float("nan"), float("nan")
             return ys[0], ys[-1], statistics.median(ys)
 
-        rows = {k: first_last_median(k) for k in ("reward", "success", "eval/accuracy", "routing_disagreement",
+        evals = [k for keys, _ in eval_panels(self.history) for k in keys]
+        rows = {k: first_last_median(k) for k in ("reward", "success", "eval/accuracy", *evals, "routing_disagreement",
                                                   "kl_engine_replay_on", "kl_engine_replay_off", *MISMATCH_KL,
                                                   "mismatch/stale_is_cut_frac", "sync_seconds", "step_seconds")}
         table = Table(title=f"mrl train: {cfg.data.task} / {cfg.algo.loss.value} / {cfg.train.mode.value}")

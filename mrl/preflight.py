@@ -23,10 +23,10 @@ import json
 import os
 import re
 import socket
-import sys
 from typing import Callable
 
 from mrl.config.schema import Config
+from mrl.process import job_sys_path
 
 LOCAL = "local"  # ``mrl train``/``mrl check``: this host runs the job (or is one of its Slurm nodes)
 SUBMIT = "submit"  # ``mrl launch``: the job runs on other nodes; what only they can see is checked there
@@ -110,7 +110,7 @@ def check_data(cfg: Config, where: str) -> str | None:
     from mrl.data import build_prompt_source
 
     d = cfg.data
-    for split in ("train", "eval") if cfg.train.eval_every else ("train",):
+    for split in ("train", "eval") if cfg.train.eval_every and cfg.train.eval_heldout else ("train",):
         key, path = ("data.path", d.path) if split == "train" else ("data.eval_path", d.eval_path)
         if d.path is not None:
             if path is None:
@@ -129,19 +129,18 @@ def check_data(cfg: Config, where: str) -> str | None:
     return None if d.path else source.check_run(reward_fn=cfg.reward.fn, max_new_tokens=cfg.rollout.max_new_tokens)
 
 
-@contextlib.contextmanager
-def _ranks_sys_path():
-    """Import user modules as the job will: its processes run ``python -m ...``, which puts the working
-    directory first on ``sys.path`` (the ``mrl`` script's own path starts at its bin directory)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added:
-            sys.path.remove(cwd)
+def check_eval_sets(cfg: Config, where: str) -> str | None:
+    """An evaluation set read from a JSONL file (``train.eval_sets``): it exists and yields a usable row."""
+    from mrl.data import JsonlDataset
+
+    d = cfg.data
+    for s in [] if _in_image(cfg, where) or not cfg.train.eval_every else cfg.train.eval_files:
+        try:
+            JsonlDataset(s.source, prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key,
+                         on_bad_row=d.on_bad_row, seed=d.seed, shuffle=False)
+        except (ValueError, TypeError, OSError) as e:
+            return _named(f"train.eval_sets[{s.name}].source", s.source, str(e))
+    return None
 
 
 def check_reward_fn(cfg: Config, where: str) -> str | None:
@@ -152,7 +151,7 @@ def check_reward_fn(cfg: Config, where: str) -> str | None:
     from mrl.scoring.checks import scoring_problem
 
     try:
-        with _ranks_sys_path():
+        with job_sys_path():
             load_reward_fn(cfg.reward.fn)
             return scoring_problem(cfg)
     except (ValueError, ImportError) as e:
@@ -174,7 +173,7 @@ def check_env_fn(cfg: Config, where: str) -> str | None:
     from mrl.env.base import Environment, load_env_factory
 
     try:
-        with _ranks_sys_path():
+        with job_sys_path():
             factory = load_env_factory(path)
     except ValueError as e:
         return str(e)
@@ -487,7 +486,7 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
             "run saves one at its end: put run_dir on a filesystem with room")
 
 
-CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_eval_sets, check_reward_fn, check_env_fn,
                             check_gpu_stack, check_ports, check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 

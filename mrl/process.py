@@ -10,6 +10,7 @@ resumes from:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -21,6 +22,21 @@ from concurrent.futures import ThreadPoolExecutor
 from mrl.log import get_logger
 
 log = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def job_sys_path():
+    """Import user modules as the job will: its processes run ``python -m ...``, which puts the working
+    directory first on ``sys.path`` (the ``mrl`` script's own path starts at its bin directory)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def die_with_parent() -> None:

@@ -1,6 +1,6 @@
-"""Keys that left the ``rollout:`` node, refused with what replaced them. A command-line override, a YAML
-preset or experiment, or a run directory's ``config.yaml`` that sets one fails before anything starts,
-with one line naming the old key and the new one::
+"""Keys that moved or went away (those that left the ``rollout:`` node, ``train.eval_prompts``), refused with
+what replaced them. A command-line override, a YAML preset or experiment, or a run directory's
+``config.yaml`` that sets one fails before anything starts, with one line naming the old key and the new one::
 
     mrl train rollout.num_engines=2   ->  rollout.num_engines moved to engine.count
     mrl train rollout=gpu_tp8         ->  rollout=gpu_tp8 moved to engine=gpu_tp8 rollout=long
@@ -23,7 +23,8 @@ MOVED = {f"rollout.{old}": f"engine.{new}" for old, new in {**_RENAMED, **{k: k 
 REMOVED = {"rollout.client_process": "the rollout client always runs in its own process",
            "algo.mis_low": "masked IS (algo.correction=mis) rejects only sequences whose weight exceeds "
                            "algo.mis_high, as its paper does; a two-sided band per token is algo.correction=icepop "
-                           "(icepop_low/icepop_high)"}
+                           "(icepop_low/icepop_high)",
+           "train.eval_prompts": "each evaluation set has its own, train.eval_sets.<i>.max_prompts"}
 """Old key -> why it has no successor."""
 MOVED_VALUES = {("algo.correction_level", "sequence"):
                 "algo.correction_level=sequence (the geometric mean of the token ratios) is now sequence_geomean; "

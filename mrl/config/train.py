@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from mrl.config.base import DType, fail
+from mrl.config.eval import HELDOUT, EvalSetConfig, check_eval_sets
 
 
 class LoopMode(str, enum.Enum):
@@ -63,8 +64,18 @@ class TrainConfig:
     bf16 parameter of the optimizer's shard instead of 12 (docs/memory.md); needs Transformer Engine on GPUs."""
     lr_warmup_steps: int = 0
     eval_every: int = 10
-    """Greedy accuracy on the held-out split every N steps (0 = never)."""
-    eval_prompts: int = 32
+    """Evaluate ``eval_sets`` every N steps, and once before the first RL step (0 = never). Evaluations
+    generate on the rollout engines while training goes on; their results are reported as they arrive,
+    at the step and weight version they measured (docs/evaluation.md)."""
+    eval_sets: list[EvalSetConfig] = field(default_factory=lambda: [EvalSetConfig()])
+    """Held-out sets and what to measure on each (greedy pass@1, sampled pass@k); by default greedy pass@1
+    on 32 prompts of the run's held-out split."""
+    eval_max_inflight: int = 8
+    """Evaluation requests in flight at once, over all engines: evaluations interleave with rollouts and
+    take at most this share of the engines' batch."""
+    eval_wait_at_end_s: float = 600.0
+    """At the run's last step, how long to wait for evaluations still generating (their results are
+    reported; then the run ends); 0 = not at all."""
     routing_metrics_every: int = 1
     """A natural-routing (record) forward every N steps: disagreement and replay-on/off KL."""
     save_every: int = 0
@@ -150,6 +161,16 @@ class TrainConfig:
     every this many optimizer steps, after the step, on every rank at once (megatron-LM's manual GC), so
     no rank pauses mid-step on its own; 0 = Python's automatic collection."""
 
+    @property
+    def eval_heldout(self) -> bool:
+        """Some evaluation set reads the run's held-out split."""
+        return any(s.source == HELDOUT for s in self.eval_sets)
+
+    @property
+    def eval_files(self) -> list[EvalSetConfig]:
+        """The evaluation sets read from a JSONL file."""
+        return [s for s in self.eval_sets if s.source != HELDOUT]
+
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "max_inflight_groups", "sft_batch"):
             if getattr(self, name) < 1:
@@ -167,6 +188,15 @@ class TrainConfig:
             fail("train.save_hf_every", f"must be >= 0 (0 = never), got {self.save_hf_every}")
         if self.keep_checkpoints < 0:
             fail("train.keep_checkpoints", f"must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}")
+        if self.eval_max_inflight < 1:
+            fail("train.eval_max_inflight", f"must be >= 1, got {self.eval_max_inflight}")
+        if self.eval_wait_at_end_s < 0:
+            fail("train.eval_wait_at_end_s", f"must be >= 0, got {self.eval_wait_at_end_s}")
+        if self.eval_every < 0:
+            fail("train.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
+        if self.eval_every and not self.eval_sets:
+            fail("train.eval_sets", "is empty while train.eval_every > 0: name a set, or set train.eval_every=0")
+        check_eval_sets(self.eval_sets)
         if self.pack_max_len is not None and self.pack_max_len < 2:
             fail("train.pack_max_len", f"must be >= 2 or null, got {self.pack_max_len}")
 

@@ -79,13 +79,18 @@ class Producer:
         """Run a coroutine on the producer's loop (e.g. eval generations) and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def drain(self, timeout: float = 60.0) -> int:
+    def drain(self, timeout: float = 60.0, also: list[RolloutManager] = ()) -> int:
         """Before a weight sync: no request on any engine (in-flight ones aborted, kept, resumed by
-        ``undrain``), so the engines pause at once. Returns the number of requests aborted."""
-        return self.run(self.manager.drain(timeout))
+        ``undrain``), so the engines pause at once; ``also``: the other managers sending to the same
+        engines (evaluation). Returns the number of requests aborted."""
+        async def every():
+            return sum(await asyncio.gather(*(m.drain(timeout) for m in [self.manager, *also])))
 
-    def undrain(self) -> None:
-        self._loop.call_soon_threadsafe(self.manager.undrain)
+        return self.run(every())
+
+    def undrain(self, also: list[RolloutManager] = ()) -> None:
+        for m in [self.manager, *also]:
+            self._loop.call_soon_threadsafe(m.undrain)
 
     def stop(self) -> None:
         self._stop = True

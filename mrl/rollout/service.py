@@ -3,7 +3,8 @@
     svc = RolloutService.start(cfg, hf_path, urls, codec, state)   # trainer rank 0; the child holds a LocalRollout
     svc.allow(16); groups = svc.take(8, version, timeout=600)
     n = svc.drain(60); ...weight sync...; svc.undrain()
-    svc.stats(); svc.state(); svc.evaluate(32); svc.stop()
+    svc.submit_eval(step, version); svc.eval_results(0.0)   # evaluation in the background, results when done
+    svc.stats(); svc.state(); svc.stop()
 
 Both are a ``RolloutSide`` (``mrl.rollout.side``). Why a process: in the trainer's rank-0 process the
 producer's event loop (HTTP, JSON, routes decoding, reward calls) and the training step would share one
@@ -48,7 +49,7 @@ class RolloutService(RolloutSide):
     one, else ``call_timeout_s`` (``SLOW_CALLS``: that many times), plus a margin, before the child counts
     as hung."""
 
-    SLOW_CALLS = {"evaluate": 10}
+    SLOW_CALLS: dict[str, int] = {}
     """Calls of many engine round trips: their reply limit in multiples of ``call_timeout_s``."""
 
     def __init__(self, proc: subprocess.Popen, conn: Connection, call_timeout_s: float):
@@ -184,14 +185,10 @@ class LocalRollout(RolloutSide):
                                       max_inflight_per_engine=cfg.engine.max_running_requests, top_logprobs_num=top,
                                       adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s,
                                       vocab_size=state.get("vocab_size"))
-        self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
-            max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids),
-            adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s)
         self.scorer = RewardScorer(cfg.reward)  # reward.fn: evaluation's, and the group scorer's rule part
-        self.eval_source = build_prompt_source(cfg.data, split="eval") if t.eval_every else None
         source = build_prompt_source(cfg.data)
-        self.episodes = self.eval_episodes = None
         env_fn = r.env.fn or getattr(source, "env", None)  # a built-in multi-turn task names its environment
+        self.episodes = self._episodes = None
         if env_fn is not None:
             from mrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
 
@@ -200,13 +197,13 @@ class LocalRollout(RolloutSide):
                                    max_turn_tokens=(r.env.max_turn_tokens or getattr(source, "max_turn_tokens", None)
                                                     or r.max_new_tokens),
                                    tool_timeout_s=r.env.tool_timeout_s)
-            self.episodes, self.eval_episodes = (
-                EpisodeRunner(m, self.tok, env_fn=env_fn, env_args=r.env.args, limits=limits)
-                for m in (self.manager, self.eval_manager))
+            self._episodes = lambda m: EpisodeRunner(m, self.tok, env_fn=env_fn, env_args=r.env.args, limits=limits)
+            self.episodes = self._episodes(self.manager)
         from mrl.scoring.build import build_scorer
 
         # teacher engines (on-policy distillation) start booting here, while the first groups generate
         self.group_scorer = build_scorer(cfg, self.scorer, episodes=self.episodes is not None, student_path=hf_path)
+        self.evaluator = self._evaluator(cfg, clients, sampling) if t.eval_every else None
         self._cache_seen = (0, 0)  # (prompt, cached) tokens at the last stats(): the hit rate is per step
         self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
         if state["buffered"]:
@@ -217,6 +214,43 @@ class LocalRollout(RolloutSide):
                                  redo=state.get("redo_prompts"), episodes=self.episodes)
         if t.mode == LoopMode.overlap:
             self.buffer.on_release = self.producer.allow
+
+    def _evaluator(self, cfg, clients, sampling):
+        """The evaluation sets' prompts and completers: one temperature-0 manager for the greedy completions,
+        one per set for its sampled ones, each at most ``train.eval_max_inflight`` requests per engine (the
+        evaluator's own cap holds them to that many in all)."""
+        from dataclasses import replace
+
+        from mrl.config.eval import HELDOUT
+        from mrl.data import JsonlDataset, build_prompt_source
+        from mrl.rollout.evaluation import Completer, EvalSet, Evaluator
+        from mrl.rollout.manager import RolloutManager
+
+        t, d = cfg.train, cfg.data
+
+        def completer(spec):
+            m = RolloutManager(clients, sampling=spec, adapters=self.adapters,
+                               max_inflight_per_engine=t.eval_max_inflight,
+                               probe_timeout_s=cfg.weight_sync.probe_timeout_s)
+            return Completer(m, self._episodes(m) if self._episodes else None)
+
+        greedy = None
+        sets = []
+        for sc in t.eval_sets:
+            src = build_prompt_source(d, split="eval") if sc.source == HELDOUT else JsonlDataset(
+                sc.source, prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key,
+                on_bad_row=d.on_bad_row, seed=d.seed, shuffle=False)
+            if sc.greedy and greedy is None:
+                greedy = completer(replace(sampling, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0,
+                                           ignore_eos=False))
+            sampled = completer(replace(sampling, temperature=sc.temperature, top_p=sc.top_p, top_k=-1, min_p=0.0,
+                                        ignore_eos=False)) if sc.n else None
+            if not len(src):
+                raise ValueError(f"train.eval_sets[{sc.name}]: its source {sc.source!r} holds no prompt")
+            sets.append(EvalSet(cfg=sc, prompts=[src.sample(i) for i in range(min(sc.max_prompts, len(src)))],
+                                greedy=greedy if sc.greedy else None, sampled=sampled,
+                                default_budget=sampling.max_new_tokens))
+        return Evaluator(sets, self.scorer, self.tok, max_inflight=t.eval_max_inflight)
 
     def start_producing(self, credits: int) -> None:
         self.producer.start()
@@ -230,28 +264,27 @@ class LocalRollout(RolloutSide):
         return self.buffer.take(n, version, timeout=timeout, check=self.producer.check)
 
     def drain(self, timeout: float) -> int:
-        return self.producer.drain(timeout)
+        return self.producer.drain(timeout, also=self._eval_managers())
 
     def undrain(self) -> None:
-        self.producer.undrain()
+        self.producer.undrain(also=self._eval_managers())
 
-    def evaluate(self, n: int) -> float:
-        import asyncio
+    def _eval_managers(self) -> list:
+        return self.evaluator.managers if self.evaluator is not None else []
 
-        prompts = [self.eval_source.sample(i) for i in range(min(n, len(self.eval_source)))]
+    def submit_eval(self, step: int, version: int) -> bool:
+        if self.evaluator is None:
+            raise RuntimeError("submit_eval: train.eval_every=0, the rollout side was built without evaluation sets")
 
-        async def go():
-            if self.eval_episodes is not None:  # greedy episodes: success = the environment's reward
-                eps = await asyncio.gather(*(self.eval_episodes.run_episode(p, -1 - i, 0)
-                                             for i, p in enumerate(prompts)))
-                return sum(e.error is None and (e.reward or 0.0) >= 1.0 for e in eps) / len(eps)
-            groups = await asyncio.gather(*(self.eval_manager.generate_group(self.tok.encode(p.text).ids, 1, -1 - i)
-                                            for i, p in enumerate(prompts)))
-            texts = [self.tok.decode(g[0].response_ids, skip_special_tokens=True) for g in groups]
-            res = await self.scorer.score_many(list(zip(prompts, texts)))
-            return sum((x.value or 0.0) >= 1.0 for x in res) / len(res)
+        async def request():  # on the producer's loop, which owns the managers
+            return self.evaluator.request(step, version)
 
-        return self.producer.run(go())
+        return self.producer.run(request())
+
+    def eval_results(self, timeout: float) -> list:
+        if self.evaluator is None:
+            return []
+        return self.producer.run(self.evaluator.collect(timeout))
 
     def count(self, key: str, n: int = 1) -> None:
         self.producer.counts[key] += n
@@ -262,8 +295,8 @@ class LocalRollout(RolloutSide):
         client = EngineClient(url, routes_always=True)
 
         async def add():  # on the producer's loop, which owns the slots
-            self.manager.add_engine(client)
-            self.eval_manager.add_engine(client)
+            for m in [self.manager, *self._eval_managers()]:
+                m.add_engine(client)
 
         self.producer.run(add())
 
@@ -309,6 +342,11 @@ class LocalRollout(RolloutSide):
         from mrl.sglang.client import close_clients
 
         if self.producer.running:  # its loop owns the clients' connections
+            if self.evaluator is not None:
+                async def cancel():
+                    self.evaluator.cancel()
+
+                self.producer.run(cancel())
             self.producer.run(close_clients([s.client for s in self.manager.slots]))
             self.producer.run(self.group_scorer.aclose())
         self.producer.stop()

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class RolloutSide(abc.ABC):
     """What the trainer's rank 0 asks of the rollout side. A method with a ``timeout`` argument may block
-    that long; the others answer at once (``evaluate``: a batch of greedy generations)."""
+    that long; the others answer at once."""
 
     @abc.abstractmethod
     def start_producing(self, credits: int) -> None:
@@ -43,8 +43,14 @@ class RolloutSide(abc.ABC):
         """The held and aborted requests go on (on the engines' new weights)."""
 
     @abc.abstractmethod
-    def evaluate(self, n: int) -> float:
-        """Greedy accuracy on ``n`` held-out prompts."""
+    def submit_eval(self, step: int, version: int) -> bool:
+        """Evaluate ``train.eval_sets`` on the engines (weight ``version``, after ``step``) in the background;
+        False, and nothing submitted, while the previous evaluation still generates."""
+
+    @abc.abstractmethod
+    def eval_results(self, timeout: float) -> list:
+        """The evaluation results (``mrl.rollout.evaluation.EvalResult``) finished since the last call, after
+        waiting up to ``timeout`` for a running evaluation."""
 
     @abc.abstractmethod
     def stats(self) -> dict:

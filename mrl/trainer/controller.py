@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import os
+import time
 from collections import Counter
 
 from mrl.config.schema import BadRoutes, Config, LoopMode
@@ -23,6 +24,29 @@ from mrl.trainer.state import LoopState, checkpoint_dir, prune_checkpoints, tree
 from mrl.startup import StartupClock
 
 log = get_logger(__name__)
+
+
+class EvalBook:
+    """The controller's record of evaluations submitted, not yet reported, and skipped."""
+
+    def __init__(self):
+        self.waiting: Counter = Counter()  # step -> set results still to arrive
+        self.skipped: tuple[int, int] | None = None  # the newest skipped (step, version)
+        self.skips = 0
+
+    @property
+    def outstanding(self) -> int:
+        return sum(self.waiting.values())
+
+    def submitted(self, step: int, sets: int) -> None:
+        self.waiting[step] += sets
+        if self.skipped is not None and self.skipped[0] <= step:
+            self.skipped = None
+
+    def arrived(self, step: int) -> None:
+        self.waiting[step] -= 1
+        if self.waiting[step] <= 0:
+            del self.waiting[step]
 
 
 class RankDuties(abc.ABC):
@@ -59,8 +83,8 @@ class RankDuties(abc.ABC):
         """Joined engines take rollouts now (they hold this version); dropped ones get replacements."""
 
     @abc.abstractmethod
-    def start_producing(self, first_credits: int, step: int) -> None:
-        """Generation starts, ``first_credits`` groups ahead."""
+    def start_producing(self, first_credits: int, step: int, version: int) -> None:
+        """Generation starts, ``first_credits`` groups ahead (and the first evaluation, of weights ``version``)."""
 
     @abc.abstractmethod
     def warm_start_progress(self, step: int, nll: float) -> None:
@@ -71,8 +95,14 @@ class RankDuties(abc.ABC):
         """The step's metrics."""
 
     @abc.abstractmethod
-    def maybe_evaluate(self, step: int) -> None:
-        """Greedy accuracy on held-out prompts every ``train.eval_every`` steps."""
+    def maybe_evaluate(self, step: int, version: int) -> None:
+        """Every ``train.eval_every`` steps, submit an evaluation of weights ``version``; report the results
+        that have arrived. Never waits for generation."""
+
+    @abc.abstractmethod
+    def finish_evaluations(self, wait_s: float) -> bool | None:
+        """The run's end: wait up to ``wait_s`` more (``train.eval_wait_at_end_s`` in all) for the evaluations
+        still generating, and submit the last step's if it was skipped; whether nothing is left to wait for."""
 
     @abc.abstractmethod
     def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
@@ -105,6 +135,8 @@ class Controller(RankDuties):
         self.engines = engines or RunEngines(cfg)
         self.restarter: EngineRestarter | None = None
         self.rollout: RolloutSide | None = None
+        self.evals = EvalBook()
+        self._end_of_evals: float | None = None
 
     def start_engines(self, hf_path: str, policy: Policy, state: LoopState) -> list[EngineEndpoint]:
         endpoints = self.engines.ready()
@@ -149,15 +181,58 @@ class Controller(RankDuties):
     def next_batch(self, version: int) -> tuple[RLBatch, float, dict]:
         return build_batch(self.take_batch(version), self.cfg, self.cfg.train.replay)
 
-    def start_producing(self, first_credits: int, step: int) -> None:
+    def start_producing(self, first_credits: int, step: int, version: int) -> None:
         self.rollout.start_producing(first_credits)
-        self.maybe_evaluate(step, first=True)
+        if self.cfg.train.eval_every:
+            self._submit_eval(step, version)
 
-    def maybe_evaluate(self, step: int, first: bool = False) -> None:
-        """Greedy accuracy on held-out prompts every ``train.eval_every`` steps."""
+    def maybe_evaluate(self, step: int, version: int) -> None:
         t = self.cfg.train
-        if t.eval_every and (first or step % t.eval_every == 0):
-            self.log.scalar("eval/accuracy", self.rollout.evaluate(t.eval_prompts), step)
+        if t.eval_every and step % t.eval_every == 0:
+            self._submit_eval(step, version)
+        if self.evals.outstanding:
+            self._report_evals(self.rollout.eval_results(0.0), step)
+
+    def _submit_eval(self, step: int, version: int) -> None:
+        if self.rollout.submit_eval(step, version):
+            self.evals.submitted(step, len(self.cfg.train.eval_sets))
+        else:  # the previous one is still generating: this one is skipped, the engines keep their share
+            self.evals.skipped = (step, version)
+            self.evals.skips += 1
+            log.info("evaluation at step %d skipped: the previous one is still generating (%d skipped so far; "
+                     "fewer prompts, a larger train.eval_every or train.eval_max_inflight keep up)", step,
+                     self.evals.skips)
+
+    def _report_evals(self, results: list, step_now: int | None = None) -> None:
+        first = self.cfg.train.eval_sets[0].name
+        for r in results:
+            self.evals.arrived(r.step)
+            row = r.row()
+            if r.name == first and "greedy_pass_at_1" in r.metrics:  # the figure the summary and bench tools read
+                row["eval/accuracy"] = r.metrics["greedy_pass_at_1"]
+            self.log.evaluation(r, row, step_now)
+
+    def finish_evaluations(self, wait_s: float) -> bool:
+        t = self.cfg.train
+        if not t.eval_every:
+            return True
+        now = time.monotonic()
+        if self._end_of_evals is None:
+            self._end_of_evals = now + t.eval_wait_at_end_s
+            if self.evals.outstanding or self.evals.skipped:
+                log.info("waiting up to %.0f s for the evaluations still generating (train.eval_wait_at_end_s)",
+                         t.eval_wait_at_end_s)
+        left = self._end_of_evals - now
+        if self.evals.outstanding and left > 0:
+            self._report_evals(self.rollout.eval_results(min(wait_s, left)))
+        if not self.evals.outstanding and self.evals.skipped is not None and self.evals.skipped[0] == t.steps:
+            self._submit_eval(*self.evals.skipped)  # the last step's, skipped while the one before it ran
+        if self.evals.outstanding and time.monotonic() < self._end_of_evals:
+            return False
+        if self.evals.outstanding:
+            log.warning("%d evaluation results (steps %s) not in after train.eval_wait_at_end_s=%.0f s: not reported",
+                        self.evals.outstanding, sorted(self.evals.waiting), t.eval_wait_at_end_s)
+        return True
 
     def warm_start_progress(self, step: int, nll: float) -> None:
         self.log.scalar("sft/nll", nll, step)
@@ -242,7 +317,7 @@ class OtherRank(RankDuties):
     def after_sync(self, alive: list[EngineEndpoint], joining: list[EngineEndpoint], dropped: list[str]) -> dict:
         return {}
 
-    def start_producing(self, first_credits: int, step: int) -> None:
+    def start_producing(self, first_credits: int, step: int, version: int) -> None:
         pass
 
     def warm_start_progress(self, step: int, nll: float) -> None:
@@ -254,8 +329,11 @@ class OtherRank(RankDuties):
     def log_step(self, step: int, m: dict, wall_seconds: float) -> None:
         pass
 
-    def maybe_evaluate(self, step: int) -> None:
+    def maybe_evaluate(self, step: int, version: int) -> None:
         pass
+
+    def finish_evaluations(self, wait_s: float) -> None:
+        return None
 
     def checkpoint_written(self, path: str, seconds: float, asynchronous: bool) -> None:
         pass

@@ -154,8 +154,8 @@ class Loop:
                 m |= phases.close() | {"version": self.version}
                 with phases.timed("log"):
                     self.duties.log_step(self.step, m, time.monotonic() - t_loop)
-                with phases.timed("eval"):
-                    self.duties.maybe_evaluate(self.step)
+                with phases.timed("eval"):  # submission and collection only: generation runs beside training
+                    self.duties.maybe_evaluate(self.step, self.version)
                 with phases.timed("checkpoint"):
                     save_hf_due(self.cfg, self.policy, self.step)  # train.save_hf(_every): run_dir/hf/final, step_N
                     stop = self.maybe_checkpoint()
@@ -167,6 +167,7 @@ class Loop:
                 self._report(self.saves.finalize(blocking=True))
             if self.step == t.steps:
                 self.write_outputs()
+                self.wait_for_evaluations()
         finally:
             self.close()
         return 0
@@ -200,7 +201,7 @@ class Loop:
         self.policy.version.synced(self.version)  # the engines' weights are the trainer's now
         self.verify_engines()
         self.duties.start_producing(t.max_inflight_groups if t.mode == LoopMode.overlap else t.prompts_per_step,
-                                    self.state.step)
+                                    self.state.step, self.version)
         self.clock.mark("generation_started")
 
     def _first_step_marks(self) -> dict:
@@ -330,6 +331,13 @@ class Loop:
     def _report(self, completed: list[tuple[str, float]]) -> None:
         for path, seconds in completed:
             self.duties.checkpoint_written(path, seconds, asynchronous=True)
+
+    def wait_for_evaluations(self) -> None:
+        """The run's end: rank 0 waits for the evaluations still generating (``train.eval_wait_at_end_s``); the
+        other ranks wait with it in rounds shorter than a collective's timeout."""
+        wait_s = min(60.0, self.cfg.parallel.collective_timeout_s / 2)
+        while not broadcast_object(self.duties.finish_evaluations(wait_s), what="the end of the evaluations"):
+            pass
 
     def write_outputs(self) -> None:
         """At the end of a run: a LoRA run's final adapter as a Hugging Face PEFT directory, ``run_dir/adapter``

@@ -25,8 +25,9 @@ PHASES = ("wait", "routing", "train", "drain", "sync", "verify", "log", "eval", 
 """wait: for the step's batch (the rollout side, the batch's delivery to every rank); routing: the routing
 diagnostics' forward pass (``train.routing_metrics_every``); train: the RL step; drain: pausing and
 resuming generation around a weight sync; sync: the weight push; verify: the engines' probe after it
-(``weight_sync.verify``); log: metrics, trackers and the console; eval: ``train.eval_every``; checkpoint:
-saving, or completing an asynchronous save."""
+(``weight_sync.verify``); log: metrics, trackers and the console; eval: submitting an evaluation
+(``train.eval_every``) and reporting the finished ones, not their generation, which runs beside training;
+checkpoint: saving, or completing an asynchronous save."""
 
 
 class StepPhases:

@@ -17,7 +17,7 @@ INTERFACE = sorted(RolloutSide.__abstractmethods__)
 
 
 def test_both_front_ends_implement_the_interface():
-    assert len(INTERFACE) == 12
+    assert len(INTERFACE) == 13
     for cls in (RolloutService, LocalRollout):
         assert issubclass(cls, RolloutSide) and not cls.__abstractmethods__, cls
         for name in INTERFACE:  # same arguments, so a call through the proxy fits the child's method
@@ -71,7 +71,8 @@ def proxy():
 
 
 ARGS = {"start_producing": (4,), "allow": (2,), "take": (8, 3, 1.5), "drain": (2.0,), "undrain": (),
-        "evaluate": (16,), "stats": (), "state": (), "count": ("groups_bad_routes", 1), "add_engine": ("http://e",),
+        "submit_eval": (10, 3), "eval_results": (0.5,),
+        "stats": (), "state": (), "count": ("groups_bad_routes", 1), "add_engine": ("http://e",),
         "set_adapter": ("a1", 3), "stop": ()}
 
 
