@@ -107,9 +107,12 @@ def check_data(cfg: Config, where: str) -> str | None:
     """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met."""
     if _in_image(cfg, where):
         return None
+    from mrl.config.schema import HF_TASK
     from mrl.data import build_prompt_source
 
     d = cfg.data
+    if d.task == HF_TASK:
+        return check_hf_data(cfg)
     for split in ("train", "eval") if cfg.train.eval_every else ("train",):
         key, path = ("data.path", d.path) if split == "train" else ("data.eval_path", d.eval_path)
         if d.path is not None:
@@ -127,6 +130,36 @@ def check_data(cfg: Config, where: str) -> str | None:
                 return msg if msg.startswith("data.") else f"data.task={d.task}: {msg}"
             return _named(key, path, msg)
     return None if d.path else source.check_run(reward_fn=cfg.reward.fn, max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+def check_hf_data(cfg: Config) -> str | None:
+    """``data=hf``: both splits loaded as the run loads them (files, format, columns, rows, chat template, the
+    prompt budget), counted with the model's tokenizer; the tiny model's when ``make_tiny_if_missing`` will write
+    it. A model directory without tokenizer.json is left to the model check, which names it."""
+    from mrl.data import HfFilesDataset
+    from mrl.data.hf_files import prompt_budget
+
+    d, path = cfg.data, cfg.model.hf_path
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        def load(split: str) -> HfFilesDataset:
+            return HfFilesDataset.from_model(d, split=split, model_dir=path, max_new_tokens=cfg.rollout.max_new_tokens)
+    elif not os.path.isfile(os.path.join(path, "config.json")) and cfg.model.make_tiny_if_missing:
+        from mrl.models.tiny import PRESETS, TINY_CONTEXT, build_tokenizer
+
+        tok = build_tokenizer(PRESETS[cfg.model.tiny_preset]["vocab_size"])
+
+        def load(split: str) -> HfFilesDataset:  # the tiny model has no chat template
+            budget, note = prompt_budget(d, TINY_CONTEXT, cfg.rollout.max_new_tokens)
+            return HfFilesDataset(d, split=split, tokenizer=tok, max_prompt_tokens=budget, budget_note=note)
+    else:  # no tokenizer to count with: the files, columns and rows are checked, the model check names the rest
+        def load(split: str) -> HfFilesDataset:
+            return HfFilesDataset(d, split=split, template_dir=path)
+    try:
+        for split in ("train", "eval") if cfg.train.eval_every else ("train",):
+            load(split)
+    except (ValueError, OSError) as e:
+        return str(e)
+    return None
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from mrl.config.base import fail as _fail
 from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, ParallelConfig, LORA_TARGETS,
                               LORA_HF_MODULES)
 from mrl.config.algo import AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig
-from mrl.config.data import BadRowPolicy, DataConfig, RewardExecutor, RewardOnError, RewardConfig
+from mrl.config.data import HF_TASK, BadRowPolicy, DataConfig, DataFormat, RewardConfig, RewardExecutor, RewardOnError
 from mrl.config.weight_sync import WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
 from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, StalePolicy, TrainConfig, TrackingConfig,
@@ -41,10 +41,12 @@ __all__ = [
     "CorrectionLevel",
     "DType",
     "DataConfig",
+    "DataFormat",
     "Dispatcher",
     "EngineConfig",
     "EnvConfig",
     "GroupedGemm",
+    "HF_TASK",
     "KLEstimator",
     "LOGGERS",
     "LORA_HF_MODULES",

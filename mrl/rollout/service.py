@@ -31,7 +31,10 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Callable
 
+from mrl.log import get_logger
 from mrl.rollout.side import RolloutSide
+
+log = get_logger(__name__)
 
 ADDR_ENV, KEY_ENV = "MRL_ROLLOUT_SERVICE_ADDR", "MRL_ROLLOUT_SERVICE_KEY"
 _REPLY_MARGIN_S = 60.0  # a call's own limit (take's timeout, drain's) plus this, before the child counts as hung
@@ -155,11 +158,9 @@ class LocalRollout(RolloutSide):
     """The rollout side's objects, held by the rollout process (the producer runs in a thread of its own)."""
 
     def __init__(self, cfg, hf_path: str, urls: list[str], codec, state):
-        from tokenizers import Tokenizer
-
         from mrl.rollout.buffer import RolloutBuffer
         from mrl.config.schema import LoopMode, StalePolicy
-        from mrl.data import build_prompt_source
+        from mrl.data import build_prompt_source, load_tokenizer
         from mrl.reward.scorer import RewardScorer
         from mrl.sglang.client import EngineClient
         from mrl.config.lora_engine import lora_engine_spec
@@ -170,7 +171,7 @@ class LocalRollout(RolloutSide):
         from mrl.routing.sampling_mask import top_logprobs_to_request
 
         r, t = cfg.rollout, cfg.train
-        self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
+        self.tok = load_tokenizer(hf_path)
         eos = state["eos"]
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, min_p=r.min_p, ignore_eos=r.ignore_eos,
@@ -188,8 +189,9 @@ class LocalRollout(RolloutSide):
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids),
             adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s)
         self.scorer = RewardScorer(cfg.reward)
-        self.eval_source = build_prompt_source(cfg.data, split="eval") if t.eval_every else None
-        source = build_prompt_source(cfg.data)
+        sources = functools.partial(build_prompt_source, cfg.data, model_dir=hf_path, max_new_tokens=r.max_new_tokens)
+        self.eval_source = sources(split="eval") if t.eval_every else None
+        source = sources()
         self.episodes = self.eval_episodes = None
         env_fn = r.env.fn or getattr(source, "env", None)  # a built-in multi-turn task names its environment
         if env_fn is not None:
@@ -213,6 +215,10 @@ class LocalRollout(RolloutSide):
                                  redo=state.get("redo_prompts"), episodes=self.episodes)
         if t.mode == LoopMode.overlap:
             self.buffer.on_release = self.producer.allow
+        for src in (source, self.eval_source):  # a dataset from files: what was read, kept and left out
+            if hasattr(src, "counts"):
+                log.info("data: %s", src.summary())
+                self.producer.counts.update(src.counts())
 
     def start_producing(self, credits: int) -> None:
         self.producer.start()
