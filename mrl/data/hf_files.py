@@ -193,7 +193,7 @@ class HfFilesDataset(PromptList):
         self.max_prompt_tokens, self.budget_note = max_prompt_tokens, budget_note
         key, pattern, files = self._files()
         self.name = os.path.basename(pattern)
-        self.held_out, self.longest = 0, 0
+        self.held_out = 0
         self.stats = RowStats(pattern, unit="row")
         self._check_template(template_dir, pattern)  # before reading: a missing template fails in seconds
         tables = []
@@ -204,6 +204,9 @@ class HfFilesDataset(PromptList):
         self._template = self._chat_tokenizer(template_dir)
         prompts = self._within_budget([r for f, ds in tables for r in self._rows(f, ds)], tokenizer)
         self.stats.num_rows = len(prompts)
+        if split == "eval" and self._holds_out() and not self.stats.num_rows + self.stats.num_skipped:
+            raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: holds out none of the rows of {key}={pattern} "
+                             "(a hash of each prompt decides); raise it, set data.eval_path, or train.eval_every=0")
         if not prompts:
             raise ValueError(f"{key}={pattern}: no usable prompt in the {split} split: {self.summary()}")
         super().__init__(prompts, seed=cfg.seed, shuffle=cfg.shuffle)
@@ -345,7 +348,6 @@ class HfFilesDataset(PromptList):
         out = []
         for p in kept:
             n = next(templated) if p.templated else next(plain)
-            self.longest = max(self.longest, n)
             if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
                 self.stats.add(TOO_LONG, p.meta["row"])
             else:
