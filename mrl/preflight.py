@@ -5,7 +5,8 @@
 
 ``mrl train`` and ``mrl launch`` run it first (exit status 2 on a failure, before the run directory is made
 or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each check is a function of the
-config returning None or its one-line message. Nothing here writes a file.
+config returning None or its one-line message. Nothing here writes a file (``data=hf`` fills ``datasets``'
+cache, which the run then reads).
 
 The cheap checks (run directory, layout, data, reward and environment fns, GPU packages, ports, trackers)
 run first, all of them; the model check runs only when they pass. It reads safetensors headers, never

@@ -16,6 +16,7 @@ A file goes through these steps; the first it fails raises a ValueError naming t
      counted per reason (``data.on_bad_row=error``: raises with ``file:row N``);
   6. the chat template: messages, or every prompt with ``chat_template=true``, rendered by
      ``apply_chat_template(..., add_generation_prompt=True)`` of the model's tokenizer (``Prompt.templated``);
+     a row the template itself refuses (roles that do not alternate, ...) is skipped as ``template_error``;
   7. the prompt budget: prompts of more tokens than ``max_prompt_tokens`` (counted with the model's
      ``tokenizer.json`` as the rollout encodes them, ``prompt_ids``) are skipped and counted as ``too_long``;
   8. no prompt left: an error with the counts.
@@ -329,7 +330,10 @@ class HfFilesDataset(PromptList):
         return AutoTokenizer.from_pretrained(template_dir)
 
     def _render(self, messages: list[dict]) -> str:
-        return self._template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self._template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template's own checks (roles must alternate, ...) refuse this row alone
+            raise _BadRow("template_error", f"the chat template refused it: {type(e).__name__}: {e}") from None
 
     # -- steps 7-8 ------------------------------------------------------------------------------------------
     def _within_budget(self, rows: list[tuple[dict, int, str]], tokenizer: Any) -> list[Prompt]:
@@ -366,7 +370,8 @@ class HfFilesDataset(PromptList):
         tail = self.stats.skipped_summary()
         budget = (f"; prompt budget {self.max_prompt_tokens} tokens ({self.budget_note})"
                   if self.max_prompt_tokens is not None else "")
-        return (f"{self.stats.path} [{self.split}]: {self.stats.num_rows} prompts of {rows} rows{held}{tail}{budget}"
+        return (f"{self.stats.path} [{self.split}]: {self.stats.num_rows} prompts of {rows} row{'s' * (rows != 1)}"
+                f"{held}{tail}{budget}"
                 f"{'; chat template applied' if self._template is not None else ''}")
 
     def counts(self) -> dict[str, int]:

@@ -18,8 +18,9 @@ from mrl.config.load import compose
 from mrl.data import BadRowError, build_prompt_source, load_tokenizer, prompt_ids
 from tests.conftest import REPO
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+            "{% if m.role == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+            "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 BOS = 1  # the tiny tokenizer's <bos>
 ROWS = [{"id": f"q{i}", "prompt": f"rev {'ab' * (i % 3 + 1)}=", "answer": str(i)} for i in range(12)]
 
@@ -167,14 +168,16 @@ def test_malformed_rows_are_skipped_and_counted_or_raise_naming_file_and_row(cha
              "max_new_tokens": None},
             {"messages": [{"role": "user", "content": "ok too"}], "answer": None, "max_new_tokens": None},
             {"messages": [{"role": "user", "content": "budget"}], "answer": "6", "max_new_tokens": 0},
-            {"messages": [{"role": "user", "content": "budget"}], "answer": "7", "max_new_tokens": 5}]
+            {"messages": [{"role": "user", "content": "budget"}], "answer": "7", "max_new_tokens": 5},
+            {"messages": [{"role": "tool", "content": "42"}], "answer": "8", "max_new_tokens": None}]
     path = _write(rows, tmp_path / "chat.parquet")
     common = (f"data.path={path}", "data.messages_key=messages", "data.eval_fraction=0", "data.shuffle=false")
     ds = _load(chat_dir, *common)
     assert [(p.meta["row"], p.meta["max_new_tokens"]) for p in _all(ds)] == [(1, None), (7, 5)]
-    assert ds.stats.skipped == {"missing_value": 2, "bad_messages": 2, "wrong_type": 1}
-    assert ds.stats.first_lines == {"missing_value": [2, 5], "bad_messages": [3, 4], "wrong_type": [6]}
-    assert ds.counts()["data_train_skipped"] == 5 and "missing_value: 2 at rows 2, 5" in ds.summary()
+    assert ds.stats.skipped == {"missing_value": 2, "bad_messages": 2, "wrong_type": 1, "template_error": 1}
+    assert ds.stats.first_lines == {"missing_value": [2, 5], "bad_messages": [3, 4], "wrong_type": [6],
+                                    "template_error": [8]}
+    assert ds.counts()["data_train_skipped"] == 6 and "missing_value: 2 at rows 2, 5" in ds.summary()
     with pytest.raises(BadRowError, match=rf"^{path}:row 2: missing_value: messages are null \(data.on_bad_row="):
         _load(chat_dir, *common, "data.on_bad_row=error")
 
