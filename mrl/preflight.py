@@ -5,11 +5,10 @@
 
 ``mrl train`` and ``mrl launch`` run it first (exit status 2 on a failure, before the run directory is made
 or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each check is a function of the
-config returning None or its one-line message. Nothing here writes a file (``data=hf`` fills ``datasets``'
-cache, which the run then reads).
+config returning None or its one-line message. Nothing here writes a file but ``datasets``' cache (``data=hf``).
 
-The cheap checks (run directory, layout, data, reward and environment fns, GPU packages, ports, trackers)
-run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
+The cheap checks (run directory, layout, data, reward and environment fns and scorers, GPU packages, ports,
+trackers) run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
 tensor data, and the model's bridge reads config.json itself: neither torch nor transformers is imported
 (seconds on a small CPU box), unless config.json leaves a key to transformers' defaults or type checks.
 """
@@ -105,62 +104,13 @@ def check_layout(cfg: Config, where: str) -> str | None:
 
 
 def check_data(cfg: Config, where: str) -> str | None:
-    """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met."""
+    """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met
+    (``mrl.data.checks``)."""
     if _in_image(cfg, where):
         return None
-    from mrl.config.schema import HF_TASK
-    from mrl.data import build_prompt_source
+    from mrl.data.checks import data_problem
 
-    d = cfg.data
-    if d.task == HF_TASK:
-        return check_hf_data(cfg)
-    for split in ("train", "eval") if cfg.train.eval_every else ("train",):
-        key, path = ("data.path", d.path) if split == "train" else ("data.eval_path", d.eval_path)
-        if d.path is not None:
-            if path is None:
-                return (f"data.eval_path: not set, so the JSONL run (data.path={d.path}) has no held-out prompts "
-                        f"for train.eval_every={cfg.train.eval_every}; set data.eval_path or train.eval_every=0")
-            if not os.path.isfile(path):
-                return _named(key, path, "is a directory, not a JSONL file" if os.path.isdir(path)
-                              else "no such file")
-        try:
-            source = build_prompt_source(d, split=split)
-        except (ValueError, TypeError, OSError) as e:
-            msg = str(e)
-            if path is None:  # a built-in task: its errors name data.task / data.task_args
-                return msg if msg.startswith("data.") else f"data.task={d.task}: {msg}"
-            return _named(key, path, msg)
-    return None if d.path else source.check_run(reward_fn=cfg.reward.fn, max_new_tokens=cfg.rollout.max_new_tokens)
-
-
-def check_hf_data(cfg: Config) -> str | None:
-    """``data=hf``: both splits loaded as the run loads them (files, format, columns, rows, chat template, the
-    prompt budget), counted with the model's tokenizer; the tiny model's when ``make_tiny_if_missing`` will write
-    it. A model directory without tokenizer.json is left to the model check, which names it."""
-    from mrl.data import HfFilesDataset
-    from mrl.data.hf_files import prompt_budget
-
-    d, path = cfg.data, cfg.model.hf_path
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        def load(split: str) -> HfFilesDataset:
-            return HfFilesDataset.from_model(d, split=split, model_dir=path, max_new_tokens=cfg.rollout.max_new_tokens)
-    elif not os.path.isfile(os.path.join(path, "config.json")) and cfg.model.make_tiny_if_missing:
-        from mrl.models.tiny import PRESETS, TINY_CONTEXT, build_tokenizer
-
-        tok = build_tokenizer(PRESETS[cfg.model.tiny_preset]["vocab_size"])
-
-        def load(split: str) -> HfFilesDataset:  # the tiny model has no chat template
-            budget, note = prompt_budget(d, TINY_CONTEXT, cfg.rollout.max_new_tokens)
-            return HfFilesDataset(d, split=split, tokenizer=tok, max_prompt_tokens=budget, budget_note=note)
-    else:  # no tokenizer to count with: the files, columns and rows are checked, the model check names the rest
-        def load(split: str) -> HfFilesDataset:
-            return HfFilesDataset(d, split=split, template_dir=path)
-    try:
-        for split in ("train", "eval") if cfg.train.eval_every else ("train",):
-            load(split)
-    except (ValueError, OSError) as e:
-        return str(e)
-    return None
+    return data_problem(cfg)
 
 
 @contextlib.contextmanager
@@ -179,17 +129,18 @@ def _ranks_sys_path():
 
 
 def check_reward_fn(cfg: Config, where: str) -> str | None:
-    """``reward.fn`` imports and accepts ``(prompt, response_text)``."""
+    """``reward.fn`` imports and accepts ``(prompt, response_text)``; the scorers pass ``mrl.scoring.checks``."""
     if _in_image(cfg, where):
         return None
     from mrl.reward import load_reward_fn
+    from mrl.scoring.checks import scoring_problem
 
     try:
         with _ranks_sys_path():
             load_reward_fn(cfg.reward.fn)
+            return scoring_problem(cfg)
     except (ValueError, ImportError) as e:
         return str(e)
-    return None
 
 
 def check_env_fn(cfg: Config, where: str) -> str | None:
@@ -514,11 +465,10 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
     free = shutil.disk_usage(_existing_ancestor(os.path.join(cfg.run_dir, "checkpoints"))).free
     if free >= need:
         return None
-    gib = 1 << 30
-    return (f"run_dir={cfg.run_dir}: its filesystem has {free / gib:.1f} GiB free, and one checkpoint of this model "
-            f"takes at least {need / gib:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} and the "
-            f"optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every run "
-            "saves one at its end: put run_dir on a filesystem with room")
+    return (f"run_dir={cfg.run_dir}: its filesystem has {free / 2**30:.1f} GiB free, and one checkpoint of this "
+            f"model takes at least {need / 2**30:.1f} GiB ({params / 1e9:.2f}B parameters in {cfg.model.dtype.value} "
+            f"and the optimizer state as train.optimizer_checkpoint={cfg.train.optimizer_checkpoint} saves it); every "
+            "run saves one at its end: put run_dir on a filesystem with room")
 
 
 CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_reward_fn, check_env_fn,

@@ -1,4 +1,4 @@
-"""RL algorithm math, pure torch: advantages, policy losses, off-policy correction, KL."""
+"""RL algorithm math, pure torch: advantages (per sample and per token), policy losses, off-policy correction, KL."""
 
 from mrl.algo.advantages import (
     compute_advantages,
@@ -6,6 +6,7 @@ from mrl.algo.advantages import (
     group_advantages,
     overlong_penalty,
     rloo_advantages,
+    token_advantages,
 )
 from mrl.algo.aggregation import aggregate, loss_normalizer, masked_mean
 from mrl.algo.correction import ISCorrection, importance_correction
@@ -27,5 +28,6 @@ __all__ = [
     "overlong_penalty",
     "rloo_advantages",
     "sequence_log_ratio",
+    "token_advantages",
     "token_log_ratio",
 ]

@@ -1,4 +1,5 @@
-"""Advantages from scalar rewards, and DAPO's reward-side helpers (dynamic sampling, overlong shaping).
+"""Advantages from scalar rewards, per-token advantages from token rewards, and DAPO's reward-side helpers
+(dynamic sampling, overlong shaping).
 
 Rewards are flat ``[num_groups * group_size]`` in group order: group g is
 ``rewards[g * group_size:(g + 1) * group_size]`` (the samples of one prompt). Advantages come out per
@@ -48,6 +49,36 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, cfg: AlgoConfig) 
     if cfg.adv_estimator is AdvEstimator.rloo:
         return rloo_advantages(rewards, group_size)
     raise ValueError(f"algo.adv_estimator: unknown estimator {cfg.adv_estimator!r}")
+
+
+def token_advantages(advantages: torch.Tensor, token_rewards: list[list[float]], *, discount: float = 0.0,
+                     loss_masks: list[list[int]] | None = None) -> list[list[float]]:
+    """Per-token advantages from per-sample advantages and per-token rewards (process rewards, a teacher's
+    per-token reverse KL):
+
+        A[i, t] = A[i] + G[i, t],   G[i, t] = m[i, t] * r[i, t] + discount * G[i, t + 1],   G[i, T_i] = 0
+
+    i.e. A[i] (the estimator's advantage of the sample's scalar reward) plus the discounted sum of the
+    token rewards from t on, over the sample's trained tokens (``m`` = loss mask, 1 where the model
+    generated the token; an observation's reward counts 0 but still takes a discount step). ``discount=0``:
+    each token's own reward (on-policy distillation: the reverse KL of that token); ``discount=1``: the
+    reward-to-go (PRIME-style process rewards). Token rewards are not normalized by the group: their scale
+    is the scorer's (weight it in the composition)."""
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"token reward discount must be in [0, 1], got {discount}")
+    if len(token_rewards) != advantages.numel():
+        raise ValueError(f"{len(token_rewards)} samples of token rewards for {advantages.numel()} advantages")
+    out = []
+    for i, (a, r) in enumerate(zip(advantages.tolist(), token_rewards)):
+        m = loss_masks[i] if loss_masks is not None and loss_masks[i] else [1] * len(r)
+        if len(m) != len(r):
+            raise ValueError(f"sample {i}: {len(r)} token rewards for a loss mask of {len(m)} tokens")
+        row, acc = [0.0] * len(r), 0.0
+        for t in range(len(r) - 1, -1, -1):
+            acc = m[t] * float(r[t]) + discount * acc
+            row[t] = a + acc
+        out.append(row)
+    return out
 
 
 def dynamic_sampling_mask(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:

@@ -106,6 +106,10 @@ class AlgoConfig:
     linear to -1 at max_response_len, -1 beyond."""
     overlong_buffer_len: int = 8
     """DAPO's L_cache (the paper: 4096 of 20480)."""
+    token_reward_discount: float = 0.0
+    """Token-level rewards (a teacher's per-token reverse KL, process rewards; ``scoring:``) add to each token's
+    advantage their discounted sum from that token on (``mrl.algo.token_advantages``): 0 = the token's own
+    reward (on-policy distillation), 1 = the reward-to-go (process rewards)."""
     lr: float = 1e-5
     """Adam learning rate of the trainer."""
 
@@ -140,5 +144,7 @@ class AlgoConfig:
                     "algo.overlong_buffer_len",
                     f"must be in [1, max_response_len={self.max_response_len}], got {self.overlong_buffer_len}",
                 )
+        if not 0.0 <= self.token_reward_discount <= 1.0:
+            fail("algo.token_reward_discount", f"must be in [0, 1], got {self.token_reward_discount}")
         if self.lr <= 0.0:
             fail("algo.lr", f"must be > 0, got {self.lr}")

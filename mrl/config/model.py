@@ -25,6 +25,7 @@ class TinyPreset(str, enum.Enum):
     glm4_moe = "glm4_moe"  # GLM-4.5: first layer dense, shared expert, sigmoid + bias, partial rotary, qkv bias
     deepseek_v3 = "deepseek_v3"  # DeepSeek-V3: MLA, YaRN, group-limited sigmoid routing, shared expert, first dense
     tiny_gpu = "tiny_gpu"  # tiny with head_dim 64, hidden 256: SGLang's GPU kernels refuse head_dim 16
+    small_gpu = "small_gpu"  # 8 MoE layers, 32 experts top-4, hidden 512 (~0.1B): the GPU recipes' model
     tiny_lora = "tiny_lora"  # tiny with its output head x10 (std 0.2): a base LoRA can adapt (mrl/models/tiny.py)
 
 

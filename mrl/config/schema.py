@@ -25,6 +25,7 @@ from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, Stal
                               LOGGERS)
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.engine import EngineConfig
+from mrl.config.scoring import ScorerSpec, ScoringConfig, TeacherConfig
 
 __all__ = [
     "AdvEstimator",
@@ -60,7 +61,10 @@ __all__ = [
     "RewardExecutor",
     "RewardOnError",
     "RolloutConfig",
+    "ScorerSpec",
+    "ScoringConfig",
     "StalePolicy",
+    "TeacherConfig",
     "TinyPreset",
     "TrackingConfig",
     "TrainConfig",
@@ -146,6 +150,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -166,13 +171,14 @@ class Config:
         if len(set(self.logger)) != len(self.logger):
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
-        if e.cpu_mode and e.dtype not in (None, "float32"):
-            _fail("engine.dtype", f"{e.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
-        if e.dtype is None:
-            e.dtype = "float32" if e.cpu_mode else _ENGINE_DTYPES[self.model.dtype]
-        if not e.cpu_mode and e.dtype == "float32":
-            _fail("engine.dtype", "float32 on GPU engines: SGLang's GPU kernels (rmsnorm) take bfloat16 or "
-                  "float16 only; set model.dtype=bf16 (the engine follows it) or engine.dtype=bfloat16")
+        for key, pool in (("engine", e), ("scoring.teacher.engine", self.scoring.teacher.engine)):
+            if pool.cpu_mode and pool.dtype not in (None, "float32"):
+                _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
+            if pool.dtype is None:
+                pool.dtype = "float32" if pool.cpu_mode else _ENGINE_DTYPES[self.model.dtype]
+            if not pool.cpu_mode and pool.dtype == "float32":
+                _fail(f"{key}.dtype", "float32 on GPU engines: SGLang's GPU kernels (rmsnorm) take bfloat16 or "
+                      f"float16 only; set model.dtype=bf16 (the engine follows it) or {key}.dtype=bfloat16")
         if self.train.sampling_mask and not e.cpu_mode:
             if e.sampling_backend == "flashinfer":
                 _fail("engine.sampling_backend", "=flashinfer with train.sampling_mask=true: the mask rebuilds the "

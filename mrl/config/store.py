@@ -16,6 +16,7 @@ GROUPS = {
     "algo": schema.AlgoConfig,
     "data": schema.DataConfig,
     "reward": schema.RewardConfig,
+    "scoring": schema.ScoringConfig,
     "weight_sync": schema.WeightSyncConfig,
     "cluster": schema.ClusterConfig,
     "train": schema.TrainConfig,

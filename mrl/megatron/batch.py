@@ -69,6 +69,9 @@ class RLBatch:
     versions: list[list[int]] | None = None
     """Per sample, per response token: the weight version that sampled it (``Sample.versions``), for the
     mismatch split by cause (``mrl.megatron.mismatch``). None: no split."""
+    token_advantages: list[list[float]] | None = None
+    """Per sample, per response token: the advantage of that token (``mrl.algo.token_advantages``: token-level
+    rewards of a process reward or a teacher). None: ``advantages`` holds for every token of its sample."""
     whole: WholeBatch | None = None
     """Set when this batch holds one DP rank's share of the step's batch: that batch's figures. None: this
     is the whole batch."""

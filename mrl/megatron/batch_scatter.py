@@ -6,10 +6,11 @@
 Every rank gets a small header as one pickled object (the sizes of every sample's fields, prompt lengths,
 advantages, the loss normalizer, the step's info figures, and the ``WholeBatch`` figures its micro-batch
 plan needs); the bulk goes point to point from rank 0, one contiguous byte buffer per destination: tokens,
-engine logprobs, routes, sampling supports (ragged: counts and ids), loss masks, token versions, each field in its own
-dtype (uint8 routes stay uint8). Ranks of one DP rank (TP, PP, CP peers) receive the same share: megatron's
-dense DP group holds the EP peers too, so an EP rank is a DP rank here. On NCCL the buffers travel as device
-tensors (rank 0 fills a pinned host buffer and copies it to its device). A one-rank world sends nothing.
+engine logprobs, routes, sampling supports (ragged: counts and ids), loss masks, token versions, per-token
+advantages, each field in its own dtype (uint8 routes stay uint8). Ranks of one DP rank (TP, PP, CP peers)
+receive the same share: megatron's dense DP group holds the EP peers too, so an EP rank is a DP rank here. On
+NCCL the buffers travel as device tensors (rank 0 fills a pinned host buffer and copies it to its device). A
+one-rank world sends nothing.
 
 The receiving side rebuilds an ``RLBatch`` of its samples (``first``, ``whole`` set); ``Policy`` plans the
 same micro-batches from it as from the whole batch.
@@ -73,6 +74,7 @@ _SOURCES: dict[str, Callable[[RLBatch, int], Any]] = {
     "support_log_mass": lambda b, i: b.support_log_mass[i],
     "loss_mask": lambda b, i: b.loss_mask[i],
     "versions": lambda b, i: b.versions[i],
+    "token_advantages": lambda b, i: b.token_advantages[i],
 }
 
 
@@ -112,6 +114,8 @@ def make_header(batch: RLBatch, normalizer: float, info: dict[str, Any], dp_size
         fields.append(FieldSpec("loss_mask", "uint8", tuple(len(x) for x in batch.loss_mask)))
     if _per_sample(batch, "versions", batch.versions) is not None:
         fields.append(FieldSpec("versions", "int32", tuple(len(x) for x in batch.versions)))
+    if _per_sample(batch, "token_advantages", batch.token_advantages) is not None:
+        fields.append(FieldSpec("token_advantages", "float64", tuple(len(x) for x in batch.token_advantages)))
     return Header(whole=WholeBatch.of(batch), prompt_lens=list(batch.prompt_lens),
                   advantages=[float(a) for a in batch.advantages], fields=tuple(fields),
                   normalizer=float(normalizer), info=dict(info))
@@ -191,7 +195,8 @@ def decode(header: Header, share: range, buf: np.ndarray) -> RLBatch:
     return RLBatch(tokens=lists("tokens"), prompt_lens=header.prompt_lens[share.start:share.stop],
                    behav_logp=lists("behav_logp"), advantages=header.advantages[share.start:share.stop],
                    routes=routes, support=support, support_log_mass=lists("support_log_mass"),
-                   loss_mask=lists("loss_mask"), versions=lists("versions"), whole=header.whole, first=share.start)
+                   loss_mask=lists("loss_mask"), versions=lists("versions"),
+                   token_advantages=lists("token_advantages"), whole=header.whole, first=share.start)
 
 
 def share_of(batch: RLBatch, header: Header, share: range) -> RLBatch:
@@ -202,7 +207,8 @@ def share_of(batch: RLBatch, header: Header, share: range) -> RLBatch:
     return RLBatch(tokens=cut(batch.tokens), prompt_lens=cut(batch.prompt_lens), behav_logp=cut(batch.behav_logp),
                    advantages=cut(batch.advantages), routes=cut(batch.routes), support=cut(batch.support),
                    support_log_mass=cut(batch.support_log_mass), loss_mask=cut(batch.loss_mask),
-                   versions=cut(batch.versions), whole=header.whole, first=share.start)
+                   versions=cut(batch.versions), token_advantages=cut(batch.token_advantages), whole=header.whole,
+                   first=share.start)
 
 
 class BatchScatter:

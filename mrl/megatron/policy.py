@@ -186,7 +186,7 @@ class Policy:
         ids = torch.zeros(size, width, dtype=torch.long)
         mask = torch.zeros(size, width - 1)
         behav = torch.zeros(size, width - 1)
-        adv = torch.zeros(size)
+        adv = torch.zeros(size, width - 1) if batch.token_advantages is not None else torch.zeros(size)
         valid = torch.zeros(size, width)  # rows the engine routed: every token but the last
         lag = torch.zeros(size, width - 1, dtype=torch.int32) if version is not None and batch.versions else None
         sup = batch.support if self.support_spec is not None else None
@@ -204,7 +204,10 @@ class Policy:
                     raise ValueError(f"sample {i}: loss mask of {len(trained)} tokens for {resp} response tokens")
                 mask[b, p - 1:p - 1 + resp] = _host(trained, np.float32)
             behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[at][:resp], np.float32)
-            adv[b] = batch.advantages[at]
+            if batch.token_advantages is not None:  # per token, in the loss layout like behav
+                adv[b, p - 1:p - 1 + resp] = _host(batch.token_advantages[at][:resp], np.float32)
+            else:
+                adv[b] = batch.advantages[at]
             if lag is not None:
                 lag[b, p - 1:p - 1 + resp] = version - _host(batch.versions[at][:resp], np.int32)
             valid[b, :len(toks) - 1] = 1.0

@@ -34,6 +34,12 @@ PRESETS: dict[TinyPreset, dict] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
         rope_theta=10000.0, rms_norm_eps=1e-6),
+    # large enough that a GPU run is not all launch overhead, small enough to learn a task from scratch in minutes
+    TinyPreset.small_gpu: dict(
+        vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
+        rope_theta=10000.0, rms_norm_eps=1e-6),
     TinyPreset.stress_a: dict(
         vocab_size=500, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
@@ -74,7 +80,8 @@ trained model's head is not that flat; with this one adapters on attention alone
 # preset -> (transformers config class, model class, architecture)
 _QWEN3 = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
 FAMILIES: dict[TinyPreset, tuple[str, str]] = {
-    TinyPreset.tiny: _QWEN3, TinyPreset.tiny_gpu: _QWEN3, TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
+    TinyPreset.tiny: _QWEN3, TinyPreset.tiny_gpu: _QWEN3, TinyPreset.small_gpu: _QWEN3,
+    TinyPreset.stress_a: _QWEN3, TinyPreset.stress_b: _QWEN3,
     TinyPreset.tiny_lora: _QWEN3,
     TinyPreset.glm4_moe: ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     TinyPreset.deepseek_v3: ("DeepseekV3Config", "DeepseekV3ForCausalLM"),

@@ -23,6 +23,8 @@ class Group:
     samples: list[Sample]
     rewards: list[float]
     texts: list[str] = field(default_factory=list)
+    token_rewards: list[list[float]] | None = None
+    """Per sample, per response token, when a scorer gives them (``mrl.scoring``); None otherwise."""
 
     @property
     def oldest_version(self) -> int:

@@ -1,10 +1,12 @@
-"""The generation side of the loop: prompts -> GRPO groups on the engines -> rewards -> buffer.
+"""The generation side of the loop: prompts -> GRPO groups on the engines -> scores -> buffer.
 
 Runs on the controller (trainer rank 0) in its own thread and event loop, so generation continues
 while the trainer computes. Throttled by credits (``allow``): one credit = one group may start.
-Groups that carry no signal under DAPO's dynamic sampling, whose reward was dropped, or whose samples
+Each finished group goes to the group scorer (``mrl.scoring``: ``reward.fn``, an environment's reward,
+a teacher's per-token reverse KL, ...), as a task of its own, so scoring overlaps generation.
+Groups that carry no signal under DAPO's dynamic sampling, whose score was dropped, or whose samples
 failed are not buffered and give their credit back (all counted). With an environment (``episodes``),
-each sample is a multi-turn episode (``mrl.rollout.multiturn``) and its reward is the environment's;
+each sample is a multi-turn episode (``mrl.rollout.multiturn``), scored with the environment's reward;
 a group with a dropped episode (the environment raised) is not buffered either (``groups_env_dropped``).
 """
 
@@ -18,9 +20,9 @@ from concurrent.futures import Future
 from mrl.rollout.buffer import Group, RolloutBuffer
 from mrl.data import Prompt, PromptSource
 from mrl.data.prompt import budget_error, prompt_ids
-from mrl.reward.scorer import RewardScorer
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.multiturn import EpisodeRunner
+from mrl.scoring.base import Scorer, ScoringGroup
 
 
 def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
@@ -36,7 +38,7 @@ def row_budget(prompt: Prompt, group_size: int) -> int | list[int] | None:
 
 
 class Producer:
-    def __init__(self, *, manager: RolloutManager, scorer: RewardScorer, source: PromptSource, tokenizer,
+    def __init__(self, *, manager: RolloutManager, scorer: Scorer, source: PromptSource, tokenizer,
                  buffer: RolloutBuffer, group_size: int, dynamic_sampling: bool, start_index: int = 0,
                  redo: list[int] | None = None, episodes: EpisodeRunner | None = None):
         """``start_index``: the next prompt to draw; ``redo``: prompts drawn before a checkpoint whose groups
@@ -148,20 +150,7 @@ class Producer:
                                        f"last error: {next(s.error for s in samples if s.error)}")
                 self._add_credits(1)
                 return
-            texts = [self.tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-            results = await self.scorer.score_many([(prompt, t) for t in texts])
-            if any(r.dropped for r in results):
-                self.counts["groups_reward_dropped"] += 1
-                self._add_credits(1)
-                return
-            rewards = [float(r.value) for r in results]
-            self.counts["reward_errors"] += sum(r.error is not None for r in results)
-            if self.dynamic_sampling and max(rewards) == min(rewards):
-                self.counts["groups_no_signal"] += 1  # DAPO: zero advantage everywhere, resample
-                self._add_credits(1)
-                return
-            self.buffer.put(Group(prompt, samples, rewards, texts))
-            self.counts["groups_buffered"] += 1
+            await self._score(prompt, samples)
         except Exception as e:
             self.error = e
 
@@ -176,11 +165,24 @@ class Producer:
                                    f"last error: {next(s.error for s in samples if s.error)}")
             self._add_credits(1)
             return
-        rewards = [float(s.reward) for s in samples]
-        if self.dynamic_sampling and max(rewards) == min(rewards):
-            self.counts["groups_no_signal"] += 1
+        await self._score(prompt, samples)
+
+    async def _score(self, prompt: Prompt, samples: list) -> None:
+        """Score a finished group and buffer it, unless its score was dropped (a sample is never trained
+        without its score) or it carries no signal under dynamic sampling."""
+        texts = [self.tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        group = ScoringGroup(prompt, samples, texts)
+        scores = (await self.scorer.score(group)).check(group, self.scorer.name)
+        if scores.dropped:
+            self.counts["groups_reward_dropped"] += 1
             self._add_credits(1)
             return
-        texts = [self.tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        self.buffer.put(Group(prompt, samples, rewards, texts))
+        rewards = [float(r) for r in scores.rewards]
+        self.counts["reward_errors"] += sum(e is not None for e in scores.errors)
+        # a group with token rewards has signal even when its samples' rewards are equal
+        if self.dynamic_sampling and max(rewards) == min(rewards) and scores.token_rewards is None:
+            self.counts["groups_no_signal"] += 1  # DAPO: zero advantage everywhere, resample
+            self._add_credits(1)
+            return
+        self.buffer.put(Group(prompt, samples, rewards, texts, scores.token_rewards))
         self.counts["groups_buffered"] += 1

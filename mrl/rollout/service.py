@@ -1,4 +1,4 @@
-"""The rollout side of the loop in a process of its own: engine clients, producer, rewards, buffer.
+"""The rollout side of the loop in a process of its own: engine clients, producer, scorers, buffer.
 
     svc = RolloutService.start(cfg, hf_path, urls, codec, state)   # trainer rank 0; the child holds a LocalRollout
     svc.allow(16); groups = svc.take(8, version, timeout=600)
@@ -188,7 +188,7 @@ class LocalRollout(RolloutSide):
         self.eval_manager = RolloutManager(clients, sampling=SamplingSpec(
             max_new_tokens=r.max_new_tokens, temperature=0.0, stop_token_ids=sampling.stop_token_ids),
             adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s)
-        self.scorer = RewardScorer(cfg.reward)
+        self.scorer = RewardScorer(cfg.reward)  # reward.fn: evaluation's, and the group scorer's rule part
         sources = functools.partial(build_prompt_source, cfg.data, model_dir=hf_path, max_new_tokens=r.max_new_tokens)
         self.eval_source = sources(split="eval") if t.eval_every else None
         source = sources()
@@ -205,11 +205,15 @@ class LocalRollout(RolloutSide):
             self.episodes, self.eval_episodes = (
                 EpisodeRunner(m, self.tok, env_fn=env_fn, env_args=r.env.args, limits=limits)
                 for m in (self.manager, self.eval_manager))
+        from mrl.scoring.build import build_scorer
+
+        # teacher engines (on-policy distillation) start booting here, while the first groups generate
+        self.group_scorer = build_scorer(cfg, self.scorer, episodes=self.episodes is not None, student_path=hf_path)
         self._cache_seen = (0, 0)  # (prompt, cached) tokens at the last stats(): the hit rate is per step
         self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)
         if state["buffered"]:
             self.buffer.restore(state["buffered"])
-        self.producer = Producer(manager=self.manager, scorer=self.scorer, source=source,
+        self.producer = Producer(manager=self.manager, scorer=self.group_scorer, source=source,
                                  tokenizer=self.tok, buffer=self.buffer, group_size=r.n_samples_per_prompt,
                                  dynamic_sampling=cfg.algo.dynamic_sampling, start_index=state["prompt_index"],
                                  redo=state.get("redo_prompts"), episodes=self.episodes)
@@ -286,6 +290,7 @@ class LocalRollout(RolloutSide):
         counts = dict(self.producer.counts)
         if self.episodes is not None:
             counts |= {f"env_{k}": v for k, v in self.episodes.stats().items()}
+        counts |= {f"scoring_{k}": v for k, v in self.group_scorer.stats().items()}
         prompt, cached = ms.prompt_tokens - self._cache_seen[0], ms.cached_tokens - self._cache_seen[1]
         self._cache_seen = (ms.prompt_tokens, ms.cached_tokens)
         if prompt > 0:
@@ -311,7 +316,9 @@ class LocalRollout(RolloutSide):
 
         if self.producer.running:  # its loop owns the clients' connections
             self.producer.run(close_clients([s.client for s in self.manager.slots]))
+            self.producer.run(self.group_scorer.aclose())
         self.producer.stop()
+        self.group_scorer.close()  # teacher engines included
         self.scorer.close()
 
 

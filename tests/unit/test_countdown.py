@@ -48,6 +48,15 @@ def test_invalid_expressions_have_no_value(expression):
     assert countdown_value(expression, [3, 3 if expression == "5/(3-3)" else 5, 7]) is None
 
 
+def test_a_policys_malformed_answer_draws_no_warning():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # not "error": the parser would raise it as SyntaxError
+        warnings.simplefilter("always")
+        assert countdown_value("3in 5", [3, 5]) is None
+    assert not caught  # a SyntaxWarning from the parser would reach the console once per sample
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_worked_solutions_reach_the_target_in_valid_steps(seed):
     rng = random.Random(seed)

@@ -271,6 +271,7 @@ def test_the_producer_sends_templated_prompts_without_a_second_bos(chat_dir, tmp
     from mrl.rollout.manager import RolloutManager
     from mrl.rollout.producer import Producer
     from mrl.rollout.sample import SamplingSpec
+    from mrl.scoring import RuleScorer
     from mrl.sglang.client import EngineClient
     from tests.fakes.fake_sglang import FakeSGLang
     from tests.unit.test_producer_resume import _until
@@ -284,8 +285,8 @@ def test_the_producer_sends_templated_prompts_without_a_second_bos(chat_dir, tmp
         with FakeSGLang() as srv:
             buf = RolloutBuffer(max_staleness=4, drop_stale=True)
             prod = Producer(manager=RolloutManager([EngineClient(srv.url)], sampling=SamplingSpec(max_new_tokens=2)),
-                            scorer=RewardScorer(RewardConfig()), source=src, tokenizer=tok, buffer=buf, group_size=2,
-                            dynamic_sampling=False, start_index=start)
+                            scorer=RuleScorer(RewardScorer(RewardConfig())), source=src, tokenizer=tok, buffer=buf,
+                            group_size=2, dynamic_sampling=False, start_index=start)
             prod.start()
             prod.allow(n)
             _until(lambda: len(buf) >= n)

@@ -206,10 +206,9 @@ def _producer_run(tok, script, env_args, wait_for):
     """A producer of episode groups (group size 2) on the fake server until ``wait_for(producer)``."""
     import time
 
-    from mrl.config.schema import RewardConfig
-    from mrl.reward.scorer import RewardScorer
     from mrl.rollout.buffer import RolloutBuffer
     from mrl.rollout.producer import Producer
+    from mrl.scoring import EnvScorer
 
     Scripted.script = script
     with FakeSGLang() as srv:
@@ -217,7 +216,7 @@ def _producer_run(tok, script, env_args, wait_for):
         runner = EpisodeRunner(mgr, tok, env_fn=ENV, env_args=env_args,
                                limits=EpisodeLimits(max_turns=3, max_turn_tokens=3))
         buf = RolloutBuffer(max_staleness=4, drop_stale=True)
-        prod = Producer(manager=mgr, scorer=RewardScorer(RewardConfig()), source=build_task("lookup"), tokenizer=tok,
+        prod = Producer(manager=mgr, scorer=EnvScorer(), source=build_task("lookup"), tokenizer=tok,
                         buffer=buf, group_size=2, dynamic_sampling=False, episodes=runner)
         prod.start()
         prod.allow(2)

@@ -11,6 +11,7 @@ import pytest
 from mrl.config.schema import RewardConfig
 from mrl.data.tasks import build_task
 from mrl.reward.scorer import RewardScorer
+from mrl.scoring import RuleScorer
 from mrl.rollout.buffer import RolloutBuffer
 from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.rollout.manager import RolloutManager
@@ -30,8 +31,8 @@ def _producer(url: str, tok, **kw) -> tuple[Producer, RolloutBuffer]:
     mgr = RolloutManager([EngineClient(url, timeouts=ClientTimeouts(generate=60))],
                          sampling=SamplingSpec(max_new_tokens=3), probe_timeout_s=60)
     buf = RolloutBuffer(max_staleness=4, drop_stale=True)
-    return Producer(manager=mgr, scorer=RewardScorer(RewardConfig()), source=build_task("copy_last"), tokenizer=tok,
-                    buffer=buf, group_size=2, dynamic_sampling=False, **kw), buf
+    return Producer(manager=mgr, scorer=RuleScorer(RewardScorer(RewardConfig())), source=build_task("copy_last"),
+                    tokenizer=tok, buffer=buf, group_size=2, dynamic_sampling=False, **kw), buf
 
 
 def _until(cond, timeout: float = 30) -> None:

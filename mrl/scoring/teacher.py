@@ -1,0 +1,79 @@
+"""On-policy distillation: a teacher engine pool scores the student's sampled tokens.
+
+For each sample, the teacher prefills prompt + response (``max_new_tokens=0``, input logprobs from the first
+response token on) and each response token t the model generated gets the token reward
+
+    r[t] = coef * (log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t))
+
+the negative of the per-token reverse KL estimate KL(student || teacher) at the sampled token; the student's
+logprob is the engine's that sampled it (``Sample.response_logprobs``). An observation of a multi-turn
+episode (loss mask 0) gets 0. The scalar reward is 0: the token rewards reach the advantage through
+``mrl.algo.token_advantages`` (``algo.token_reward_discount=0``: each token's own).
+
+A group the pool cannot score (its calls failed on every engine they were moved to) is dropped, counted,
+never trained without its score; more than ``max_error_rate`` of the last 64 groups failing stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from mrl.config.scoring import TeacherConfig
+from mrl.scoring.base import GroupScores, NoScoringEngine, Scorer, ScoringError, ScoringGroup
+from mrl.scoring.pool import ScoringPool
+from mrl.sglang.protocol import EngineHTTPError
+
+logger = logging.getLogger(__name__)
+
+ERROR_RATE_WINDOW = 64
+
+
+class TeacherScorer(Scorer):
+    """Per-token reverse KL to a teacher (see the module docstring); scores every sample of a group at once."""
+
+    name = "teacher"
+
+    def __init__(self, cfg: TeacherConfig, pool: ScoringPool):
+        self.cfg, self.pool = cfg, pool
+        self._recent: deque[bool] = deque(maxlen=ERROR_RATE_WINDOW)
+        self.groups = self.failed = 0
+
+    async def score(self, group: ScoringGroup) -> GroupScores:
+        self.groups += 1
+        try:
+            teacher = await asyncio.gather(*(
+                self.pool.input_logprobs(s.tokens, start=len(s.prompt_ids), rid=f"opd-g{s.group_id}-s{s.index}")
+                for s in group.samples))
+        except NoScoringEngine:
+            raise
+        except (ScoringError, EngineHTTPError) as e:
+            return self._failed(group, f"{type(e).__name__}: {e}")
+        self._recent.append(False)
+        token = []
+        for s, t_lp in zip(group.samples, teacher):
+            mask = list(s.loss_mask) or [1] * len(s.response_ids)
+            token.append([self.cfg.coef * (t - b) if m else 0.0
+                          for t, b, m in zip(t_lp, s.response_logprobs, mask)])
+        return GroupScores(rewards=[0.0] * len(group), token_rewards=token)
+
+    def _failed(self, group: ScoringGroup, why: str) -> GroupScores:
+        self.failed += 1
+        self._recent.append(True)
+        bad = sum(self._recent)
+        if len(self._recent) == ERROR_RATE_WINDOW and bad > self.cfg.max_error_rate * ERROR_RATE_WINDOW:
+            raise ScoringError(f"scoring.teacher: {bad} of the last {ERROR_RATE_WINDOW} groups could not be scored, "
+                               f"more than scoring.teacher.max_error_rate={self.cfg.max_error_rate}; last: {why}")
+        if self.failed <= 5:
+            logger.warning("teacher could not score prompt %r (group dropped): %s", group.prompt.id, why)
+        return GroupScores(rewards=[None] * len(group), errors=[why] * len(group))
+
+    def stats(self) -> dict[str, float]:
+        return {"groups": float(self.groups), "groups_failed": float(self.failed), **self.pool.stats()}
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    def close(self) -> None:
+        self.pool.close()
