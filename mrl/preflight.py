@@ -5,7 +5,7 @@
 
 ``mrl train`` and ``mrl launch`` run it first (exit status 2 on a failure, before the run directory is made
 or any engine, trainer or job starts); ``mrl check ARGS...`` runs it alone. Each check is a function of the
-config returning None or its one-line message. Nothing here writes a file.
+config returning None or its one-line message. Nothing here writes a file but ``datasets``' cache (``data=hf``).
 
 The cheap checks (run directory, layout, data, reward and environment fns and scorers, GPU packages, ports,
 trackers) run first, all of them; the model check runs only when they pass. It reads safetensors headers, never
@@ -104,29 +104,13 @@ def check_layout(cfg: Config, where: str) -> str | None:
 
 
 def check_data(cfg: Config, where: str) -> str | None:
-    """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met."""
+    """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met
+    (``mrl.data.checks``)."""
     if _in_image(cfg, where):
         return None
-    from mrl.data import build_prompt_source
+    from mrl.data.checks import data_problem
 
-    d = cfg.data
-    for split in ("train", "eval") if cfg.train.eval_every and cfg.train.eval_heldout else ("train",):
-        key, path = ("data.path", d.path) if split == "train" else ("data.eval_path", d.eval_path)
-        if d.path is not None:
-            if path is None:
-                return (f"data.eval_path: not set, so the JSONL run (data.path={d.path}) has no held-out prompts "
-                        f"for train.eval_every={cfg.train.eval_every}; set data.eval_path or train.eval_every=0")
-            if not os.path.isfile(path):
-                return _named(key, path, "is a directory, not a JSONL file" if os.path.isdir(path)
-                              else "no such file")
-        try:
-            source = build_prompt_source(d, split=split)
-        except (ValueError, TypeError, OSError) as e:
-            msg = str(e)
-            if path is None:  # a built-in task: its errors name data.task / data.task_args
-                return msg if msg.startswith("data.") else f"data.task={d.task}: {msg}"
-            return _named(key, path, msg)
-    return None if d.path else source.check_run(reward_fn=cfg.reward.fn, max_new_tokens=cfg.rollout.max_new_tokens)
+    return data_problem(cfg)
 
 
 def check_eval_sets(cfg: Config, where: str) -> str | None:

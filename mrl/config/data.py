@@ -1,4 +1,4 @@
-"""Prompts (tasks, JSONL) and their rewards."""
+"""Prompts (tasks, files) and their rewards."""
 
 from __future__ import annotations
 
@@ -10,50 +10,80 @@ from mrl.config.base import fail
 
 
 class BadRowPolicy(str, enum.Enum):
-    """What a JSONL dataset does with a malformed row."""
+    """What a dataset does with a malformed row."""
 
     skip = "skip"    # skip it, counted per reason in the dataset's stats
-    error = "error"  # raise a ValueError naming file:line
+    error = "error"  # raise a ValueError naming file:line (file:row for data=hf)
+
+
+class DataFormat(str, enum.Enum):
+    """File formats of ``data=hf`` (Hugging Face ``datasets`` builders)."""
+
+    json = "json"        # JSON Lines (or one JSON array)
+    parquet = "parquet"
+    arrow = "arrow"      # Arrow IPC, stream or file (what ``Dataset.save_to_disk`` writes as data-*.arrow)
+
+
+HF_TASK = "hf"
+"""``data.task`` of the ``data=hf`` preset: prompts from local files read through ``datasets``."""
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Prompt source: a built-in synthetic task (``task``) or a JSONL file (``path``)."""
+    """Prompt source: a built-in synthetic task (``task``), a JSONL file (``path``), or local JSONL / Parquet /
+    Arrow files read through Hugging Face ``datasets`` (``task: hf`` with ``path``)."""
 
     task: str = "reverse"
-    """Built-in synthetic task (``mrl.data.tasks.TASKS``: reverse, add_mod, copy_last, lookup, countdown), or
-    ``jsonl`` (the ``data=jsonl`` preset), which requires ``path``. Unused when ``path`` is set."""
+    """Built-in synthetic task (``mrl.data.tasks.TASKS``: reverse, add_mod, copy_last, lookup, countdown),
+    ``jsonl`` (the ``data=jsonl`` preset) or ``hf`` (the ``data=hf`` preset); both require ``path``. Other
+    tasks are unused when ``path`` is set (the file is read as JSONL)."""
     path: Optional[str] = None
-    """JSONL prompt file, one JSON object per line; replaces ``task`` when set."""
+    """The prompt file: JSONL for ``data=jsonl``; for ``data=hf`` a JSONL, Parquet or Arrow file, or a glob of
+    several (``data/train-*.parquet``)."""
     eval_path: Optional[str] = None
-    """Held-out JSONL file (only with ``path``; built-in tasks hold out ``eval_fraction`` of their inputs)."""
+    """Held-out file (only with ``path``; built-in tasks hold out ``eval_fraction`` of their inputs, ``data=hf``
+    holds out ``eval_fraction`` of ``path``'s rows when this is null)."""
+    format: Optional[DataFormat] = None
+    """``data=hf``: json, parquet or arrow; null = from the file extension (.jsonl/.json, .parquet, .arrow)."""
     prompt_key: str = "prompt"
-    """JSONL field with the prompt text (a non-empty string)."""
+    """Field (column) with the prompt text (a non-empty string)."""
+    messages_key: Optional[str] = None
+    """``data=hf``: column of chat messages (a list of ``{role, content}``) that replaces ``prompt_key``; they
+    are rendered by the model's chat template with the generation prompt."""
     answer_key: Optional[str] = "answer"
-    """JSONL field with the label the reward needs (string or number); null when the reward needs none."""
+    """Field with the label the reward needs (string or number); null when the reward needs none."""
     id_key: str = "id"
-    """JSONL field used as the prompt id when a row has it; otherwise the id is ``<file name>:<line>``."""
+    """Field used as the prompt id when a row has it; otherwise the id is ``<file name>:<line or row>``."""
     on_bad_row: BadRowPolicy = BadRowPolicy.skip
-    """Malformed JSONL rows (invalid JSON, missing key, wrong type, empty prompt): skip and count, or raise."""
+    """Malformed rows (invalid JSON, missing key, wrong type, empty prompt): skip and count, or raise."""
+    chat_template: Optional[bool] = None
+    """``data=hf``: render prompts with the model's chat template (``tokenizer.apply_chat_template`` with the
+    generation prompt). null: chat messages (``messages_key``) are rendered, plain prompts are not; true: plain
+    prompts too, each as one user message. A model without a template is an error where one is needed."""
+    max_prompt_tokens: Optional[int] = None
+    """``data=hf``: prompts of more tokens (the model's tokenizer, template included) are left out and counted;
+    null = the model's context (``max_position_embeddings``) less ``rollout.max_new_tokens``."""
     shuffle: bool = True
     """Visit prompts in a seeded random order, reshuffled each epoch (``seed`` + epoch)."""
     seed: int = 1234
     """Seed of the prompt order (and of nothing else)."""
     eval_fraction: float = 0.2
-    """Built-in tasks: fraction of the input space held out for eval (a fixed hash of each input)."""
+    """Built-in tasks: fraction of the input space held out for eval (a fixed hash of each input). ``data=hf``
+    without ``eval_path``: fraction of the rows held out (a hash of each prompt and ``split_seed``); 0 = none."""
+    split_seed: int = 0
+    """``data=hf``: seed of the held-out rows, apart from ``seed`` so that runs of every seed hold out the same."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor, e.g. ``+data.task_args.max_len=4`` for reverse; countdown's
     difficulty (``num_numbers``, ``max_number``, ``ops``, ``ordered``, ``num_problems``) is set here."""
-    apply_chat_template: bool = True
-    """Wrap prompts in the tokenizer's chat template when it has one (the tiny model's has none)."""
 
     def __post_init__(self) -> None:
+        hf = self.task == HF_TASK
         if not self.task:
             fail("data.task", "must name a built-in task")
         if self.path == "":
-            fail("data.path", "must be a JSONL file path or null")
-        if self.task == "jsonl" and self.path is None:
-            fail("data.path", "must be set for data.task=jsonl (data=jsonl data.path=FILE.jsonl)")
+            fail("data.path", "must be a file path or null")
+        if self.task in ("jsonl", HF_TASK) and self.path is None:
+            fail("data.path", f"must be set for data.task={self.task} (data={self.task} data.path=FILE)")
         if self.eval_path is not None and self.path is None:
             fail("data.eval_path", "is only used with data.path (built-in tasks hold out data.eval_fraction)")
         if self.path is not None and self.task_args:
@@ -62,8 +92,18 @@ class DataConfig:
             fail("data.prompt_key", "must be a non-empty field name")
         if self.answer_key == "":
             fail("data.answer_key", "must be a non-empty field name or null")
-        if not 0.0 < self.eval_fraction < 1.0:
-            fail("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        if not (0.0 <= self.eval_fraction < 1.0 if hf else 0.0 < self.eval_fraction < 1.0):
+            fail("data.eval_fraction", f"must be in {'[0, 1)' if hf else '(0, 1)'}, got {self.eval_fraction}")
+        for key in ("format", "messages_key", "chat_template", "max_prompt_tokens"):
+            if getattr(self, key) is not None and not hf:
+                fail(f"data.{key}", f"is read by data=hf only (data.task={self.task})")
+        if self.messages_key == "":
+            fail("data.messages_key", "must be a non-empty column name or null")
+        if self.messages_key is not None and self.chat_template is False:
+            fail("data.chat_template", f"=false with data.messages_key={self.messages_key}: chat messages reach the "
+                 "model only through its chat template")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            fail("data.max_prompt_tokens", f"must be >= 1 or null, got {self.max_prompt_tokens}")
 
 
 class RewardExecutor(str, enum.Enum):

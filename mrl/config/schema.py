@@ -19,7 +19,7 @@ from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, P
                               LORA_HF_MODULES)
 from mrl.config.algo import (AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig,
                              OldLogprobs)
-from mrl.config.data import BadRowPolicy, DataConfig, RewardExecutor, RewardOnError, RewardConfig
+from mrl.config.data import HF_TASK, BadRowPolicy, DataConfig, DataFormat, RewardConfig, RewardExecutor, RewardOnError
 from mrl.config.weight_sync import WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
 from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, StalePolicy, TrainConfig, TrackingConfig,
@@ -43,10 +43,12 @@ __all__ = [
     "CorrectionLevel",
     "DType",
     "DataConfig",
+    "DataFormat",
     "Dispatcher",
     "EngineConfig",
     "EnvConfig",
     "GroupedGemm",
+    "HF_TASK",
     "KLEstimator",
     "LOGGERS",
     "LORA_HF_MODULES",

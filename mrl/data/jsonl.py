@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.config.schema import BadRowPolicy
-from mrl.data.prompt import Prompt, budget_error
+from mrl.data.prompt import Prompt, PromptList, budget_error
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +41,14 @@ class _BadRow(Exception):
 
 @dataclass
 class RowStats:
-    """Rows kept, and rows skipped per reason with the first few line numbers of each."""
+    """Rows kept, and rows skipped per reason with the first few line (or row) numbers of each."""
 
     path: str
     num_rows: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     first_lines: dict[str, list[int]] = field(default_factory=dict)
+    unit: str = "line"
+    """What the numbers count: JSONL lines, or rows of a table (``data=hf``)."""
 
     @property
     def num_skipped(self) -> int:
@@ -59,16 +60,19 @@ class RowStats:
         if len(lines) < _NUM_EXAMPLE_LINES:
             lines.append(line)
 
-    def summary(self) -> str:
+    def skipped_summary(self) -> str:
+        """``, N skipped (reason: n at lines 3, 7; ...)``, or "" when none was."""
         parts = []
         for reason, n in self.skipped.items():
             lines = ", ".join(map(str, self.first_lines[reason])) + (", ..." if n > _NUM_EXAMPLE_LINES else "")
-            parts.append(f"{reason}: {n} at line{'s' if n > 1 else ''} {lines}")
-        tail = f", {self.num_skipped} skipped ({'; '.join(parts)})" if parts else ""
-        return f"{self.path}: {self.num_rows} rows{tail}"
+            parts.append(f"{reason}: {n} at {self.unit}{'s' if n > 1 else ''} {lines}")
+        return f", {self.num_skipped} skipped ({'; '.join(parts)})" if parts else ""
+
+    def summary(self) -> str:
+        return f"{self.path}: {self.num_rows} rows{self.skipped_summary()}"
 
 
-class JsonlDataset:
+class JsonlDataset(PromptList):
     """Prompts of a JSONL file, loaded and checked once; ``sample(index)`` walks seeded epochs."""
 
     def __init__(self, path: str, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
@@ -76,26 +80,25 @@ class JsonlDataset:
                  shuffle: bool = True):
         self.path, self.name = path, os.path.basename(path)
         self.prompt_key, self.answer_key, self.id_key = prompt_key, answer_key, id_key
-        self.seed, self.shuffle = seed, shuffle
         on_bad_row = BadRowPolicy(on_bad_row)
         self.stats = RowStats(path)
-        self._prompts: list[Prompt] = []
+        prompts: list[Prompt] = []
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if not raw.strip():
                     continue
                 try:
-                    self._prompts.append(self._parse(raw, line_no))
+                    prompts.append(self._parse(raw, line_no))
                 except _BadRow as e:
                     if on_bad_row is BadRowPolicy.error:
                         raise BadRowError(f"{path}:{line_no}: {e.reason}: {e} (data.on_bad_row=error)") from None
                     self.stats.add(e.reason, line_no)
-        self.stats.num_rows = len(self._prompts)
-        if not self._prompts:
+        self.stats.num_rows = len(prompts)
+        if not prompts:
             raise ValueError(f"no usable rows in {self.stats.summary()}")
         if self.stats.num_skipped:
             logger.warning("skipped malformed rows: %s", self.stats.summary())
-        self._order_epoch, self._order = -1, list(range(len(self._prompts)))
+        super().__init__(prompts, seed=seed, shuffle=shuffle)
 
     def _parse(self, raw: bytes, line_no: int) -> Prompt:
         try:
@@ -125,21 +128,3 @@ class JsonlDataset:
             names = " or ".join(t.__name__ for t in types)
             raise _BadRow("wrong_type", f"field {key!r} is {type(value).__name__}, expected {names}")
         return value
-
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-    def __getitem__(self, i: int) -> Prompt:
-        """The i-th usable row in file order."""
-        return self._prompts[i]
-
-    def sample(self, index: int) -> Prompt:
-        """The prompt at ``index``: epoch ``index // len``, shuffled with (seed, epoch) when ``shuffle``."""
-        if index < 0:
-            raise ValueError(f"{self.name}: index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self._prompts))
-        if self.shuffle and epoch != self._order_epoch:
-            self._order = list(range(len(self._prompts)))
-            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
-            self._order_epoch = epoch
-        return self._prompts[self._order[pos]]

@@ -19,6 +19,8 @@ import torch
 from mrl.config.schema import TinyPreset
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3; bos=1, eos=2
+TINY_CONTEXT = 2048
+"""``max_position_embeddings`` of every tiny checkpoint."""
 
 PRESETS: dict[TinyPreset, dict] = {
     TinyPreset.tiny: dict(
@@ -138,7 +140,7 @@ def make_tiny_model(out_dir: str, preset: TinyPreset = TinyPreset.tiny, seed: in
 
     preset = TinyPreset(preset)
     config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[preset])
-    cfg = config_cls(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    cfg = config_cls(max_position_embeddings=TINY_CONTEXT, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                      architectures=[model_cls.__name__], **PRESETS[preset])
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32)

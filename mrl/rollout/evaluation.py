@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mrl.data.prompt import prompt_ids
+
 if TYPE_CHECKING:
     from mrl.config.eval import EvalSetConfig
     from mrl.data import Prompt
@@ -110,7 +112,7 @@ class Evaluator:
     def __init__(self, sets: list[EvalSet], scorer: RewardScorer, tokenizer, *, max_inflight: int):
         self.sets, self.scorer, self.tok, self.max_inflight = sets, scorer, tokenizer, max_inflight
         for s in sets:
-            s.ids = [tokenizer.encode(p.text).ids for p in s.prompts]
+            s.ids = [prompt_ids(p, tokenizer) for p in s.prompts]  # a chat-templated prompt: no second BOS
         self.results: list[EvalResult] = []
         self.error: BaseException | None = None
         self._task: asyncio.Task | None = None

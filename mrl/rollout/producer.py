@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 from mrl.rollout.buffer import Group, RolloutBuffer
 from mrl.data import Prompt, PromptSource
-from mrl.data.prompt import budget_error
+from mrl.data.prompt import budget_error, prompt_ids
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.multiturn import EpisodeRunner
 from mrl.scoring.base import Scorer, ScoringGroup
@@ -145,7 +145,7 @@ class Producer:
             if self.episodes is not None:
                 await self._episode_group(prompt, gid)
                 return
-            ids = self.tok.encode(prompt.text).ids
+            ids = prompt_ids(prompt, self.tok)
             samples = await self.manager.generate_group(ids, self.group_size, gid,
                                                         max_new_tokens=row_budget(prompt, self.group_size))
             if any(s.error for s in samples):

@@ -32,7 +32,10 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Callable
 
+from mrl.log import get_logger
 from mrl.rollout.side import RolloutSide
+
+log = get_logger(__name__)
 
 ADDR_ENV, KEY_ENV = "MRL_ROLLOUT_SERVICE_ADDR", "MRL_ROLLOUT_SERVICE_KEY"
 _REPLY_MARGIN_S = 60.0  # a call's own limit (take's timeout, drain's) plus this, before the child counts as hung
@@ -156,11 +159,9 @@ class LocalRollout(RolloutSide):
     """The rollout side's objects, held by the rollout process (the producer runs in a thread of its own)."""
 
     def __init__(self, cfg, hf_path: str, urls: list[str], codec, state):
-        from tokenizers import Tokenizer
-
         from mrl.rollout.buffer import RolloutBuffer
         from mrl.config.schema import LoopMode, StalePolicy
-        from mrl.data import build_prompt_source
+        from mrl.data import build_prompt_source, load_tokenizer
         from mrl.reward.scorer import RewardScorer
         from mrl.sglang.client import EngineClient
         from mrl.config.lora_engine import lora_engine_spec
@@ -171,7 +172,7 @@ class LocalRollout(RolloutSide):
         from mrl.routing.sampling_mask import top_logprobs_to_request
 
         r, t = cfg.rollout, cfg.train
-        self.tok = Tokenizer.from_file(os.path.join(hf_path, "tokenizer.json"))
+        self.tok = load_tokenizer(hf_path)
         eos = state["eos"]
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, min_p=r.min_p, ignore_eos=r.ignore_eos,
@@ -186,7 +187,9 @@ class LocalRollout(RolloutSide):
                                       adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s,
                                       vocab_size=state.get("vocab_size"))
         self.scorer = RewardScorer(cfg.reward)  # reward.fn: evaluation's, and the group scorer's rule part
-        source = build_prompt_source(cfg.data)
+        sources = functools.partial(build_prompt_source, cfg.data, model_dir=hf_path, max_new_tokens=r.max_new_tokens)
+        source = sources()
+        self.eval_source = sources(split="eval") if t.eval_every and t.eval_heldout else None
         env_fn = r.env.fn or getattr(source, "env", None)  # a built-in multi-turn task names its environment
         self.episodes = self._episodes = None
         if env_fn is not None:
@@ -214,6 +217,10 @@ class LocalRollout(RolloutSide):
                                  redo=state.get("redo_prompts"), episodes=self.episodes)
         if t.mode == LoopMode.overlap:
             self.buffer.on_release = self.producer.allow
+        for src in (source, self.eval_source):  # a dataset from files: what was read, kept and left out
+            if hasattr(src, "counts"):
+                log.info("data: %s", src.summary())
+                self.producer.counts.update(src.counts())
 
     def _evaluator(self, cfg, clients, sampling):
         """The evaluation sets' prompts and completers: one temperature-0 manager for the greedy completions,
@@ -237,7 +244,7 @@ class LocalRollout(RolloutSide):
         greedy = None
         sets = []
         for sc in t.eval_sets:
-            src = build_prompt_source(d, split="eval") if sc.source == HELDOUT else JsonlDataset(
+            src = self.eval_source if sc.source == HELDOUT else JsonlDataset(
                 sc.source, prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key,
                 on_bad_row=d.on_bad_row, seed=d.seed, shuffle=False)
             if sc.greedy and greedy is None:

@@ -13,3 +13,14 @@ def text_parity(prompt, response_text: str) -> float:
     if len(prompt.text) % 3 == 0:
         return 0.0
     return float(len(response_text) % 2)
+
+
+CHAT_PREFIX = "<bos><|user|>"
+
+
+def chat_copy_last(prompt, response_text: str) -> float:
+    """``copy_last`` over chat rows of ``data=hf``: raises (the run stops under ``reward.on_error=raise``) unless
+    the prompt reached the rollout rendered by the model's chat template; 1 for the last letter of the user turn."""
+    if not (prompt.templated and prompt.text.startswith(CHAT_PREFIX) and prompt.text.endswith("<|assistant|>")):
+        raise ValueError(f"prompt {prompt.id} was not rendered by the chat template: {prompt.text!r}")
+    return float(response_text.strip()[:1] == prompt.answer)

@@ -87,6 +87,23 @@ def _jsonl(tmp_path, name: str, rows: list[str]) -> str:
 GOOD_ROW = '{"prompt": "2+2=", "answer": "4"}'
 
 
+def _table(tmp_path, name: str, rows: list[dict]) -> str:
+    """``rows`` as a file of the format its extension names, written by ``datasets``."""
+    import datasets
+
+    ds, path = datasets.Dataset.from_list(rows), str(tmp_path / name)
+    ds.to_parquet(path) if name.endswith(".parquet") else ds.to_json(path)
+    return path
+
+
+def _garbage(tmp_path, name: str) -> str:
+    (tmp_path / name).write_text("not a table")
+    return str(tmp_path / name)
+
+
+HF_ROWS = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+4=", "answer": "7"}]
+
+
 def _listening_port() -> tuple[socket.socket, int]:
     s = socket.socket()
     s.bind(("", 0))
@@ -114,6 +131,38 @@ CASES = {
     "eval split missing": (
         lambda tiny, t: ["data=jsonl", "data.path=" + _jsonl(t, "p.jsonl", [GOOD_ROW])],
         ["data.eval_path: not set", "train.eval_every=10"]),
+    "data=hf file missing": (lambda tiny, t: ["data=hf", f"data.path={t}/nope.parquet"],
+                             ["data.path=", "nope.parquet: no such file"]),
+    "data=hf glob matching nothing": (lambda tiny, t: ["data=hf", f"data.path={t}/train-*.parquet"],
+                                      ["data.path=", "train-*.parquet: no file matches"]),
+    "data=hf file unreadable": (lambda tiny, t: ["data=hf", f"data.path={_garbage(t, 'bad.parquet')}"],
+                                ["data.path=", "bad.parquet: cannot be read as parquet: ArrowInvalid"]),
+    "data=hf file of an unknown format": (
+        lambda tiny, t: ["data=hf", f"data.path={_garbage(t, 'p.csv')}"],
+        ["data.path=", "p.csv: cannot tell the format from the extension '.csv'; set data.format"]),
+    "data=hf column missing": (
+        lambda tiny, t: ["data=hf", "data.path=" + _table(t, "q.parquet", [{"question": "2+2=", "answer": "4"}])],
+        ["data.prompt_key=prompt: no column 'prompt' in ", "q.parquet (columns: ['question', 'answer'])"]),
+    "data=hf column of another type": (
+        lambda tiny, t: ["data=hf", "data.path=" + _table(t, "q.parquet", [{"prompt": 2, "answer": "4"}])],
+        ["data.prompt_key=prompt: column 'prompt' of ", "q.parquet holds int64, not text"]),
+    "data=hf eval file missing": (
+        lambda tiny, t: ["data=hf", "data.path=" + _table(t, "p.parquet", HF_ROWS), f"data.eval_path={t}/e.jsonl"],
+        ["data.eval_path=", "e.jsonl: no such file"]),
+    "data=hf nothing held out": (
+        lambda tiny, t: ["data=hf", "data.path=" + _table(t, "p.parquet", HF_ROWS), "data.eval_fraction=0"],
+        ["data.eval_path: not set and data.eval_fraction=0", "(or train.eval_every=0)"]),
+    "data=hf every prompt over the budget": (
+        lambda tiny, t: ["data=hf", "data.path=" + _table(t, "p.jsonl", HF_ROWS), "data.max_prompt_tokens=1",
+                         "data.eval_fraction=0",
+                         "train.eval_every=0"],
+        ["data.path=", "p.jsonl: no usable prompt in the train split", "0 prompts of 2 rows, 2 skipped (too_long: 2 "
+         "at rows 1, 2); prompt budget 1 tokens (data.max_prompt_tokens)"]),
+    "data=hf chat messages without a chat template": (
+        lambda tiny, t: ["data=hf", "data.messages_key=messages", "train.eval_every=0", "data.path=" + _table(
+            t, "c.parquet", [{"messages": [{"role": "user", "content": "hi"}], "answer": "x"}])],
+        ["data.messages_key=messages: ", "c.parquet holds chat messages, but the model's tokenizer (",
+         ") has no chat template to render them"]),
     "reward fn with the wrong signature": (
         lambda tiny, t: ["reward.fn=tests.unit.preflight_fns.one_arg"],
         ["reward.fn='tests.unit.preflight_fns.one_arg': must accept (prompt, response_text), its signature "
@@ -247,7 +296,9 @@ def test_a_good_config_passes(tiny, tmp_path):
     from mrl.preflight import run_preflight
 
     rows = _jsonl(tmp_path, "p.jsonl", [GOOD_ROW, "{not json"])  # one bad row: skipped and counted
+    table = _table(tmp_path, "p.parquet", HF_ROWS)
     for overrides in ([], ["data=jsonl", f"data.path={rows}", f"data.eval_path={rows}"],
+                      ["data=hf", f"data.path={table}", f"data.eval_path={table}"],
                       ["reward.fn=tests.unit.preflight_fns.good"], ["data=lookup"],
                       ["rollout.env.fn=tests.unit.preflight_fns.TableEnv", "+rollout.env.args.table=t"]):
         cfg = compose([f"model.hf_path={tiny}", f"run_dir={tmp_path / 'run'}", *overrides])
