@@ -229,7 +229,7 @@ class LocalRollout(RolloutSide):
         from dataclasses import replace
 
         from mrl.config.eval import HELDOUT
-        from mrl.data import JsonlDataset, build_prompt_source
+        from mrl.data import JsonlDataset
         from mrl.rollout.evaluation import Completer, EvalSet, Evaluator
         from mrl.rollout.manager import RolloutManager
 
