@@ -81,8 +81,9 @@ def summarize(rows: list[dict], set_name: str) -> dict:
 
 
 def run_one(recipe: str, variant: tuple[str, list[str]], seed: int, sets: list[str], run_dir: str,
-            set_name: str, timeout: float) -> dict:
+            set_name: str, timeout: float, delay: float = 0.0) -> dict:
     name, overrides = variant
+    time.sleep(delay)
     cmd = [*mrl_command(), "train", f"+experiment={recipe}", f"run_dir={run_dir}", f"seed={seed}",
            "train.save_hf=false", *sets, *overrides]
     t0 = time.monotonic()
@@ -151,6 +152,9 @@ def main() -> int:
                     help="NAME:OVERRIDE[,OVERRIDE...] (repeatable); none: one variant, 'default'")
     ap.add_argument("--eval-set", default="heldout", help="the evaluation set the figures are read from")
     ap.add_argument("--parallel", type=int, default=1, help="runs side by side (on a GPU host)")
+    ap.add_argument("--stagger", type=float, default=0.0,
+                    help="seconds between the starts of runs side by side: engines sharing a GPU size their memory "
+                         "from what is free, and two sizing it at once overcommit it")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--keep", default=None, help="a folder to keep the run directories and logs in")
     ap.add_argument("--out", default=None)
@@ -162,8 +166,10 @@ def main() -> int:
     sets = [*a.set, *make_models(a.set, tmp)]
     jobs = [(v, s) for s in a.seeds for v in variants]
     with ThreadPoolExecutor(max_workers=a.parallel) as pool:
-        runs = list(pool.map(lambda j: run_one(a.recipe, j[0], j[1], sets, os.path.join(tmp, f"{j[0][0]}_s{j[1]}"),
-                                               a.eval_set, a.timeout), jobs))
+        runs = list(pool.map(lambda ij: run_one(a.recipe, ij[1][0], ij[1][1], sets,
+                                                os.path.join(tmp, f"{ij[1][0][0]}_s{ij[1][1]}"), a.eval_set, a.timeout,
+                                                delay=(ij[0] % a.parallel) * a.stagger if ij[0] < a.parallel else 0.0),
+                             enumerate(jobs)))
     summary = {}
     for name, _ in variants:
         mine = [r for r in runs if r["variant"] == name]

@@ -102,6 +102,8 @@ def kind(d: dict, fname: str) -> str:
         return "mrl_train_summary"
     if "sides" in d and "rounds" in d:
         return "default_run"
+    if "recipe" in fname and "runs" in d and "summary" in d:
+        return "recipe"
     return "unknown"
 
 
@@ -321,6 +323,23 @@ def export_time(d):
     return out
 
 
+def recipe(d):
+    """``bench/recipe_run.py``: per run, held-out pass@1 after the warm start and at the end, pass@k, reward."""
+    out = []
+    for r in d["runs"]:
+        first, last = r["pass_at_k"][0], r["pass_at_k"][-1]
+        ks = sorted((k for k in last if k.startswith("pass_at_") and k != "pass_at_1"), key=lambda k: int(k[8:]))
+        more = "".join(f", {k.replace('_at_', '@')} {first[k]:.2f} -> {last[k]:.2f}" for k in ks)
+        greedy = r.get("heldout_greedy_pass_at_1_start")
+        out.append(f"+experiment={d['recipe']} {r['variant']} seed {r['seed']}: held-out pass@1 "
+                   f"{r['heldout_pass_at_1_start']:.2f} -> **{r['heldout_pass_at_1_end']:.2f}** (warm start -> "
+                   f"step {last['step']}){more}"
+                   + (f", greedy {greedy:.2f} -> {r['heldout_greedy_pass_at_1_end']:.2f}" if greedy is not None else "")
+                   + f"; reward {r['reward_first10']:.2f} -> {r['reward_last10']:.2f} (first/last 10 steps); "
+                   f"{r['wall_seconds'] / 60:.1f} min, step {r['median_step_seconds']:.2f} s")
+    return out
+
+
 def learn_compare(d):
     out = []
     for run, r in d["summary"].items():
@@ -537,7 +556,7 @@ EXTRACTORS = {
     "learn_compare": learn_compare, "gpu_fp8_learning": learn_compare, "fp8_sync_check": fp8_sync_check,
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
     "logprob_kernel": logprob_kernel, "gpu_loop_sync_profile": sync_profile,
-    "update_request_latency": update_request_latency, "export_time": export_time,
+    "update_request_latency": update_request_latency, "export_time": export_time, "recipe": recipe,
 }
 
 

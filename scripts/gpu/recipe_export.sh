@@ -19,7 +19,7 @@ say() { echo "$(date -u +%T) $*" >> "$DEST/status"; }
 say "recipe start"
 # shellcheck disable=SC2086
 timeout "${RECIPE_TIMEOUT:-900}" python3 bench/recipe_run.py --recipe countdown --seeds ${RECIPE_SEEDS:-1} \
-  --parallel 2 --keep "$WORK/recipe" --out "$DEST/recipe_countdown_gpu.json" \
+  --parallel 2 --stagger "${RECIPE_STAGGER:-100}" --keep "$WORK/recipe" --out "$DEST/recipe_countdown_gpu.json" \
   --set model=small_gpu engine=gpu model.dtype=bf16 weight_sync.transport=tensor engine.base_gpu_id=0 \
         engine.mem_fraction_static=0.25 ${RECIPE_ARGS:-} \
   --variant replay_on:train.replay=true --variant replay_off:train.replay=false > "$DEST/recipe.log" 2>&1
