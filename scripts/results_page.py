@@ -632,6 +632,13 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
      "0.85-1.14); 0.99 on 2026-11-26 as a ratio of medians"),
     ("overlap / sync mode, long-tailed task", ">=", 3.0, "loop/2026-11-28_async_vs_sync_cpu.json",
      lambda d: d["overlap_over_sync"], "2-core CPU, real SGLang CPU engine"),
+    ("countdown recipe: held-out pass@1 lift over the warm start, CPU", ">=", 0.30,
+     "learning/2026-12-07_mrl_train_recipe_countdown_cpu2core.json",
+     lambda d: d["summary"]["default"]["lift_median"],
+     "2-core CPU, tiny model, sampled pass@1 (8 samples on 87 held-out problems), median over 3 seeds"),
+    ("seconds for mrl export of the 30B-A3B slice, one GPU host", "<=", 120,
+     "checkpoints/2026-12-07_export_time_qwen3_30b_a3b_l8_none_1xH100.json",
+     lambda d: d["export_wall_s"]["median"], "1x H100, 8-layer slice (11.2 GB), process start to exit, cold cache"),
 ]
 
 
