@@ -1,0 +1,16 @@
+"""Tests of the built image (marker ``container``): skipped, with the reason, only where the image does not
+exist (no podman, or `make image` not run on this machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.container.podman import image_tag, missing_reason
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    tag = image_tag()
+    if reason := missing_reason(tag):
+        pytest.skip(reason)
+    return tag
