@@ -1,7 +1,7 @@
 """The CPU image's build and a training run inside it, as a report (bench/reports/image/<date>_image_build_cpu.json).
 
     make image                                  # writes build/image/<tag>.json (phase times, size, packages)
-    python bench/image_build.py [--steps 60]    # reads it, runs `mrl train` in the image, writes the report
+    python bench/image_build.py [--steps 100]    # reads it, runs `mrl train` in the image, writes the report
 
 The report holds the build's seconds (base and Dockerfile.cpu), the image's size, its Python and key
 package versions, the packages whose version differs from this virtualenv's (the pins are pyproject.toml's,
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tag", default=image_tag())
     ap.add_argument("--record", default=None, help="build record (default build/image/<tag>.json)")
-    ap.add_argument("--steps", type=int, default=60, help="RL steps of the run inside the image (0: no run)")
+    ap.add_argument("--steps", type=int, default=100, help="RL steps of the run inside the image (0: no run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     safe = args.tag.replace("/", "_").replace(":", "_")

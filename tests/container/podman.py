@@ -1,4 +1,5 @@
-"""The CPU image (`make image`) run with podman: the tag under test, whether it exists, one ``podman run``.
+"""The CPU image (`make image`) run with podman: the tag under test, whether it exists, bringing it up to date
+with this tree, one ``podman run``.
 
 ``MRL_IMAGE`` names another image (a GPU image run on CPU works the same way). Every call goes through
 docker/podman.sh (runc, no default ulimits: docker/containers.conf).
@@ -6,6 +7,7 @@ docker/podman.sh (runc, no default ulimits: docker/containers.conf).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -28,6 +30,18 @@ def missing_reason(tag: str) -> str | None:
         return f"podman is not installed, so image {tag} does not exist here (build it: make image)"
     p = subprocess.run([PODMAN, "image", "exists", tag], capture_output=True, timeout=60)
     return None if p.returncode == 0 else f"image {tag} is not built here (make image)"
+
+
+@functools.cache
+def rebuilt(tag: str) -> str:
+    """``tag`` rebuilt from this tree (docker/build_image.sh): the layers whose input did not change come from
+    podman's cache, so a change to mrl's source rebuilds only its small layers (a minute) and the tests never
+    run an image older than the code. Raises with the build's output when it fails."""
+    p = subprocess.run(["bash", os.path.join(REPO, "docker", "build_image.sh"), tag], capture_output=True,
+                       text=True, timeout=3000, cwd=REPO)
+    if p.returncode:
+        raise RuntimeError(f"docker/build_image.sh {tag} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    return tag
 
 
 def run(tag: str, cmd: list[str], *, volumes: dict[str, str] | None = None, env: dict[str, str] | None = None,

@@ -16,7 +16,7 @@ from tests.container.podman import run
 
 pytestmark = pytest.mark.container
 
-TRAIN_STEPS = 60
+TRAIN_STEPS = 100
 TRAIN = ["mrl", "train", "run_dir=/runs/train", "model.hf_path=/runs/models/tiny", f"train.steps={TRAIN_STEPS}",
          "train.eval_every=0"]
 """The README's default run (GRPO on copy_last, one CPU engine, one Megatron rank), shortened."""

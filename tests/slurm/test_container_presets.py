@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.container.podman import image_tag, missing_reason
+from tests.container.podman import image_tag, missing_reason, rebuilt
 from tests.slurm.test_real_slurm import mrl_launch, read
 
 pytestmark = pytest.mark.container
@@ -33,7 +33,7 @@ def image() -> str:
     tag = image_tag()
     if reason := missing_reason(tag):
         pytest.skip(reason)
-    return tag
+    return rebuilt(tag)
 
 
 @pytest.mark.parametrize("preset", ["slurm_pyxis", "slurm_apptainer"])
@@ -50,6 +50,8 @@ def test_container_preset_trains_in_the_image(preset, image, slurm_cluster, tmp_
     script = read(run / "mrl.sbatch")
     assert f"export CONTAINER={preset.split('_')[1]}" in script and f"export IMAGE={image}" in script
     assert "trainer step exited with 0" in log, log
+    # the step went through the container stand-in: pyxis's srun options, or apptainer exec
+    assert f"[run_in_podman] {image}: bash {run}/mrl_node.sh train" in log, log
     # written inside the container: the interpreter is the image's, the files land on the host's run directory
     config = read(run / "config.yaml")
     assert "python: python" in config

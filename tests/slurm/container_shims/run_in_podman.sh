@@ -8,6 +8,7 @@ image=$1 mounts=$2 workdir=$3
 shift 3
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 podman=${MRL_PODMAN:-$here/../../../docker/podman.sh}
+echo "[run_in_podman] $image: $*" >&2
 envfile=$(mktemp)
 trap 'rm -f "$envfile"' EXIT
 # the task's environment (SLURM_*, RUN_DIR, PET_*, ...) minus what belongs to the host's file system
