@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +27,18 @@ from _bench_common import dump  # noqa: E402
 from tests.container.podman import image_tag, run  # noqa: E402
 
 KEY_PACKAGES = ("torch", "sglang", "sglang-kernel", "megatron-core", "transformers", "hydra-core", "mrl")
+
+
+def host_tools() -> dict[str, str | None]:
+    """Versions of the container tools that built and ran the image."""
+    out = {}
+    for tool, cmd in {"podman": ["podman", "--version"], "buildah": ["buildah", "--version"],
+                      "runc": ["runc", "--version"], "debootstrap": ["debootstrap", "--version"]}.items():
+        try:
+            out[tool] = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            out[tool] = None
+    return out
 
 
 def venv_packages() -> dict[str, str]:
@@ -57,6 +70,7 @@ def main() -> int:
     ap.add_argument("--record", default=None, help="build record (default build/image/<tag>.json)")
     ap.add_argument("--steps", type=int, default=100, help="RL steps of the run inside the image (0: no run)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--note", default=None, help="free text kept in the report (what was installed, and how)")
     args = ap.parse_args()
     safe = args.tag.replace("/", "_").replace(":", "_")
     record_path = args.record or os.path.join(REPO, "build", "image", f"{safe}.json")
@@ -70,7 +84,8 @@ def main() -> int:
     result = {"bench": "image_build_cpu", "build": {k: v for k, v in build.items() if k != "packages_file"},
               "size_gib": round(build["size_bytes"] / (1 << 30), 2),
               "versions_in_image": {n: image_pkgs.get(n) for n in KEY_PACKAGES},
-              "packages_in_image": len(image_pkgs), "packages_differing_from_venv": differ}
+              "packages_in_image": len(image_pkgs), "packages_differing_from_venv": differ,
+              "host_tools": host_tools(), "note": args.note}
     if args.steps:
         result["train_in_image"] = train_in_image(args.tag, args.steps)
     dump(result, args.out, name="image_build_cpu")

@@ -48,6 +48,9 @@ t1=$(date +%s)
 "$PODMAN" build --network host --layers -f docker/Dockerfile.cpu --build-arg BASE_IMAGE="$BASE" "${ca[@]}" \
   -t "$TAG" . 2>&1 | tee "$WORK/build.log"
 build_s=$(( $(date +%s) - t1 ))
+# layers of earlier builds that no tag uses any more (a changed pyproject.toml leaves 12 GB behind); the
+# cached layers of this build stay
+"$PODMAN" image prune -f --filter label=mrl.image=cpu >/dev/null
 
 size=$("$PODMAN" image inspect --format '{{.Size}}' "$TAG")
 safe=$(echo "$TAG" | tr '/:' '__')
