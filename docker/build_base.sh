@@ -73,7 +73,7 @@ chroot "$RFS" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin /usr/local/bin/p
 ln -sf pip3 "$RFS/usr/local/bin/pip"
 chroot "$RFS" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin python -c \
   'import ssl, sqlite3, ctypes, lzma, bz2, zlib, readline, uuid, hashlib; print("stdlib ok")' \
-  || die "the copied interpreter lacks a library in the root filesystem"
+  || die "the copied interpreter does not run in the bookworm root (built against newer libraries than bookworm's glibc 2.36 / OpenSSL 3.0?)"
 rm -rf "$RFS"/var/cache/apt/archives/*.deb "$RFS"/var/lib/apt/lists/* "$RFS"/tmp/* "$RFS"/root/.cache
 
 log "podman import -> $TAG"
