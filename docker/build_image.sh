@@ -59,6 +59,7 @@ cat > "$WORK/$safe.json" <<EOF
 {"tag": "$TAG", "base": "$BASE", "base_seconds": $base_s, "build_seconds": $build_s,
  "total_seconds": $(( $(date +%s) - t0 )), "size_bytes": $size,
  "image_id": "$("$PODMAN" image inspect --format '{{.Id}}' "$TAG")",
+ "commit": "$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)",
  "python": "$("$PODMAN" run --rm --network none "$TAG" python -c 'import platform; print(platform.python_version())')",
  "podman": "$(podman --version | awk '{print $3}')", "packages_file": "$safe.packages.json"}
 EOF
