@@ -48,6 +48,8 @@ TOPICS = {  # folder -> (title, what its reports measure)
     "checkpoints": ("Checkpoints", "Host memory and seconds of a trainer checkpoint save per optimizer format "
                     "(`bench/checkpoint_save.py`); `mrl export` of a trainer checkpoint as a whole process, against "
                     "a synced copy of the same bytes (`bench/export_time.py`)."),
+    "image": ("Container image", "The CPU image built by `make image` (size, build time, versions) and `mrl train` "
+              "inside it (`bench/image_build.py`)."),
 }
 
 
@@ -432,6 +434,17 @@ def batch_delivery(d):
             f"(**{d['ratio_scatter_vs_broadcast']['median']:.2f}x**)"]
 
 
+def image_build(d):
+    b, out = d["build"], []
+    base = f"base {b['base_seconds']} s + " if b.get("base_seconds") is not None else ""
+    out.append(f"**{d['size_gib']:.1f} GiB**, built in {base}{b['build_seconds']} s (Python {b['python']}, "
+               f"torch {d['versions_in_image']['torch']}, sglang {d['versions_in_image']['sglang']})")
+    if t := d.get("train_in_image"):
+        out.append(f"`mrl train` inside, {len(t['reward_per_step'])} steps in {t['wall_seconds']:.0f} s: reward "
+                   f"{t['reward_first5_mean']:.2f} -> **{t['reward_last5_mean']:.2f}** (first/last 5 steps)")
+    return out
+
+
 def old_logprob_pass(d):
     a = d["args"]
     return [f"pi_old's forward over {a['mini_batches'] - 1} of {a['mini_batches']} mini-batches: "
@@ -557,6 +570,7 @@ EXTRACTORS = {
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
     "logprob_kernel": logprob_kernel, "gpu_loop_sync_profile": sync_profile,
     "update_request_latency": update_request_latency, "export_time": export_time, "recipe": recipe,
+    "image_build_cpu": image_build,
 }
 
 

@@ -7,7 +7,9 @@
 #   - megatron-core and the pure-Python packages mrl imports (hydra-core, omegaconf, antlr4, einops);
 #   - Transformer Engine 2.20.2 (core library wheel for CUDA 13, meta wheel) unless NO_TE=1. Its torch
 #     extension must be built against the host's torch: pass a wheel built there as TE_TORCH_WHEEL, or the
-#     sdist is packed and install_stack.sh builds it on the host (about 100 s on 16 cores).
+#     sdist is packed as downloaded (fetch_sdist.py: no build, so no torch needed here) and install_stack.sh
+#     builds it on the host (about 100 s on 16 cores).
+# Needs: python3 with pip, unzip, tar, split, sha256sum, and the package index (pip's, or PIP_INDEX_URL).
 # Output: DIR/parts/part.aa, part.ab, ... (PART_MB each, default 52) and DIR/bundle.sha256.
 # Usage: scripts/gpu/fetch_parts.sh DIR           (then send the parts: scripts/gpu/README.md)
 set -euo pipefail
@@ -15,6 +17,13 @@ D=${1:?usage: fetch_parts.sh DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 PART_MB=${PART_MB:-52}  # a part and the repository's tree together fit a 64 MiB transfer
 PY=${PYTHON:-python3}
+missing=()
+for tool in "$PY" unzip tar split sha256sum; do command -v "$tool" >/dev/null 2>&1 || missing+=("$tool"); done
+"$PY" -m pip --version >/dev/null 2>&1 || missing+=("pip for $PY ($PY -m ensurepip, or apt-get install python3-pip)")
+if (( ${#missing[@]} )); then
+  printf 'fetch_parts.sh: missing on this machine: %s\n' "${missing[@]}" >&2
+  exit 1
+fi
 plat="--python-version 3.12 --implementation cp --only-binary=:all:"
 for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
          manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 \
@@ -47,8 +56,8 @@ if [ "${NO_TE:-0}" != 1 ]; then
   if [ -n "${TE_TORCH_WHEEL:-}" ]; then
     cp "$TE_TORCH_WHEEL" "$D/b/te/"
   else
-    "$PY" -m pip download -q --no-deps --no-build-isolation --no-binary :all: -d "$D/b/te" \
-      transformer-engine-torch==2.20.2
+    # the sdist as published: pip download would build its metadata, which needs torch on this machine
+    "$PY" "$here/fetch_sdist.py" transformer-engine-torch 2.20.2 "$D/b/te" >/dev/null
   fi
 fi
 

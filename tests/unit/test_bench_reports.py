@@ -19,6 +19,7 @@ import _bench_common  # noqa: E402
     ("routes_decode_cpu", "rollouts"), ("weight_sync_4xH200_gpu", "weight_sync"), ("lora_sync_cpu", "weight_sync"),
     ("replay_overhead_2xH200", "keep_routing"), ("packing_cpu2core", "keep_routing"),
     ("routing_mismatch_1xH200", "keep_routing"), ("sampling_mask_payload", "keep_routing"),
+    ("image_build_cpu", "image"),
 ])
 def test_topic_of_a_report_name(name, topic):
     assert _bench_common.topic(name) == topic
