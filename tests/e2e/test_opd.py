@@ -29,8 +29,10 @@ def test_opd_run_trains_on_the_teachers_token_rewards(tmp_path):
     steps = [r for r in rows if "step_seconds" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     # distillation alone (reward_weight 0): every advantage is the token's teacher - student logprob, whose
-    # mean over the student's own samples estimates -KL(student || teacher) < 0
-    assert all(r["token_reward"] < 0 for r in steps), [r["token_reward"] for r in steps]
+    # mean over the student's own samples estimates -KL(student || teacher) < 0 (a step's few groups can
+    # land above 0: the run's mean cannot, by much)
+    rewards = [r["token_reward"] for r in steps]
+    assert sum(rewards) / len(rewards) < 0 and all(x != 0 for x in rewards), rewards
     last = steps[-1]
     assert last["rollout/scoring_teacher_groups"] >= last["rollout/groups_buffered"] > 0
     assert last["rollout/scoring_teacher_groups_failed"] == 0 and last.get("rollout/groups_reward_dropped", 0) == 0

@@ -11,6 +11,7 @@ import sys
 import time
 
 from mrl.cluster import slurm
+from mrl.sglang.keys import ENV_VAR as KEYS_ENV_VAR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
@@ -24,8 +25,10 @@ TINY_RUN = ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "engine=cpu", "tr
 
 
 def mrl_launch(cluster, args: list[str], *, env: dict | None = None, timeout: float = 300):
-    return subprocess.run([MRL, "launch", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**cluster.env, "OMP_NUM_THREADS": "1", **(env or {})})
+    """``mrl launch`` as from a fresh login shell: engine keys another test's run exported (a session fixture of
+    the integration tests) are not inherited, so each launch makes its run's own, inside its run directory."""
+    env = {k: v for k, v in {**cluster.env, "OMP_NUM_THREADS": "1", **(env or {})}.items() if k != KEYS_ENV_VAR}
+    return subprocess.run([MRL, "launch", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def read(path) -> str:
