@@ -29,6 +29,18 @@ def ckpt_dir(tmp_path_factory):
     return {p.value: make_tiny_model(str(root / p.value), p) for p in TinyPreset}
 
 
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The built CPU image's tag (``make image``), rebuilt from this tree first (cached layers: seconds when nothing
+    changed); the test is skipped, with the reason, only where no image exists (no podman, or never built)."""
+    from tests.container.podman import image_tag, missing_reason, rebuilt
+
+    tag = image_tag()
+    if reason := missing_reason(tag):
+        pytest.skip(reason)
+    return rebuilt(tag)
+
+
 def run_torchrun(module: str, args: list[str], nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
     return torchrun(module, args, nproc, timeout=timeout, cwd=REPO)
 

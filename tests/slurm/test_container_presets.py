@@ -15,7 +15,6 @@ import os
 
 import pytest
 
-from tests.container.podman import image_tag, missing_reason, rebuilt
 from tests.slurm.test_real_slurm import mrl_launch, read
 
 pytestmark = pytest.mark.container
@@ -26,14 +25,6 @@ STEPS = 2
 CPU_NODE = ["cluster.num_rollout_nodes=0", "cluster.gpus_per_node=0", "cluster.nproc_per_node=1",
             "cluster.exclusive=false", "cluster.time=00:30:00", "model=tiny", "parallel=tp1", "engine=cpu",
             f"train.steps={STEPS}", "train.prompts_per_step=4", "train.eval_every=0"]
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    tag = image_tag()
-    if reason := missing_reason(tag):
-        pytest.skip(reason)
-    return rebuilt(tag)
 
 
 @pytest.mark.parametrize("preset", ["slurm_pyxis", "slurm_apptainer"])
