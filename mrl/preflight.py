@@ -110,7 +110,12 @@ def check_data(cfg: Config, where: str) -> str | None:
         return None
     from mrl.data.checks import data_problem
 
-    return data_problem(cfg)
+    def tiny_tokenizer():  # what ``ensure_model`` will write
+        from mrl.models.tiny import PRESETS, TINY_CONTEXT, build_tokenizer
+
+        return build_tokenizer(PRESETS[cfg.model.tiny_preset]["vocab_size"]), TINY_CONTEXT
+
+    return data_problem(cfg, tiny_tokenizer)
 
 
 def check_eval_sets(cfg: Config, where: str) -> str | None:

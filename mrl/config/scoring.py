@@ -69,7 +69,7 @@ class TeacherConfig:
 
 @dataclass(kw_only=True)
 class ScoringConfig:
-    """How groups are scored (``mrl.scoring.build_scorer``): ``reward_weight * reward.fn`` (or the multi-turn
+    """How groups are scored (``mrl.rollout.scorers.build_scorer``): ``reward_weight * reward.fn`` (or the multi-turn
     environment's reward) + each of ``scorers`` by its weight + the teacher's per-token reverse KL."""
 
     reward_weight: float = 1.0
