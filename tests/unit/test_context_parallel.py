@@ -269,3 +269,114 @@ def test_loss_and_gradient_equal_cp1(monkeypatch, case, cp):
             acc += p.grad
     for got, p in zip(grads, ref_params):
         torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- layouts with CP: config validation and the preflight -------------------------------------------------------
+
+GOOD_LAYOUTS = {  # (overrides of ParallelConfig, world size): dense tp*cp*pp*dp, experts ep*etp*pp*edp
+    "cp2": (dict(cp=2), 2),
+    "cp2 x dp2": (dict(cp=2), 4),
+    "cp2 x tp2": (dict(cp=2, tp=2), 4),
+    "cp2 x ep2 (EP across the CP ranks)": (dict(cp=2, ep=2), 2),
+    "cp2 x ep4": (dict(cp=2, ep=4), 4),
+    "cp2 x pp2": (dict(cp=2, pp=2), 4),
+    "cp2 x tp2 x ep2 x etp1 x pp2": (dict(cp=2, tp=2, ep=2, etp=1, pp=2), 8),
+    "cp4 x tp2 x ep8 x etp1": (dict(cp=4, tp=2, ep=8, etp=1), 8),
+}
+
+BAD_LAYOUTS = {  # (overrides, world size, the key named, what the line says)
+    "cp2 x tp2 on 2 ranks": (dict(cp=2, tp=2), 2, "parallel.tp/pp/cp", "tp*pp*cp = 2*1*2 = 4"),
+    "cp2 on 3 ranks": (dict(cp=2), 3, "parallel.tp/pp/cp", "world size 3 is not divisible by tp*pp*cp"),
+    "cp2 x pp2 on 2 ranks": (dict(cp=2, pp=2), 2, "parallel.tp/pp/cp", "tp*pp*cp = 1*2*2 = 4"),
+    "cp2 x ep4 on 2 ranks": (dict(cp=2, ep=4), 2, "parallel.ep/etp/pp", "ep*etp*pp = 4*1*1 = 4"),
+    "cp2 x ep2 x pp2 on 6 ranks": (dict(cp=2, ep=2, pp=2), 6, "parallel.tp/pp/cp", "tp*pp*cp = 1*2*2 = 4"),
+    "cp2 x tp2 without sequence parallelism": (dict(cp=2, tp=2, sequence_parallel=False), 4,
+                                               "parallel.sequence_parallel", "must be true"),
+    "cp0": (dict(cp=0), 1, "parallel.cp", "must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOOD_LAYOUTS))
+def test_layouts_with_cp_that_megatron_builds_pass(name):
+    from mrl.config.schema import ParallelConfig
+
+    kw, world = GOOD_LAYOUTS[name]
+    p = ParallelConfig(**kw, world_size=world)
+    p.check_world_size(world)
+    assert world % p.model_parallel_size == 0 and p.local_world_size == world
+    assert p.check_model(num_experts=8, num_layers=4, num_query_groups=4) is None
+
+
+@pytest.mark.parametrize("name", sorted(BAD_LAYOUTS))
+def test_layouts_with_cp_that_cannot_be_built_name_the_keys(name):
+    from mrl.config.schema import ParallelConfig
+
+    kw, world, key, says = BAD_LAYOUTS[name]
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(**kw, world_size=world)
+    assert str(e.value).startswith(key + ":") and says in str(e.value), str(e.value)
+
+
+def test_cp_with_fp32_is_refused_by_the_config():
+    from mrl.config.load import compose
+
+    with pytest.raises(ValueError, match="parallel.cp: =2 with model.dtype=fp32: .*bf16 only"):
+        compose(["parallel.cp=2", "parallel.world_size=2"])
+    assert compose(["parallel.cp=2", "parallel.world_size=2", "model.dtype=bf16"]).parallel.cp == 2
+
+
+def test_the_preflight_refuses_cp_where_it_cannot_run(monkeypatch):
+    """No Transformer Engine, or TE and no GPU: one line naming parallel.cp, from the cheap checks (no torch
+    import); TE and a GPU pass; under ``mrl launch`` the nodes check."""
+    import glob
+    import importlib.util
+
+    from mrl import preflight
+    from mrl.config.load import compose
+
+    cfg = compose(["parallel.cp=2", "parallel.world_size=2", "model.dtype=bf16"])
+    real = importlib.util.find_spec
+
+    def host(te: bool, gpu: bool):
+        def find_spec(name, *a):
+            return (object() if te else None) if name == "transformer_engine" else real(name, *a)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"] if gpu and "nvidia" in pattern else [])
+
+    host(te=False, gpu=True)
+    assert preflight.check_context_parallel(cfg, preflight.LOCAL) == (
+        "parallel.cp=2: context parallelism needs Transformer Engine attention (megatron's local attention "
+        "supports parallel.cp=1 only) and transformer_engine is not installed; install it (pip install -e "
+        "'.[gpu]') or set parallel.cp=1")
+    assert preflight.check_context_parallel(cfg, preflight.SUBMIT) is None
+    host(te=True, gpu=False)
+    assert preflight.check_context_parallel(cfg, preflight.LOCAL).startswith(
+        "parallel.cp=2: context parallelism runs Transformer Engine's attention on GPUs and this host has none")
+    host(te=True, gpu=True)
+    assert preflight.check_context_parallel(cfg, preflight.LOCAL) is None
+    assert preflight.check_context_parallel(compose([]), preflight.LOCAL) is None
+    host(te=False, gpu=False)
+    assert preflight.check_context_parallel in preflight.CHEAP
+    lines = [m for c in preflight.CHEAP[:3] if (m := c(cfg, preflight.LOCAL))]
+    assert len(lines) == 1 and lines[0].startswith("parallel.cp=2: "), lines
+
+
+def test_mrl_check_refuses_cp_in_seconds(tmp_path):
+    """The issue's example: ``mrl check parallel.cp=2 parallel.world_size=2`` passed and the refusal came at the
+    first train step; now the config names parallel.cp (fp32, the default) and nothing is written."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    mrl = os.path.join(os.path.dirname(sys.executable), "mrl")
+    t0 = time.perf_counter()
+    p = subprocess.run([mrl, "check", "parallel.cp=2", "parallel.world_size=2", f"run_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "parallel.cp: =2 with model.dtype=fp32" in p.stderr, p.stderr[-2000:]
+    assert time.perf_counter() - t0 < 30
+    assert not (tmp_path / "run").exists()
