@@ -110,8 +110,7 @@ def replayed_logprobs(policy, layout, batch):
             del inst.get_replay_topk
     agree = torch.zeros(2, dtype=torch.float64, device=compat.DEVICE)
     for j, mb in enumerate(mbs):
-        positions = mb.cp.split.index if mb.cp is not None else None
-        valid = policy.replay.slice.rows(mb.data["valid"], positions) > 0
+        valid = policy.replay.slice.rows(mb.data["valid"], mb.positions) > 0
         for same in calls.values():  # one call per micro-batch and MoE layer, in micro-batch order
             agree[0] += same[j][valid].sum()
             agree[1] += valid.sum()

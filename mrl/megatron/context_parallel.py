@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mrl._compat.te import HAVE_TE
+from mrl.megatron import compat
 from mrl.megatron.parallel import GroupInfo
 
 
@@ -133,11 +134,6 @@ class CPSplit:
         dist.all_gather(parts, index, group=cp.group)
         return cls(index=index, order=torch.cat(parts), group=cp.group, size=cp.size, rank=cp.rank)
 
-    @classmethod
-    def of_positions(cls, positions: list[torch.Tensor], rank: int, group=None) -> "CPSplit":
-        """A split from every rank's positions as given (tests, and callers that hold them)."""
-        return cls(index=positions[rank], order=torch.cat(positions), group=group, size=len(positions), rank=rank)
-
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's positions of a per-token tensor (sequence axis ``dim``), in its token order."""
         return x.index_select(dim, self.index.to(x.device))
@@ -151,6 +147,19 @@ class CPSplit:
         if x_local.requires_grad:
             return _GatherPositions.apply(x_local, self.index.to(x_local.device), order, self.group, self.size)
         return _all_gather_positions(x_local.detach(), order, self.group, self.size)
+
+
+def check_runnable(parallel) -> None:
+    """Refuse ``parallel.cp`` > 1 in the process that would run it where it cannot (the preflight's check)."""
+    if why := parallel.context_parallel_problem(transformer_engine=HAVE_TE, gpu=compat.HAS_CUDA):
+        raise ContextParallelError(why)
+
+
+def packed_rows(longest: int, pack_max_len: int | None, *, tp: int, cp: int) -> tuple[int, int]:
+    """``(row length, slot alignment)`` of packed rows: under CP every sample's slot is a multiple of ``2 * cp``
+    (TE splits each packed sequence into ``2 * cp`` chunks) and rows split as ``padded_len`` says."""
+    align = 2 * cp if cp > 1 else 1
+    return padded_len(max(pack_max_len or 0, -(-longest // align) * align), tp=tp, cp=cp), align
 
 
 def padded_len(longest: int, *, tp: int, cp: int) -> int:

@@ -57,6 +57,11 @@ class MicroBatch:
     """Under context parallelism: this CP rank's inputs, targets and supports (``forward_backward`` makes them
     once per micro-batch)."""
 
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """This CP rank's sequence positions of the input, in its token order (None without CP)."""
+        return self.cp.split.index if self.cp is not None else None
+
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -170,7 +175,7 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
     def forward_step(_data_iterator, m):
         mb = next(it)
         if driver is not None:
-            driver.before_forward(mb.routes, mb.cp.split.index if mb.cp is not None else None)
+            driver.before_forward(mb.routes, mb.positions)
         # full-vocab logits only where a sampling support needs them; else the vocab-parallel log-softmax
         out = m(**_model_inputs(mb), runtime_gather_output=mb.support is not None)
         if driver is not None:

@@ -69,7 +69,7 @@ def test_unpacked_split_of_every_per_token_tensor_is_megatrons(monkeypatch, cp):
         index = megatron_positions(s, None, group)
         monkeypatch.undo()
         assert index.tolist() == zigzag_positions(s, cp, rank).tolist()  # the documented rule, written out
-        split = CPSplit.of_positions([zigzag_positions(s, cp, r) for r in range(cp)], rank)
+        split = _splits(s, cp)[rank]
         for key, x in batch.items():
             assert torch.equal(split.split(x), want[key]), (cp, rank, key)
 
@@ -171,8 +171,9 @@ class _Ranks:
 
 
 def _splits(s: int, cp: int, cu=None) -> list[CPSplit]:
+    """Every simulated rank's split (what ``CPSplit.build`` makes on that rank)."""
     pos = [zigzag_positions(s, cp, r, cu) for r in range(cp)]
-    return [CPSplit.of_positions(pos, r) for r in range(cp)]
+    return [CPSplit(index=pos[r], order=torch.cat(pos), group=None, size=cp, rank=r) for r in range(cp)]
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -380,3 +381,20 @@ def test_mrl_check_refuses_cp_in_seconds(tmp_path):
     assert "parallel.cp: =2 with model.dtype=fp32" in p.stderr, p.stderr[-2000:]
     assert time.perf_counter() - t0 < 30
     assert not (tmp_path / "run").exists()
+
+
+def test_the_trainer_refuses_cp_where_te_attention_cannot_run(monkeypatch):
+    """The process that would build megatron's config (``model.transformer_config``) refuses as the preflight
+    does: without TE, or without a GPU; with both it builds."""
+    from mrl.config.schema import ParallelConfig
+
+    p = ParallelConfig(cp=2, world_size=2)
+    for te, gpu, says in [(False, True, "transformer_engine is not installed"), (True, False, "this host has none")]:
+        monkeypatch.setattr(cpm, "HAVE_TE", te)
+        monkeypatch.setattr(cpm.compat, "HAS_CUDA", gpu)
+        with pytest.raises(cpm.ContextParallelError, match=says):
+            cpm.check_runnable(p)
+        cpm.check_runnable(ParallelConfig())
+    monkeypatch.setattr(cpm, "HAVE_TE", True)
+    monkeypatch.setattr(cpm.compat, "HAS_CUDA", True)
+    assert cpm.check_runnable(p) is None
