@@ -150,7 +150,7 @@ TOPICS = (
     ("replay_overhead", "keep_routing"), ("packing", "keep_routing"), ("routing_mismatch", "keep_routing"),
     ("sampling_mask_payload", "keep_routing"),
     ("mrl_train", "learning"), ("parity", "parity"), ("checkpoint_save", "checkpoints"),
-    ("export_time", "checkpoints"), ("image_build", "image"),
+    ("export_time", "checkpoints"), ("image_build", "image"), ("context_parallel", "context_parallel"),
 )
 """Report name prefix -> its folder under ``bench/reports/`` (the first prefix that matches; a bench whose
 name matches none is refused: add it here, tests/unit/test_bench_reports.py checks every bench's name)."""

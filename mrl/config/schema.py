@@ -204,6 +204,10 @@ class Config:
                   "what the trainer computes (bf16 base + adapter) and were never tested here; use null")
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
+        if self.parallel.cp > 1 and self.model.dtype != DType.bf16:
+            _fail("parallel.cp", f"={self.parallel.cp} with model.dtype={self.model.dtype.value}: Transformer "
+                  "Engine's context-parallel attention runs in its flash/fused kernels, bf16 only; set "
+                  "model.dtype=bf16 or parallel.cp=1")
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "
