@@ -205,7 +205,7 @@ def main() -> int:
         result["teacher_scored_over_rollout"] = result["engines"]["summary"]["teacher_scored_over_rollout"]["median"]
     name = f"opd_cost_{slug(device_name())}"
     out = a.out or os.path.join(REPORTS, "loop", f"{time.strftime('%Y-%m-%d', time.gmtime())}_{name}.json")
-    dump(result, out, name=name)
+    dump(result, out, name=f"opd_cost_{slug(device_name())}")
     return 0
 
 

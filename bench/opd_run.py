@@ -68,6 +68,21 @@ def teacher_from_run(run_dir: str, dest: str, base: list[str], eval_set: str) ->
                 "rl_steps": len(got["rewards"])}
 
 
+def run_or_reuse(recipe: str, arm: tuple[str, list[str]], seed: int, sets: list[str], run_dir: str, set_name: str,
+                 timeout: float, steps: int) -> dict:
+    """``recipe_run.run_one``, or a finished run of the same name kept from before (``--keep``): its figures are
+    read back, the wall time from its log's and config's modification times."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        rows = [json.loads(x) for x in open(metrics)]
+        if max((r["step"] for r in rows if "step_seconds" in r), default=0) >= steps:
+            wall = os.path.getmtime(run_dir + ".log") - os.path.getmtime(os.path.join(run_dir, "config.yaml"))
+            print(f"[bench] {arm[0]} seed {seed}: kept run {run_dir}", file=sys.stderr, flush=True)
+            return {"variant": arm[0], "seed": seed, "overrides": arm[1], "wall_seconds": wall, "reused": True,
+                    **summarize(rows, set_name)}
+    return run_one(recipe, arm, seed, sets, run_dir, set_name, timeout)
+
+
 def plot(runs: list[dict], targets: dict[int, float], path: str, title: str) -> None:
     import matplotlib
 
@@ -114,7 +129,8 @@ def main() -> int:
     ap.add_argument("--eval-set", default="heldout")
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side: a seed's arms together")
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--keep", default=None, help="a folder to keep the run directories and logs in")
+    ap.add_argument("--keep", default=None, help="a folder to keep the run directories and logs in (a finished run "
+                    "found there is read back, not run again)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     tmp = a.keep or tempfile.mkdtemp(prefix="mrl-opd-")
@@ -139,8 +155,8 @@ def main() -> int:
         arms.append((name, [*student, *(o.replace("{teacher}", teacher) for o in spec.split(",") if o)]))
     jobs = [(arm, s) for s in a.seeds for arm in arms]
     with ThreadPoolExecutor(max_workers=a.parallel) as pool:
-        runs = list(pool.map(lambda j: run_one(a.recipe, j[0], j[1], sets, os.path.join(tmp, f"{j[0][0]}_s{j[1]}"),
-                                               a.eval_set, a.timeout), jobs))
+        runs = list(pool.map(lambda j: run_or_reuse(a.recipe, j[0], j[1], sets, os.path.join(tmp, f"{j[0][0]}_s{j[1]}"),
+                                                    a.eval_set, a.timeout, a.steps), jobs))
     for r in runs:  # the step rows again, for the token rewards and step times summarize() leaves out
         rows = [json.loads(x) for x in open(os.path.join(tmp, f"{r['variant']}_s{r['seed']}", "metrics.jsonl"))]
         steps = [x for x in rows if "step_seconds" in x]
@@ -182,7 +198,7 @@ def main() -> int:
     out = a.out or os.path.join(REPORTS, "learning", f"{time.strftime('%Y-%m-%d', time.gmtime())}_{name}.json")
     plot(runs, targets, out.removesuffix(".json") + ".png",
          f"+experiment={a.recipe}: OPD from an mrl-trained teacher vs GRPO alone, {device_name()}")
-    dump(result, out, name=name)
+    dump(result, out, name=f"mrl_train_opd_{a.recipe}_{slug(device_name())}")
     return 0
 
 
