@@ -637,6 +637,11 @@ def _ws_cpu_tp1(d):
     return min(ws_ratio(r) for r in d["rows"] if r["layout"] == "tp1")
 
 
+def _opd_steps(d):
+    """OPD's steps to target over GRPO's; never reaching it counts as infinitely many."""
+    return d["opd_over_grpo_steps"] if d["opd_over_grpo_steps"] is not None else float("inf")
+
+
 _KR = "keep_routing/2026-11-29_gpu_replay_overhead_2xH200_16reps_paired.json"
 _R9 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_2xH200_"
 _R1 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_1xH200_tp1_mbs2_fused_logprob_profile.json"
@@ -690,6 +695,12 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
      "learning/2026-12-07_mrl_train_recipe_countdown_cpu2core.json",
      lambda d: d["summary"]["default"]["lift_median"],
      "2-core CPU, tiny model, sampled pass@1 (8 samples on 87 held-out problems), median over 3 seeds"),
+    ("OPD: steps to the GRPO run's final held-out pass@1 / GRPO's steps, CPU", "<=", 0.5,
+     "learning/2026-12-07_mrl_train_opd_countdown_cpu2core.json", _opd_steps,
+     "2-core CPU, countdown, tiny model, teacher from the recipe (held-out pass@1 0.55), 200 steps, 1 seed"),
+    ("scoring keeps pace: loop trained tokens/s with a teacher pool of equal size / without, CPU", ">=", 0.9,
+     "loop/2026-12-07_opd_cost_cpu2core.json", lambda d: d["loop_with_scoring_vs_without"],
+     "2-core CPU under a load of 30-45, default run, median of 8 paired window ratios (p25-p75 0.91-1.27)"),
     ("seconds for mrl export of the 30B-A3B slice, one GPU host", "<=", 120,
      "checkpoints/2026-12-07_export_time_qwen3_30b_a3b_l8_none_1xH100.json",
      lambda d: d["export_wall_s"]["median"], "1x H100, 8-layer slice (11.2 GB), process start to exit, cold cache"),
