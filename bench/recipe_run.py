@@ -81,11 +81,11 @@ def summarize(rows: list[dict], set_name: str) -> dict:
 
 
 def run_one(recipe: str, variant: tuple[str, list[str]], seed: int, sets: list[str], run_dir: str,
-            set_name: str, timeout: float, delay: float = 0.0) -> dict:
+            set_name: str, timeout: float, delay: float = 0.0, save_hf: bool = False) -> dict:
     name, overrides = variant
     time.sleep(delay)
     cmd = [*mrl_command(), "train", f"+experiment={recipe}", f"run_dir={run_dir}", f"seed={seed}",
-           "train.save_hf=false", *sets, *overrides]
+           f"train.save_hf={str(save_hf).lower()}", *sets, *overrides]
     t0 = time.monotonic()
     with open(run_dir + ".log", "w") as log:
         p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
