@@ -132,3 +132,29 @@ def test_preflight_refuses_a_prm_with_another_tokenizer_or_a_long_verdict(ckpt_d
     ref = check_scoring(compose([f"model.hf_path={student}", "scoring=reference", "algo.kl_coef=0.1",
                                  "train.sft_warmup_steps=0", f"scoring.reference.hf_path={tmp_path}/none"]), "local")
     assert "scoring.reference.hf_path" in ref and "no config.json there" in ref
+
+
+def test_token_ids_logprobs_of_a_recorded_reply_parse():
+    """A reply of SGLang 0.5.14 (CPU engine, tiny model) to ``token_ids_logprob=[10, 11]``, ``logprob_start_len=3``
+    over 9 input tokens and one generated token."""
+    from mrl.sglang.protocol import EngineProtocolError, parse_generate_item
+
+    def triples(*rows):
+        return [None if r is None else [[lp, i, None] for lp, i in r] for r in rows]
+
+    meta = {"id": "x", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 9, "weight_version": "0",
+            "output_token_logprobs": [[-5.87388801574707, 204, None]], "completion_tokens": 1,
+            "input_token_logprobs": [[None, 99, None], [-6.727114677429199, 7, None]],
+            "input_token_ids_logprobs": triples(None, [(-6.457690715789795, 10), (-6.206318378448486, 11)],
+                                                [(-6.374074935913086, 10), (-6.2595534324646, 11)]),
+            "output_token_ids_logprobs": triples([(-6.605319976806641, 10), (-6.3105268478393555, 11)])}
+    out = parse_generate_item({"output_ids": [204], "meta_info": meta}, ("http://x", "/generate"))
+    assert out.input_token_ids_logprobs == [None, {10: -6.457690715789795, 11: -6.206318378448486},
+                                            {10: -6.374074935913086, 11: -6.2595534324646}]
+    assert out.output_token_ids_logprobs == [{10: -6.605319976806641, 11: -6.3105268478393555}]
+    with pytest.raises(EngineProtocolError, match="a generated position has none"):
+        parse_generate_item({"output_ids": [204], "meta_info": meta | {"output_token_ids_logprobs": [None]}},
+                            ("http://x", "/generate"))
+    with pytest.raises(EngineProtocolError, match="not a log-probability"):
+        parse_generate_item({"output_ids": [204], "meta_info": meta | {
+            "output_token_ids_logprobs": triples([(0.5, 10), (-1.0, 11)])}}, ("http://x", "/generate"))
