@@ -109,8 +109,8 @@ class Policy:
             warnings.warn(LOCAL_SPEC_ON_GPU)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.fused_logprob = cfg.train.fused_logprob
-        self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 else None
-        """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
+        self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 and not cfg.scoring.reference.enabled else None
+        """KL reference weights swapped in for a forward per step; None: engines' (``RLBatch.ref_logp``)."""
         log.info("%s", describe_update(cfg.algo))
         self.collector = StepCollector(freeze=t.gc_freeze, interval=t.gc_interval)
         self.collector.after_setup()
@@ -181,7 +181,7 @@ class Policy:
         size = len(idx)
         ids = torch.zeros(size, width, dtype=torch.long)
         mask = torch.zeros(size, width - 1)
-        behav = torch.zeros(size, width - 1)
+        behav, ref = torch.zeros(size, width - 1), None if batch.ref_logp is None else torch.zeros(size, width - 1)
         adv = torch.zeros(size, width - 1) if batch.token_advantages is not None else torch.zeros(size)
         valid = torch.zeros(size, width)  # rows the engine routed: every token but the last
         lag = torch.zeros(size, width - 1, dtype=torch.int32) if version is not None and batch.versions else None
@@ -200,6 +200,8 @@ class Policy:
                     raise ValueError(f"sample {i}: loss mask of {len(trained)} tokens for {resp} response tokens")
                 mask[b, p - 1:p - 1 + resp] = _host(trained, np.float32)
             behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[at][:resp], np.float32)
+            if ref is not None:  # the reference engines' logprobs, in the loss layout like behav
+                ref[b, p - 1:p - 1 + resp] = _host(batch.ref_logp[at][:resp], np.float32)
             if batch.token_advantages is not None:  # per token, in the loss layout like behav
                 adv[b, p - 1:p - 1 + resp] = _host(batch.token_advantages[at][:resp], np.float32)
             else:
@@ -234,6 +236,7 @@ class Policy:
         data = {"mask": dev(mask), "behav": dev(behav), "adv": dev(adv), "valid": dev(valid)}
         if lag is not None:
             data["lag"] = dev(lag)
+        data |= {"ref": dev(ref)} if ref is not None else {}
         return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None, data,
                           packing=pk, support=dev(support_t) if support_t is not None else None, samples=list(idx))
 
@@ -259,10 +262,7 @@ class Policy:
         passes = dict(vocab_size=self.bridge.vocab_size, driver=driver, support=self.support_spec,
                       temperature=self.temperature, fused_logprob=self.fused_logprob)
         if self.reference is not None:  # same micro-batches and routes, the reference's weights
-            with self.reference.swapped_in(self.module):
-                for mbs in plans:
-                    for mb, o in zip(mbs, forward_backward(self.model, self.layout, mbs, forward_only=True, **passes)):
-                        mb.data["ref"] = o["logprobs"]
+            self.reference.fill(self.model, self.layout, plans, passes)
         before = minibatch.old_logprobs(self, plans, passes)
         norms = minibatch.loss_normalizers(self, batch, plans, before, normalizer)
 
