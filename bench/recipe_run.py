@@ -22,7 +22,8 @@ training reward's trailing mean over ``--target-window`` steps first reaches T (
 gives, per variant, the lift (end - start) of every run and its median, the steps to the target of every run and
 their median (a run that never reached it counts as beyond every other), and the clip fractions' median and mean
 over every step of its runs; ``--group NAME=KEY`` adds ``steps_to_<T%>_by_<NAME>``: the steps to the target by the
-value of override KEY in each variant.
+value of override KEY in each variant. ``--reuse`` reads the runs under ``--keep`` that finished (a call cut short
+goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -124,25 +125,34 @@ def summarize(rows: list[dict], set_name: str, target: float | None = None, wind
 
 
 def run_one(recipe: str, variant: tuple[str, list[str]], seed: int, sets: list[str], run_dir: str,
-            set_name: str, timeout: float, delay: float = 0.0, target: float | None = None, window: int = 5) -> dict:
+            set_name: str, timeout: float, delay: float = 0.0, target: float | None = None, window: int = 5,
+            reuse: bool = False) -> dict:
     name, overrides = variant
-    time.sleep(delay)
     experiment = [] if recipe == "default" else [f"+experiment={recipe}"]
     cmd = [*mrl_command(), "train", *experiment, f"run_dir={run_dir}", f"seed={seed}",
            "train.save_hf=false", *sets, *overrides]
-    t0 = time.monotonic()
-    with open(run_dir + ".log", "w") as log:
-        p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                           stderr=subprocess.STDOUT, timeout=timeout)
-    wall = time.monotonic() - t0
-    if p.returncode:
-        tail = open(run_dir + ".log").read()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{tail}")
+    wall_file = run_dir + ".wall_seconds"
+    if reuse and os.path.exists(os.path.join(run_dir, "summary.json")):  # written as a run ends
+        wall = float(open(wall_file).read()) if os.path.exists(wall_file) else None
+        print(f"[bench] {name} seed {seed}: the finished run in {run_dir} is read, not run again", file=sys.stderr)
+    else:
+        time.sleep(delay)
+        t0 = time.monotonic()
+        with open(run_dir + ".log", "w") as log:
+            p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
+                               stderr=subprocess.STDOUT, timeout=timeout)
+        wall = time.monotonic() - t0
+        if p.returncode:
+            tail = open(run_dir + ".log").read()[-3000:]
+            raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{tail}")
+        with open(wall_file, "w") as f:
+            f.write(str(wall))
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     got = summarize(rows, set_name, target, window)
     reached = f", steps to target {got['steps_to_target']}" if target is not None else ""
     print(f"[bench] {name} seed {seed}: pass@1 {got['heldout_pass_at_1_start']:.3f} -> "
-          f"{got['heldout_pass_at_1_end']:.3f}{reached}, wall {wall:.0f} s", file=sys.stderr, flush=True)
+          f"{got['heldout_pass_at_1_end']:.3f}{reached}" + (f", wall {wall:.0f} s" if wall is not None else ""),
+          file=sys.stderr, flush=True)
     return {"variant": name, "seed": seed, "overrides": overrides, "wall_seconds": wall, **got}
 
 
@@ -238,6 +248,9 @@ def main() -> int:
     ap.add_argument("--note", default=None, help="recorded in the report as is (e.g. the statistic fixed before the "
                     "runs)")
     ap.add_argument("--keep", default=None, help="a folder to keep the run directories and logs in")
+    ap.add_argument("--reuse", action="store_true",
+                    help="a run whose directory under --keep holds a finished run is read instead of run again (its "
+                         "process wall time where an earlier call recorded it, else null)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in a.variant] \
@@ -250,7 +263,7 @@ def main() -> int:
         runs = list(pool.map(lambda ij: run_one(a.recipe, ij[1][0], ij[1][1], sets,
                                                 os.path.join(tmp, f"{ij[1][0][0]}_s{ij[1][1]}"), a.eval_set, a.timeout,
                                                 delay=(ij[0] % a.parallel) * a.stagger if ij[0] < a.parallel else 0.0,
-                                                target=a.target, window=a.target_window),
+                                                target=a.target, window=a.target_window, reuse=a.reuse),
                              enumerate(jobs)))
     summary = {}
     for name, _ in variants:
