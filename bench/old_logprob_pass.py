@@ -183,7 +183,7 @@ def main() -> None:
           f"{100 * result['old_logprob_pass_vs_step']:.1f}% of the RL step without it "
           f"(median of {a.pairs} pairs, p25-p75 {100 * q[0]:.1f}-{100 * q[2]:.1f}%)")
     what = f"_{a.shape}_l{a.layers}" if a.shape else ""
-    dump(result, a.json, name=f"old_logprob_pass{what}_{slug(device_name())}" if gpu else "old_logprob_pass")
+    dump(result, a.json, name=f"old_logprob_pass{what}{'_' + slug(device_name()) if gpu else ''}")
 
 
 if __name__ == "__main__":

@@ -297,7 +297,7 @@ def main() -> int:
     what = "the default run" if a.recipe == "default" else f"+experiment={a.recipe}"
     plot(runs, out.removesuffix(".json") + ".png", f"{what} {' '.join(a.set)} on {device_name()}", a.target)
     dump({"recipe": a.recipe, "sets": a.set, "eval_set": a.eval_set, **extra, "summary": summary, "runs": runs},
-         out, name=name)
+         out, name=f"mrl_train_{a.name or 'recipe_' + a.recipe}_{slug(device_name())}")
     return 0
 
 
