@@ -7,9 +7,10 @@ The trainer side is mrl's real one: megatron model, ``FullWeightChannel`` with `
 each repetition every mode runs once (their order rotated), each sync with ``--requests`` streamed greedy
 requests decoding in the engine. A request's tokens arrive one per decode step; the generation pause of a sync
 is, per request, the longest wait between two of its tokens around the sync, less its median wait (one decode
-step), and the figure is the median over the requests. ``abort``: the pause returns each request's partial
-output; it is resubmitted as prompt + partial right after the sync, as the rollout manager does, so the wait
-runs from its last token before the abort to its first token after the resubmission (the re-prefill included).
+step), and the figure is the median over the requests. ``abort``: as in the loop, the requests are drained
+first (aborted, their partial outputs back), then the sync runs and each is resubmitted as prompt + partial, as
+the rollout manager does; the wait runs from its last token before the abort to its first token after the
+resubmission (the drain and the re-prefill included).
 Every token's version tag is checked: tokens that arrived before the sync began were made by the old weights,
 those after it ended by the new ones (``version_errors`` counts the others).
 """
@@ -60,6 +61,8 @@ class Stream:
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
+                if "meta_info" not in chunk:
+                    raise RuntimeError(f"{self.rid}: the engine streamed {chunk!r:.300}")
                 meta = chunk["meta_info"]
                 now = time.perf_counter()
                 n = offset + meta["completion_tokens"]
@@ -90,29 +93,36 @@ class Stream:
         return errs
 
 
-async def _until(streams, tokens: int, timeout: float = 600.0) -> None:
+async def _until(streams, tokens: int, tasks=(), timeout: float = 600.0) -> None:
+    """Until every stream has ``tokens`` tokens; a stream that failed (``tasks``) raises its error."""
     deadline = time.monotonic() + timeout
     while min(s.tokens() for s in streams) < tokens:
+        for t in tasks:
+            if t.done() and t.exception() is not None:
+                raise t.exception()
         if time.monotonic() > deadline:
             raise TimeoutError(f"requests did not reach {tokens} tokens")
         await asyncio.sleep(0.005)
 
 
-def one_sync(io: LoopThread, client: EngineClient, syncer: FullWeightChannel, mode: str, version: int, a) -> dict:
+def one_sync(io: LoopThread, client: EngineClient, syncer: FullWeightChannel, mode: str, version: int, vocab: int,
+             a) -> dict:
     gen = torch.Generator().manual_seed(version)
-    streams = [Stream(client, torch.randint(3, 1000, (a.prompt_len,), generator=gen).tolist(), a.new,
+    streams = [Stream(client, torch.randint(3, vocab, (a.prompt_len,), generator=gen).tolist(), a.new,
                       f"inflight-v{version}-{i}") for i in range(a.requests)]
     tasks = [io.submit(s.run()) for s in streams]
-    io.submit(_until(streams, a.before)).result(900)
+    io.submit(_until(streams, a.before, tasks)).result(900)
     syncer.pause_mode = mode
     t0 = time.perf_counter()
-    rep = syncer.sync(str(version))
-    t1 = time.perf_counter()
-    if mode == "abort":  # the requests came back partial: resubmitted as prompt + partial output
+    if mode == "abort":  # the loop's drain: abort every request and wait for their partial outputs
+        io.submit(client.abort(abort_all=True)).result(60)
         for t in tasks:
             t.result(60)
+    rep = syncer.sync(str(version))
+    t1 = time.perf_counter()
+    if mode == "abort":  # resubmitted as prompt + partial output, as the rollout manager does
         tasks = [io.submit(s.run(len(s.ids), list(s.ids))) for s in streams]
-    io.submit(_until(streams, a.before + a.after)).result(900)
+    io.submit(_until(streams, a.before + a.after, tasks)).result(900)
     io.submit(client.abort(abort_all=True)).result(60)
     for t in tasks:
         try:
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new", type=int, default=4096, help="each request's budget (never reached: aborted after)")
+    ap.add_argument("--new", type=int, default=1024, help="each request's budget (never reached: aborted after)")
     ap.add_argument("--before", type=int, default=16, help="tokens each request has when the sync starts")
     ap.add_argument("--after", type=int, default=16, help="tokens each request gets after it, before the abort")
     ap.add_argument("--out", required=True)
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             version += 1
             if layout.world_rank == 0:
-                row = one_sync(io, client, syncer, mode, version, a)
+                row = one_sync(io, client, syncer, mode, version, m.bridge.vocab_size, a)
                 row["warmup"] = rep == 0
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new", type=int, default=None, help="each request's budget (null: 1024, CPU 200)")
     ap.add_argument("--before", type=int, default=16)
     ap.add_argument("--after", type=int, default=16)
     ap.add_argument("--report", default=None, help="report path (default: bench/reports/weight_sync/...)")
@@ -87,6 +88,7 @@ def main() -> int:
                os.path.join(HERE, "_inflight_worker.py"), "--hf", hf, "--dtype", "fp32" if a.cpu else "bf16",
                "--engine", f"{engine.url}@1", "--transport", transport, "--modes", a.modes, "--reps", str(a.reps),
                "--requests", str(a.requests), "--prompt-len", str(a.prompt_len), "--before", str(a.before),
+               "--new", str(a.new or (200 if a.cpu else 1024)),
                "--after", str(a.after), "--out", path]
         subprocess.run(cmd, env=env, check=True, timeout=3600)
         with open(path) as f:
