@@ -20,7 +20,7 @@ from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, P
 from mrl.config.algo import (AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig,
                              OldLogprobs)
 from mrl.config.data import HF_TASK, BadRowPolicy, DataConfig, DataFormat, RewardConfig, RewardExecutor, RewardOnError
-from mrl.config.weight_sync import WeightTransport, WeightSyncConfig
+from mrl.config.weight_sync import PauseMode, WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
 from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, StalePolicy, TrainConfig, TrackingConfig,
                               LOGGERS)
@@ -58,6 +58,7 @@ __all__ = [
     "LossType",
     "OldLogprobs",
     "ModelConfig",
+    "PauseMode",
     "ParallelConfig",
     "RewardConfig",
     "RewardExecutor",
@@ -166,6 +167,18 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Project and run names of the trackers, offline mode."""
 
+    def _check_pause_mode(self) -> None:
+        """``weight_sync.pause_mode`` retract / in_place: refused where it cannot hold its promises."""
+        mode = self.weight_sync.pause_mode.value
+        if self.model.lora.enabled:
+            _fail("weight_sync.pause_mode", f"={mode} with model.lora: a LoRA run never pauses the engines (each "
+                  "adapter version is served beside the older ones, requests finish on the version they began "
+                  "with); leave pause_mode=abort")
+        if self.engine.dp > 1:
+            _fail("weight_sync.pause_mode", f"={mode} with engine.dp={self.engine.dp}: an in-flight update tags "
+                  "each token in the scheduler that ran it, and SGLang's data-parallel controller in front of "
+                  "several schedulers was never tested with it; use abort, or more engines of dp=1")
+
     @property
     def samples_per_step(self) -> int:
         """Samples in a step's batch: train.prompts_per_step groups of rollout.n_samples_per_prompt."""
@@ -204,6 +217,8 @@ class Config:
         if e.quantization == "fp8" and self.model.lora.enabled:
             _fail("engine.quantization", "=fp8 with model.lora: SGLang's LoRA layers over a block-FP8 base are not "
                   "what the trainer computes (bf16 base + adapter) and were never tested here; use null")
+        if self.weight_sync.pause_mode != PauseMode.abort:
+            self._check_pause_mode()
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
         if self.parallel.cp > 1 and self.model.dtype != DType.bf16:

@@ -289,10 +289,16 @@ class EngineClient:
                                       ok=(200, 400))
         return parse_success(data, (self.url, ep))
 
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> str:
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                       flush_cache: bool = True) -> str:
+        """``flush_cache``: SGLang's default flushes the cache after the load, which fails an assert in the
+        scheduler (and kills it) while requests are held by a retract/in-place pause."""
         ep = "/update_weights_from_disk"
-        _, data, _ = await self._call("POST", ep, json={"model_path": model_path, "weight_version": weight_version},
-                                      timeout=self.timeouts.weight_update, admin=True, ok=(200, 400))
+        if flush_cache and self.paused in ("retract", "in_place"):
+            raise EngineGuardError(self.url, ep, f"flush_cache=True while paused in {self.paused!r} mode")
+        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
+        _, data, _ = await self._call("POST", ep, json=body, timeout=self.timeouts.weight_update, admin=True,
+                                      ok=(200, 400))
         return parse_success(data, (self.url, ep))
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:

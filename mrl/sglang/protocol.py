@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mrl.sglang.wire import TOKEN_VERSIONS_KEY
+
 
 class EngineError(RuntimeError):
     """Base of every engine-side failure; carries the engine URL and endpoint."""
@@ -81,6 +83,8 @@ class GenerateOutput:
     there (None where the engine gives none: the first position)."""
     output_token_ids_logprobs: list[dict[int, float]] | None = None
     """With ``token_ids_logprob``: per output position, the asked ids' logprobs there."""
+    token_versions: list[int | str] | None = None
+    """Per output token, the version of the weights that produced it (engines with mrl's in-flight patch)."""
 
 
 def _req(d: dict, key: str, typ, where: str, ctx: tuple[str, str]):
@@ -188,12 +192,17 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
     completion = _count(meta, "completion_tokens", ctx, len(ids))
     if completion != len(ids):
         raise EngineProtocolError(*ctx, f"meta_info.completion_tokens={completion} but {len(ids)} output_ids")
+    tags = meta.get(TOKEN_VERSIONS_KEY)
+    if tags is not None and (not isinstance(tags, list) or len(tags) != len(ids) or not all(
+            isinstance(t, (int, str)) and not isinstance(t, bool) for t in tags)):
+        raise EngineProtocolError(*ctx, f"meta_info.{TOKEN_VERSIONS_KEY}: expected one version per output token "
+                                  f"({len(ids)}), got {tags!r:.120}")
     return GenerateOutput(
         rid=rid, output_ids=list(ids), output_logprobs=lps, finish=finish, weight_version=version,
         prompt_tokens=_count(meta, "prompt_tokens", ctx), completion_tokens=completion,
         cached_tokens=_count(meta, "cached_tokens", ctx),
         total_retractions=_count(meta, "total_retractions", ctx) or 0,
-        routed_experts=routes, output_top_logprobs=top, input_logprobs=inp,
+        routed_experts=routes, output_top_logprobs=top, input_logprobs=inp, token_versions=tags,
         input_token_ids_logprobs=ids_in, output_token_ids_logprobs=ids_out,
     )
 
