@@ -199,19 +199,6 @@ def _starts_engines(cfg: Config) -> bool:
     return not (eng.urls or eng.url_dir)
 
 
-def check_pause_mode(cfg: Config, where: str) -> str | None:
-    """``weight_sync.pause_mode`` retract / in_place keep requests running across a sync; only engines with
-    mrl's patches tag each token with the version of the weights that produced it (``mrl.engine.server.patches``):
-    the ones the job starts, and ``mrl engine`` on cluster nodes (``engine.url_dir``), not engines given by URL."""
-    mode = cfg.weight_sync.pause_mode.value
-    if mode != "abort" and cfg.engine.urls:
-        return (f"weight_sync.pause_mode={mode} with engine.urls: engines attached by URL may lack mrl's engine "
-                "patches that tag each token with the version of the weights that produced it, so the versions of "
-                "requests running across a sync could not be known; let the job start the engines, start them "
-                "with `mrl engine` (engine.url_dir), or use pause_mode=abort")
-    return None
-
-
 def check_gpu_stack(cfg: Config, where: str) -> str | None:
     """GPU engines started here need SGLang's GPU kernels and a GPU (what ``gpu_mode.check_gpu_stack`` later
     proves by loading them, in a child process: seconds, so not here)."""
@@ -500,7 +487,7 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
 
 
 CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_context_parallel, check_data, check_eval_sets,
-                            check_reward_fn, check_env_fn, check_pause_mode, check_gpu_stack, check_ports,
+                            check_reward_fn, check_env_fn, check_gpu_stack, check_ports,
                             check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 

@@ -226,6 +226,12 @@ class Config:
                   "Engine's context-parallel attention runs in its flash/fused kernels, bf16 only; set "
                   "model.dtype=bf16 or parallel.cp=1")
         check_reference(self)
+        if self.weight_sync.pause_mode.value != "abort" and self.engine.urls:
+            # only engines with mrl's patches (the job's, or `mrl engine`'s) tag each token with its weights' version
+            _fail("weight_sync.pause_mode", f"={self.weight_sync.pause_mode.value} with engine.urls: engines attached "
+                  "by URL may lack mrl's engine patches that tag each token with the version of the weights that "
+                  "produced it, so the versions of requests running across a sync could not be known; let the job "
+                  "start the engines, start them with `mrl engine` (engine.url_dir), or use pause_mode=abort")
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "
