@@ -103,6 +103,17 @@ def check_layout(cfg: Config, where: str) -> str | None:
     return None
 
 
+def check_context_parallel(cfg: Config, where: str) -> str | None:
+    """``parallel.cp`` > 1 runs only with Transformer Engine's attention on GPUs (the layouts it combines with
+    are ``ParallelConfig``'s and ``check_layout``'s). Where the trainer runs: here, or the nodes under
+    ``mrl launch``."""
+    if cfg.parallel.cp == 1 or where == SUBMIT:
+        return None
+    return cfg.parallel.context_parallel_problem(
+        transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
+        gpu=bool(glob.glob("/dev/nvidia[0-9]*")))
+
+
 def check_data(cfg: Config, where: str) -> str | None:
     """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met
     (``mrl.data.checks``)."""
@@ -110,7 +121,12 @@ def check_data(cfg: Config, where: str) -> str | None:
         return None
     from mrl.data.checks import data_problem
 
-    return data_problem(cfg)
+    def tiny_tokenizer():  # what ``ensure_model`` will write
+        from mrl.models.tiny import PRESETS, TINY_CONTEXT, build_tokenizer
+
+        return build_tokenizer(PRESETS[cfg.model.tiny_preset]["vocab_size"]), TINY_CONTEXT
+
+    return data_problem(cfg, tiny_tokenizer)
 
 
 def check_eval_sets(cfg: Config, where: str) -> str | None:
@@ -181,19 +197,6 @@ def check_env_fn(cfg: Config, where: str) -> str | None:
 def _starts_engines(cfg: Config) -> bool:
     eng = cfg.engine
     return not (eng.urls or eng.url_dir)
-
-
-def check_pause_mode(cfg: Config, where: str) -> str | None:
-    """``weight_sync.pause_mode`` retract / in_place keep requests running across a sync; only engines with
-    mrl's patches tag each token with the version of the weights that produced it (``mrl.engine.server.patches``):
-    the ones the job starts, and ``mrl engine`` on cluster nodes (``engine.url_dir``), not engines given by URL."""
-    mode = cfg.weight_sync.pause_mode.value
-    if mode != "abort" and cfg.engine.urls:
-        return (f"weight_sync.pause_mode={mode} with engine.urls: engines attached by URL may lack mrl's engine "
-                "patches that tag each token with the version of the weights that produced it, so the versions of "
-                "requests running across a sync could not be known; let the job start the engines, start them "
-                "with `mrl engine` (engine.url_dir), or use pause_mode=abort")
-    return None
 
 
 def check_gpu_stack(cfg: Config, where: str) -> str | None:
@@ -483,8 +486,9 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
             "run saves one at its end: put run_dir on a filesystem with room")
 
 
-CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_eval_sets, check_reward_fn, check_env_fn,
-                            check_pause_mode, check_gpu_stack, check_ports, check_loggers)
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_context_parallel, check_data, check_eval_sets,
+                            check_reward_fn, check_env_fn, check_gpu_stack, check_ports,
+                            check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 
 

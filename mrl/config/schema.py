@@ -26,7 +26,7 @@ from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, Stal
                               LOGGERS)
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.engine import EngineConfig
-from mrl.config.scoring import ScorerSpec, ScoringConfig, TeacherConfig
+from mrl.config.scoring import ScorerSpec, ScoringConfig, TeacherConfig, check_reference
 
 __all__ = [
     "AdvEstimator",
@@ -191,7 +191,9 @@ class Config:
         if len(set(self.logger)) != len(self.logger):
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
-        for key, pool in (("engine", e), ("scoring.teacher.engine", self.scoring.teacher.engine)):
+        sc = self.scoring
+        for key, pool in (("engine", e), ("scoring.teacher.engine", sc.teacher.engine),
+                          ("scoring.prm.engine", sc.prm.engine), ("scoring.reference.engine", sc.reference.engine)):
             if pool.cpu_mode and pool.dtype not in (None, "float32"):
                 _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
             if pool.dtype is None:
@@ -219,6 +221,17 @@ class Config:
             self._check_pause_mode()
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
+        if self.parallel.cp > 1 and self.model.dtype != DType.bf16:
+            _fail("parallel.cp", f"={self.parallel.cp} with model.dtype={self.model.dtype.value}: Transformer "
+                  "Engine's context-parallel attention runs in its flash/fused kernels, bf16 only; set "
+                  "model.dtype=bf16 or parallel.cp=1")
+        check_reference(self)
+        if self.weight_sync.pause_mode.value != "abort" and self.engine.urls:
+            # only engines with mrl's patches (the job's, or `mrl engine`'s) tag each token with its weights' version
+            _fail("weight_sync.pause_mode", f"={self.weight_sync.pause_mode.value} with engine.urls: engines attached "
+                  "by URL may lack mrl's engine patches that tag each token with the version of the weights that "
+                  "produced it, so the versions of requests running across a sync could not be known; let the job "
+                  "start the engines, start them with `mrl engine` (engine.url_dir), or use pause_mode=abort")
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "

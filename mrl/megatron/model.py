@@ -20,6 +20,7 @@ import torch
 from mrl._compat.te import HAVE_TE
 from mrl.config.schema import DType, GroupedGemm, ParallelConfig
 from mrl.megatron import compat
+from mrl.megatron.context_parallel import check_runnable
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
 from megatron.core.models.gpt import GPTModel
@@ -109,6 +110,7 @@ def use_grouped_gemm(kind: GroupedGemm) -> None:
 
 def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: DType = DType.fp32,
                        **overrides: Any) -> TransformerConfig:
+    check_runnable(parallel)  # context_parallel_size > 1 only where TE's CP attention runs
     parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
                          num_query_groups=bridge.num_query_groups)
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32

@@ -203,10 +203,11 @@ class LocalRollout(RolloutSide):
                                    tool_timeout_s=r.env.tool_timeout_s)
             self._episodes = lambda m: EpisodeRunner(m, self.tok, env_fn=env_fn, env_args=r.env.args, limits=limits)
             self.episodes = self._episodes(self.manager)
-        from mrl.scoring.build import build_scorer
+        from mrl.rollout.scorers import build_scorer
 
         # teacher engines (on-policy distillation) start booting here, while the first groups generate
-        self.group_scorer = build_scorer(cfg, self.scorer, episodes=self.episodes is not None, student_path=hf_path)
+        self.group_scorer = build_scorer(cfg, self.scorer, episodes=self.episodes is not None, student_path=hf_path,
+                                         side_engines=state.get("side_engines"))
         self.evaluator = self._evaluator(cfg, clients, sampling) if t.eval_every else None
         self._cache_seen = (0, 0)  # (prompt, cached) tokens at the last stats(): the hit rate is per step
         self.buffer = RolloutBuffer(max_staleness=t.max_staleness, drop_stale=t.stale_policy == StalePolicy.drop)

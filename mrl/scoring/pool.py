@@ -1,32 +1,47 @@
 """A pool of scoring engines (SGLang servers): started by the run or attached by URL, health-checked, the
 dead ones replaced, every call failed over to a live one.
 
-    pool = ScoringPool(cfg.scoring.teacher, model_path, log_dir="runs/x/engines", name="teacher").start()
+    pool = ScoringPool(cfg.scoring.teacher, engines=group, name="teacher").start()   # group: None = by URL
     logps = await pool.input_logprobs(token_ids, start=len(prompt_ids), rid="g3-s1")  # prefill only
+    verdicts = await pool.candidate_logprobs(token_ids, start=k, candidates=[plus, minus], rid="g3-s1")  # a PRM's
     pool.stats(); pool.close()
 
-Engines the run starts are the launcher's (``mrl.engine.launcher``: the run's keys, the same flags and
-health check as rollout engines), booting in the background: calls wait for the first healthy one. A call
-that fails on an engine (refused, reset, a 5xx, its limit passed) probes it (``mrl.sglang.client.liveness``);
-a dead or hung engine is taken out of rotation, killed and replaced (``mrl.engine.restart``, up to
-``max_restarts`` in all), and the call goes to another engine, or waits for the replacement. Engines
-given by URL are never restarted. With no engine left and none booting, ``NoScoringEngine`` stops the run;
-a call that failed ``max_retries + 1`` times raises ``ScoringError`` (its group is dropped).
+The servers the run starts come as an ``EngineSet`` (``mrl.engine.group.EngineGroup``, built on the trainer
+side with the run's keys and the same flags and health check as rollout engines), booting in the background:
+calls wait for the first healthy one. A call that fails on an engine (refused, reset, a 5xx, its limit
+passed) probes it (``mrl.sglang.client.liveness``); a dead or hung engine is taken out of rotation, killed
+and replaced by the set (up to its ``max_restarts`` in all), and the call goes to another engine, or waits
+for the replacement. Engines given by URL are never restarted. With no engine left and none booting,
+``NoScoringEngine`` stops the run; a call that failed ``max_retries + 1`` times raises ``ScoringError`` (its
+group is dropped).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 from mrl.config.scoring import TeacherConfig
-from mrl.engine.launcher import Engine, engines_from_config
-from mrl.engine.restart import EngineRestarter
 from mrl.scoring.base import NoScoringEngine, ScoringError
 from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients, liveness
 from mrl.sglang.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable
+
+
+class EngineSet(Protocol):
+    """Servers a pool owns: started, their newly healthy URLs taken, a dead one replaced, all stopped."""
+
+    def start(self) -> "EngineSet": ...
+    def take_ready(self) -> list[str]: ...
+    @property
+    def booting(self) -> bool: ...
+    def replace(self, url: str) -> int: ...
+    @property
+    def failed_starts(self) -> int: ...
+    def describe_failures(self) -> list[str]: ...
+    def close(self) -> None: ...
+
 
 PROBE_TIMEOUT_S = 15.0
 
@@ -34,62 +49,30 @@ PROBE_TIMEOUT_S = 15.0
 @dataclass
 class _Slot:
     client: EngineClient
-    engine: Engine | None  # None: attached by URL
+    ours: bool  # False: attached by URL, never restarted
     inflight: int = 0
     healthy: bool = True
     served: int = 0
 
 
 class ScoringPool:
-    def __init__(self, cfg: TeacherConfig, model_path: str, *, log_dir: str, name: str = "teacher"):
-        self.cfg, self.model_path, self.name = cfg, model_path, name
-        eng = cfg.engine
+    def __init__(self, cfg: TeacherConfig, engines: EngineSet | None = None, *, name: str = "teacher"):
+        self.cfg, self.engines, self.name = cfg, engines, name
+        if (engines is None) == (not cfg.engine.urls):
+            raise ValueError(f"{name}: a pool takes engine.urls or the servers the run starts, not both or neither")
         self.timeouts = ClientTimeouts(generate=cfg.timeout_s)
-        self.slots: list[_Slot] = [_Slot(EngineClient(u, timeouts=self.timeouts), None) for u in eng.urls]
-        self.engines: list[Engine] = [] if eng.urls else engines_from_config(
-            eng, model_path, log_dir=log_dir, names=[f"{name}{i}" for i in range(eng.count)])
-        for e in self.engines:
-            e.return_routed_experts = False  # nothing here replays routes
-        self.restarter = EngineRestarter(self.engines, eng.max_restarts, cfg.health_timeout_s)
-        self._booting: set[Engine] = set()
-        self._ready: list[Engine] = []
-        self._replacements_joined = 0
-        self._replacing = 0  # replacements being started (the dead engine is killed first: seconds)
-        self._lock = threading.Lock()
+        self.slots: list[_Slot] = [_Slot(EngineClient(u, timeouts=self.timeouts), False) for u in cfg.engine.urls]
         self.counts: Counter = Counter()
-        self.errors: list[str] = []  # replacements or starts that failed
 
     def start(self) -> "ScoringPool":
         """Start the run's engines (they boot in the background); attached ones are used as they are."""
-        for e in list(self.engines):
-            e.start()
-            self._boot(e)
+        if self.engines is not None:
+            self.engines.start()
         return self
 
-    def _boot(self, e: Engine) -> None:
-        with self._lock:
-            self._booting.add(e)
-        threading.Thread(target=self._wait_healthy, args=(e,), name=f"{e.name}-health", daemon=True).start()
-
-    def _wait_healthy(self, e: Engine) -> None:
-        try:
-            e.wait_healthy(self.cfg.health_timeout_s)
-        except Exception as err:  # counted; the pool goes on with the others
-            with self._lock:
-                self.errors.append(f"{e.name}: {err}".splitlines()[0])
-                self._booting.discard(e)
-            return
-        with self._lock:
-            self._booting.discard(e)
-            self._ready.append(e)
-
     def _join_ready(self) -> None:
-        with self._lock:
-            ready, self._ready = self._ready, []
-        replacements = self.restarter.take_ready()
-        self._replacements_joined += len(replacements)
-        for e in ready + replacements:
-            self.slots.append(_Slot(EngineClient(e.url, timeouts=self.timeouts), e))
+        if self.engines is not None:
+            self.slots += [_Slot(EngineClient(u, timeouts=self.timeouts), True) for u in self.engines.take_ready()]
 
     async def _pick(self) -> _Slot:
         """The healthy engine with the fewest calls in flight; waits while none is healthy and one boots."""
@@ -100,12 +83,11 @@ class ScoringPool:
             healthy = [s for s in self.slots if s.healthy]
             if healthy:
                 return min(healthy, key=lambda s: s.inflight)
-            with self._lock:
-                booting = bool(self._booting) or self._replacing > 0 or (
-                    self.restarter.restarted > len(self.restarter.failed) + self._replacements_joined)
+            booting = self.engines is not None and self.engines.booting
             if not booting or loop.time() > deadline:
+                failed = self.engines.describe_failures() if self.engines is not None else []
                 raise NoScoringEngine(f"{self.name}: no engine left to score on (down: "
-                                   f"{[s.client.url for s in self.slots]}; failed starts: {self.errors})")
+                                      f"{[s.client.url for s in self.slots]}; failed starts: {failed})")
             await asyncio.sleep(0.25)
 
     async def input_logprobs(self, ids: list[int], *, start: int, rid: str) -> list[float]:
@@ -136,6 +118,39 @@ class ScoringPool:
                 slot.inflight -= 1
         raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")
 
+    async def candidate_logprobs(self, ids: list[int], *, start: int, candidates: list[int],
+                                 rid: str) -> list[dict[int, float]]:
+        """The log-probabilities of the ``candidates`` ids at each position ``p`` in ``[start, len(ids)]``, given
+        ``ids[:p]`` (``p = len(ids)``: the token after the input); ``start`` >= 1. One prefill and one generated
+        token; fails over to another engine up to ``max_retries`` times."""
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"candidate_logprobs: start={start} must be in [1, {len(ids)}]")
+        n_in = len(ids) - start  # input positions start .. len(ids) - 1; the last one is the output's
+        last: Exception | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            slot = await self._pick()
+            slot.inflight += 1
+            try:
+                out = await slot.client.generate(ids, {"max_new_tokens": 1, "temperature": 0.0},
+                                                 rid=f"{rid}-a{attempt}", return_logprob=True,
+                                                 logprob_start_len=start - 1, token_ids_logprob=list(candidates))
+                got = (out.input_token_ids_logprobs or [])[-n_in:] if n_in else []
+                got += (out.output_token_ids_logprobs or [])[:1]
+                if len(got) != n_in + 1 or any(g is None or set(g) != set(candidates) for g in got):
+                    raise EngineProtocolError(slot.client.url, "/generate", f"candidate logprobs of {len(got)} "
+                                              f"positions for {n_in + 1} asked")
+                slot.served += 1
+                return got
+            except (EngineUnavailable, EngineProtocolError) as e:
+                last = e
+                self.counts["call_failures"] += 1
+                await self._failed(slot, e)
+            except EngineHTTPError:
+                raise  # the request itself is refused: another engine would refuse it too
+            finally:
+                slot.inflight -= 1
+        raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")
+
     async def _failed(self, slot: _Slot, err: Exception) -> None:
         """After a failed call: an engine that fails its liveness probe is taken out and replaced."""
         if not slot.healthy:
@@ -148,23 +163,18 @@ class ScoringPool:
             return
         slot.healthy = False
         self.counts["engines_lost"] += 1
-        if slot.engine is not None:  # ours: killed (a hung one holds its cores) and replaced, off the loop
-            self._replacing += 1
-            try:
-                started = await asyncio.to_thread(self.restarter.replace, [slot.engine.url])
-            finally:
-                self._replacing -= 1
-            self.counts["engines_restarted"] += len(started)
+        if slot.ours:  # killed (a hung one holds its cores) and replaced, off the event loop
+            self.counts["engines_restarted"] += await asyncio.to_thread(self.engines.replace, slot.client.url)
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counts.items()}
         out["engines_healthy"] = float(sum(s.healthy for s in self.slots))
-        out["engines_start_failed"] = float(len(self.errors) + len(self.restarter.failed))
+        out["engines_start_failed"] = float(self.engines.failed_starts if self.engines is not None else 0)
         return out
 
     async def aclose(self) -> None:
         await close_clients([s.client for s in self.slots])
 
     def close(self) -> None:
-        for e in self.engines:  # replacements included: the restarter appends them to this list
-            e.stop()
+        if self.engines is not None:
+            self.engines.close()

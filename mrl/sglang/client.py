@@ -154,12 +154,15 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str,
                        return_logprob: bool = True, return_routed_experts: bool = False,
                        top_logprobs_num: int = 0, logprob_start_len: int | None = None,
-                       routed_experts_start_len: int | None = None, lora_path: str | None = None) -> GenerateOutput:
+                       routed_experts_start_len: int | None = None, lora_path: str | None = None,
+                       token_ids_logprob: list[int] | None = None) -> GenerateOutput:
         """One sample (one rid: abortable, own logprobs and routes). ``n > 1`` is refused: SGLang
         replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted.
         ``routed_experts_start_len``: the routes reply starts at that row (SGLang 0.5.14; rows before it
         are the caller's already), so a continued conversation does not fetch its whole history again.
-        ``lora_path``: the registered NAME of a loaded adapter (SGLang's field name notwithstanding)."""
+        ``lora_path``: the registered NAME of a loaded adapter (SGLang's field name notwithstanding).
+        ``token_ids_logprob``: the logprobs of these ids at every input position from ``logprob_start_len`` on
+        and at every output position (``GenerateOutput.input_token_ids_logprobs``, ``output_...``)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         if routed_experts_start_len is not None and not 0 <= routed_experts_start_len <= len(input_ids):
@@ -180,6 +183,8 @@ class EngineClient:
             body["logprob_start_len"] = logprob_start_len
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if token_ids_logprob:
+            body["token_ids_logprob"] = list(token_ids_logprob)
         _, data, _ = await self._call("POST", "/generate", json=body, timeout=self.timeouts.generate)
         out = parse_generate(data, (self.url, "/generate"), expect_logprobs=return_logprob)
         if isinstance(out, list):

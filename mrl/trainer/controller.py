@@ -147,7 +147,8 @@ class Controller(RankDuties):
         self.rollout = RolloutService.start(self.cfg, hf_path, [e.url for e in endpoints], policy.codec, {
             "eos": policy.bridge.hf_config.eos_token_id, "vocab_size": policy.bridge.vocab_size,
             "buffered": state.buffered,
-            "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or []})
+            "prompt_index": state.prompt_index, "redo_prompts": state.redo_prompts or [],
+            "side_engines": self.engines.side_groups()})
         self.clock.mark("rollout_started")
         return endpoints
 

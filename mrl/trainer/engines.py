@@ -3,6 +3,7 @@
     engines = RunEngines(cfg).start_early()   # mrl.jobs.train, first thing: they boot while the rank builds the model
     endpoints = engines.ready()               # Controller.start_engines: started now if not yet, then healthy
     engines.stop()                            # the run's end: every server started, replacements included
+    engines.side_groups()                     # the scoring pools' servers, unstarted: the rollout process starts them
 
 ``engine.urls`` attaches to running servers; ``engine.url_dir`` waits for the servers that
 ``mrl engine`` announces there (cluster engine nodes); otherwise the job starts ``engine.count``
@@ -13,9 +14,11 @@ servers (``mrl.engine.launcher.start_job_engines``), early unless they share the
 
 from __future__ import annotations
 
+import os
 import time
 
 from mrl.config.schema import Config
+from mrl.engine.group import EngineGroup
 from mrl.engine.launcher import Engine, start_job_engines
 from mrl.sglang.endpoint import EngineEndpoint
 
@@ -67,6 +70,16 @@ class RunEngines:
             time.sleep(2)
         raise TimeoutError(f"engine.url_dir={eng.url_dir}: fewer than {eng.count} engines "
                            "announced themselves within 15 min")
+
+    def side_groups(self) -> dict[str, EngineGroup]:
+        """The servers of the scoring pools this run starts (teacher, PRM, reference, unless given by URL), by name,
+        not started: the rollout process, which calls them, starts them and owns their processes."""
+        sc, logs = self.cfg.scoring, os.path.join(self.cfg.run_dir, "engines")
+        pools = {"teacher": (sc.teacher, sc.teacher.enabled, sc.teacher.hf_path),
+                 "prm": (sc.prm, sc.prm.enabled, sc.prm.hf_path),
+                 "reference": (sc.reference, sc.reference.enabled, sc.reference.hf_path or self.cfg.model.hf_path)}
+        return {name: EngineGroup(p.engine, path, log_dir=logs, name=name, health_timeout_s=p.health_timeout_s)
+                for name, (p, on, path) in pools.items() if on and not p.engine.urls}
 
     def stop(self) -> None:
         for e in self.started:

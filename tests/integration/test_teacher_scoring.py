@@ -21,6 +21,7 @@ import pytest
 from mrl.config.engine import EngineConfig
 from mrl.config.scoring import TeacherConfig
 from mrl.data import Prompt
+from mrl.engine.group import EngineGroup
 from mrl.models.tiny import make_tiny_model
 from mrl.rollout.manager import RolloutManager
 from mrl.rollout.sample import SamplingSpec
@@ -75,7 +76,9 @@ def _megatron_logprobs(hf: str, seqs: list[list[int]], d) -> list[list[float]]:
 @pytest.mark.reliability
 def test_teacher_scores_equal_megatron_and_a_killed_teacher_is_replaced(teacher_dir, groups, tmp_path, reliability):
     cfg = _cfg(max_restarts=1)
-    pool = ScoringPool(cfg, teacher_dir, log_dir=str(tmp_path / "engines")).start()
+    group = EngineGroup(cfg.engine, teacher_dir, log_dir=str(tmp_path / "engines"), name="teacher",
+                        health_timeout_s=cfg.health_timeout_s)
+    pool = ScoringPool(cfg, group).start()
     scorer = TeacherScorer(cfg, pool)
     try:
         first = _score_all(scorer, groups)
@@ -92,15 +95,15 @@ def test_teacher_scores_equal_megatron_and_a_killed_teacher_is_replaced(teacher_
         kl = sum(abs(r) for tr in rewards for r in tr) / sum(len(tr) for tr in rewards)
         assert kl > 0.05, f"a teacher with other weights should disagree with the student: mean |KL| {kl}"
 
-        os.killpg(os.getpgid(pool.engines[0].proc.pid), signal.SIGKILL)
+        os.killpg(os.getpgid(group.engines[0].proc.pid), signal.SIGKILL)
         again = _score_all(scorer, groups)
         for a, b in zip([r for g in again for tr in g for r in tr], [r for tr in rewards for r in tr]):
             assert abs(a - b) < 1e-5
         st = pool.stats()
         assert st["engines_lost"] == 1 and st["engines_restarted"] == 1 and st["engines_healthy"] == 1, st
-        assert len(pool.engines) == 2 and not pool.engines[0].pids()  # the dead one's processes are gone
+        assert len(group.engines) == 2 and not group.engines[0].pids()  # the dead one's processes are gone
 
-        os.killpg(os.getpgid(pool.engines[1].proc.pid), signal.SIGKILL)
+        os.killpg(os.getpgid(group.engines[1].proc.pid), signal.SIGKILL)
         with pytest.raises(NoScoringEngine, match="no engine left"):
             _score_all(scorer, groups[:1])
         reliability.record(category="fault", name="teacher engine SIGKILLed", injected="SIGKILL of the teacher's "
@@ -108,11 +111,11 @@ def test_teacher_scores_equal_megatron_and_a_killed_teacher_is_replaced(teacher_
                            survived=True, message="", details={"max_logprob_gap_vs_megatron": worst, "stats": st})
     finally:
         pool.close()
-    assert not any(e.pids() for e in pool.engines)
+    assert not any(e.pids() for e in group.engines)
 
 
 def test_the_students_own_engine_as_teacher_gives_zero_reverse_kl(engines, groups):
     cfg = _cfg(urls=[engines["tp1"].url])
-    scorer = TeacherScorer(cfg, ScoringPool(cfg, "-", log_dir="-").start())
+    scorer = TeacherScorer(cfg, ScoringPool(cfg).start())
     rewards = [r for g in _score_all(scorer, groups) for tr in g for r in tr]
     assert rewards and max(abs(r) for r in rewards) < TOL

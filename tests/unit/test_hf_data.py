@@ -271,7 +271,7 @@ def test_the_producer_sends_templated_prompts_without_a_second_bos(chat_dir, tmp
     from mrl.rollout.manager import RolloutManager
     from mrl.rollout.producer import Producer
     from mrl.rollout.sample import SamplingSpec
-    from mrl.scoring import RuleScorer
+    from mrl.rollout.scorers import RuleScorer
     from mrl.sglang.client import EngineClient
     from tests.fakes.fake_sglang import FakeSGLang
     from tests.unit.test_producer_resume import _until

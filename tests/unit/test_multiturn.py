@@ -208,7 +208,7 @@ def _producer_run(tok, script, env_args, wait_for):
 
     from mrl.rollout.buffer import RolloutBuffer
     from mrl.rollout.producer import Producer
-    from mrl.scoring import EnvScorer
+    from mrl.rollout.scorers import EnvScorer
 
     Scripted.script = script
     with FakeSGLang() as srv:

@@ -38,7 +38,8 @@ def _imports(path: Path):
                     yield a.name, [], node.lineno
 
 
-def test_no_import_cycle_between_packages():
+def _package_edges() -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
+    """package -> the packages it imports (at any depth), and where each edge is first drawn."""
     edges: dict[str, set[str]] = collections.defaultdict(set)
     where: dict[tuple[str, str], str] = {}
     for module, path in _modules().items():
@@ -47,6 +48,11 @@ def test_no_import_cycle_between_packages():
             if a != b:
                 edges[a].add(b)
                 where.setdefault((a, b), f"{path.relative_to(ROOT)}:{line}")
+    return edges, where
+
+
+def test_no_import_cycle_between_packages():
+    edges, where = _package_edges()
     cycles = []
     for a in list(edges):
         for b in edges[a]:
@@ -157,6 +163,7 @@ INDEPENDENT = ("mrl.rollout", "mrl.engine", "mrl.weight_sync")
 """The rollout process, the launcher and the weight sync talk to engines through ``mrl.sglang``, never through
 each other; only the trainer (and the jobs above it) composes them."""
 MAX_LINES = 500
+MAX_FLOORS = 8
 
 
 def test_each_process_has_its_folder():
@@ -195,6 +202,61 @@ def test_rollout_engine_and_weight_sync_do_not_import_each_other():
         others = tuple(b for b in INDEPENDENT if b != a)
         bad += _bad_imports(a, lambda t, others=others: not any(t == o or t.startswith(o + ".") for o in others))
     assert not bad, bad
+
+
+def _path_between(edges: dict[str, set[str]], a: str, b: str) -> list[str] | None:
+    """An import path from package ``a`` to package ``b`` through any packages, or None."""
+    prev, stack = {a: None}, [a]
+    while stack:
+        x = stack.pop()
+        for y in sorted(edges.get(x, ())):
+            if y not in prev:
+                prev[y] = x
+                if y == b:
+                    path = [b]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])
+                    return path[::-1]
+                stack.append(y)
+    return None
+
+
+def test_rollout_engine_and_weight_sync_do_not_reach_each_other_through_any_package():
+    """Not even through a package between them (the rollout process reaching the launcher through the scoring
+    pool): servers a side pool needs are built by the trainer and handed over."""
+    edges, where = _package_edges()
+    found = [" -> ".join(p) + f" ({where[(p[0], p[1])]})" for a in INDEPENDENT for b in INDEPENDENT
+             if a != b and (p := _path_between(edges, a, b))]
+    assert not found, found
+
+
+def _floors(edges: dict[str, set[str]]) -> dict[str, int]:
+    """A package's floor: 1 + the highest floor it imports (cycles are refused by another test)."""
+    memo: dict[str, int] = {}
+
+    def floor(x: str) -> int:
+        if x not in memo:
+            memo[x] = 1 + max((floor(y) for y in edges.get(x, ())), default=0)
+        return memo[x]
+
+    return {x: floor(x) for x in set(edges).union(*edges.values())}
+
+
+def test_the_package_has_at_most_max_floors():
+    """The longest chain of package imports, entry point to floor: the house stays low."""
+    edges, where = _package_edges()
+    floors = _floors(edges)
+    top = max(floors, key=floors.get)
+    chain = [top]
+    while edges.get(chain[-1]):
+        chain.append(max(edges[chain[-1]], key=floors.get))
+    assert floors[top] <= MAX_FLOORS, f"{floors[top]} floors: " + " -> ".join(chain)
+
+
+def test_the_floor_and_reach_checks_see_a_long_chain_and_a_path():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"d"}, "x": {"d"}}
+    assert _floors(edges)["a"] == 4 and _floors(edges)["x"] == 2 and _floors(edges)["d"] == 1
+    assert _path_between(edges, "a", "d") == ["a", "b", "c", "d"] and _path_between(edges, "x", "a") is None
 
 
 def test_no_module_over_the_line_limit():

@@ -49,14 +49,11 @@ def test_modes_the_run_cannot_honour_are_refused_at_config_load(overrides, messa
         compose(overrides)
 
 
-def test_preflight_refuses_keeping_requests_on_engines_attached_by_url(tmp_path):
-    from mrl.preflight import check_pause_mode
-
-    cfg = compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]", "weight_sync.pause_mode=in_place"])
-    msg = check_pause_mode(cfg, "local")
-    assert msg.startswith("weight_sync.pause_mode=in_place with engine.urls: engines attached by URL may lack")
-    assert check_pause_mode(compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]"]), "local") is None
-    assert check_pause_mode(compose([f"run_dir={tmp_path}/r", "weight_sync.pause_mode=retract"]), "local") is None
+def test_keeping_requests_on_engines_attached_by_url_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^weight_sync\.pause_mode: =in_place with engine\.urls: engines attached"):
+        compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]", "weight_sync.pause_mode=in_place"])
+    assert compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]"]).engine.urls
+    assert compose([f"run_dir={tmp_path}/r", "weight_sync.pause_mode=retract"]).weight_sync.pause_mode.value == "retract"
 
 
 def _body(ids, tags=None, version="3"):

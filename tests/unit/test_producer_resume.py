@@ -11,7 +11,7 @@ import pytest
 from mrl.config.schema import RewardConfig
 from mrl.data.tasks import build_task
 from mrl.reward.scorer import RewardScorer
-from mrl.scoring import RuleScorer
+from mrl.rollout.scorers import RuleScorer
 from mrl.rollout.buffer import RolloutBuffer
 from mrl.sglang.client import ClientTimeouts, EngineClient
 from mrl.rollout.manager import RolloutManager

@@ -18,8 +18,8 @@ from mrl.data import Prompt
 from mrl.reward import RewardScorer
 from mrl.rollout.buffer import Group
 from mrl.rollout.sample import Sample
-from mrl.scoring import EnvScorer, Gate, GroupScores, RuleScorer, ScoringGroup, WeightedSum, load_scorer
-from mrl.scoring.build import build_scorer
+from mrl.rollout.scorers import EnvScorer, RuleScorer, build_scorer
+from mrl.scoring import Gate, GroupScores, ScoringGroup, WeightedSum, load_scorer
 from mrl.trainer.batch import build_batch
 from tests.unit.scorers import DropsFirst, Length
 
