@@ -53,7 +53,8 @@ def test_keeping_requests_on_engines_attached_by_url_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"^weight_sync\.pause_mode: =in_place with engine\.urls: engines attached"):
         compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]", "weight_sync.pause_mode=in_place"])
     assert compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]"]).engine.urls
-    assert compose([f"run_dir={tmp_path}/r", "weight_sync.pause_mode=retract"]).weight_sync.pause_mode.value == "retract"
+    ws = compose([f"run_dir={tmp_path}/r", "weight_sync.pause_mode=retract"]).weight_sync
+    assert ws.pause_mode.value == "retract"
 
 
 def _body(ids, tags=None, version="3"):
