@@ -178,7 +178,9 @@ class Config:
         if len(set(self.logger)) != len(self.logger):
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
-        for key, pool in (("engine", e), ("scoring.teacher.engine", self.scoring.teacher.engine)):
+        pools = [("engine", e), ("scoring.teacher.engine", self.scoring.teacher.engine)]
+        pools += [(f"scoring.{k}.engine", c.engine) for k, c in self.scoring.model_scorers.items()]
+        for key, pool in pools:
             if pool.cpu_mode and pool.dtype not in (None, "float32"):
                 _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
             if pool.dtype is None:

@@ -42,7 +42,8 @@ class EnvScorer(Scorer):
 def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_path: str,
                  side_engines: dict | None = None) -> Scorer:
     """``reward_weight * (reward.fn, or the environment's reward for episodes)`` + each user scorer by its
-    weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL. The default config
+    weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL + the judge's and the reward
+    model's rewards by their weights. The default config
     gives the ``reward.fn`` scorer alone. ``side_engines``: the unstarted server groups of the pools the run
     starts, by pool name; they begin booting here."""
     sc = cfg.scoring
@@ -69,4 +70,22 @@ def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_
                              "mrl.trainer.engines.RunEngines.side_groups)")
         pool = ScoringPool(sc.teacher, group, name="teacher")
         parts.append((TeacherScorer(sc.teacher, pool.start()), 1.0))  # coef is applied per token by the scorer
+    for name, mcfg in sc.model_scorers.items():
+        scorer = _model_scorer(name, mcfg, (side_engines or {}).get(name))
+        if mcfg.gated:
+            scorer = Gate(RuleScorer(rewards), scorer, sc.gate_threshold)
+        parts.append((scorer, mcfg.weight))
     return WeightedSum(parts)
+
+
+def _model_scorer(name: str, mcfg, group) -> Scorer:
+    """The judge or reward model scorer on its pool (``group``: the servers the run starts; None: by URL)."""
+    from mrl.scoring.judge import JudgeScorer
+    from mrl.scoring.pool import ScoringPool
+    from mrl.scoring.reward_model import RewardModelScorer
+
+    if group is None and not mcfg.engine.urls:
+        raise ValueError(f"{mcfg.node}: no engines to score on (the run starts them: "
+                         "mrl.trainer.engines.RunEngines.side_groups)")
+    pool = ScoringPool(mcfg, group, name=name).start()
+    return JudgeScorer(mcfg, pool) if name == "judge" else RewardModelScorer(mcfg, pool)

@@ -3,6 +3,8 @@ dead ones replaced, every call failed over to a live one.
 
     pool = ScoringPool(cfg.scoring.teacher, engines=group, name="teacher").start()   # group: None = by URL
     logps = await pool.input_logprobs(token_ids, start=len(prompt_ids), rid="g3-s1")  # prefill only
+    out = await pool.generate(judge_ids, {"max_new_tokens": 16}, rid="j3-s1")          # a judge's verdict
+    score = await pool.classify(ids, rid="rm3-s1")                                     # a reward model's scores
     pool.stats(); pool.close()
 
 The servers the run starts come as an ``EngineSet`` (``mrl.engine.group.EngineGroup``, built on the trainer
@@ -20,12 +22,14 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from mrl.config.scoring import TeacherConfig
+from mrl.config.scoring import ModelScorerConfig, TeacherConfig
 from mrl.scoring.base import NoScoringEngine, ScoringError
 from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients, liveness
-from mrl.sglang.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable
+from mrl.sglang.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable, GenerateOutput
+
+T = TypeVar("T")
 
 
 class EngineSet(Protocol):
@@ -55,7 +59,8 @@ class _Slot:
 
 
 class ScoringPool:
-    def __init__(self, cfg: TeacherConfig, engines: EngineSet | None = None, *, name: str = "teacher"):
+    def __init__(self, cfg: TeacherConfig | ModelScorerConfig, engines: EngineSet | None = None, *,
+                 name: str = "teacher"):
         self.cfg, self.engines, self.name = cfg, engines, name
         if (engines is None) == (not cfg.engine.urls):
             raise ValueError(f"{name}: a pool takes engine.urls or the servers the run starts, not both or neither")
@@ -113,6 +118,36 @@ class ScoringPool:
                 await self._failed(slot, e)
             except EngineHTTPError:
                 raise  # the request itself is refused: another engine would refuse it too
+            finally:
+                slot.inflight -= 1
+        raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")
+
+    async def generate(self, ids: list[int], sampling_params: dict[str, Any], *, rid: str) -> GenerateOutput:
+        """One generation (a judge's verdict) from ``ids``; fails over as ``input_logprobs``."""
+        return await self._failover(
+            lambda c, r: c.generate(ids, sampling_params, rid=r, return_logprob=False), rid=rid)
+
+    async def classify(self, ids: list[int], *, rid: str) -> list[float]:
+        """A classification or reward model's scores of ``ids`` (SGLang ``/classify``); fails over as
+        ``input_logprobs``."""
+        return await self._failover(lambda c, r: c.classify(ids, rid=r), rid=rid)
+
+    async def _failover(self, call: Callable[[EngineClient, str], Awaitable[T]], *, rid: str) -> T:
+        """``call(client, rid)`` on the least busy healthy engine; a failed engine is probed (and replaced when
+        dead) and the call moves on, ``max_retries`` times at most. A refusal of the request itself (4xx)
+        is raised at once: another engine would refuse it too."""
+        last: Exception | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            slot = await self._pick()
+            slot.inflight += 1
+            try:
+                out = await call(slot.client, f"{rid}-a{attempt}")
+                slot.served += 1
+                return out
+            except (EngineUnavailable, EngineProtocolError) as e:
+                last = e
+                self.counts["call_failures"] += 1
+                await self._failed(slot, e)
             finally:
                 slot.inflight -= 1
         raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")

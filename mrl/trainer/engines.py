@@ -72,13 +72,18 @@ class RunEngines:
                            "announced themselves within 15 min")
 
     def side_groups(self) -> dict[str, EngineGroup]:
-        """The servers of the scoring pools this run starts (the teacher's, unless given by URL), by pool name,
-        not started: the rollout process, which calls them, starts them and owns their processes."""
-        t = self.cfg.scoring.teacher
-        if not t.enabled or t.engine.urls:
-            return {}
-        return {"teacher": EngineGroup(t.engine, t.hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"),
-                                       name="teacher", health_timeout_s=t.health_timeout_s)}
+        """The servers of the scoring pools this run starts (the teacher's, the judge's and the reward model's,
+        unless given by URL), by pool name, not started: the rollout process, which calls them, starts them and
+        owns their processes. Reward model servers start on SGLang's classification path (``--is-embedding``)."""
+        sc, log_dir = self.cfg.scoring, os.path.join(self.cfg.run_dir, "engines")
+        groups = {}
+        for name, c in {"teacher": sc.teacher, **sc.model_scorers}.items():
+            if c.enabled and not c.engine.urls:
+                groups[name] = EngineGroup(c.engine, c.hf_path, log_dir=log_dir, name=name,
+                                           health_timeout_s=c.health_timeout_s)
+        for e in groups["reward_model"].engines if "reward_model" in groups else []:
+            e.server_args.setdefault("is_embedding", True)
+        return groups
 
     def stop(self) -> None:
         for e in self.started:
