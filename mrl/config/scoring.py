@@ -133,11 +133,11 @@ class JudgeConfig(ModelScorerConfig):
     """Apply the judge tokenizer's chat template (with the generation prompt) when it has one."""
     verdict_regex: str = r"(?i)\b(yes|no)\b"
     """Where the verdict is in the judge's text: its first capture group, at the first match."""
-    verdicts: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
-    """Captured verdict (lowercased) -> reward. Empty: the capture is a number, scaled from ``score_range`` to
-    [0, 1] (e.g. ``verdict_regex='Score: (\\d+)' verdicts={} score_range=[0,10]``)."""
+    verdicts: Optional[dict[str, float]] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
+    """Captured verdict (lowercased) -> reward. null: the capture is a number, scaled from ``score_range`` to
+    [0, 1] (e.g. ``verdict_regex='Score: (\\d+)' verdicts=null score_range=[0,10]``)."""
     score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])
-    """``[low, high]`` of a numeric verdict (``verdicts`` empty); a number outside it does not parse."""
+    """``[low, high]`` of a numeric verdict (``verdicts`` null); a number outside it does not parse."""
     max_new_tokens: int = 32
     """Tokens the judge may write."""
     temperature: float = 0.0
@@ -161,6 +161,8 @@ class JudgeConfig(ModelScorerConfig):
             fail("scoring.judge.temperature", "temperature and retry_temperature must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             fail("scoring.judge.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.verdicts is not None and not self.verdicts:
+            fail("scoring.judge.verdicts", "is empty: map verdicts to rewards, or set it to null for numeric verdicts")
         if len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]:
             fail("scoring.judge.score_range", f"must be [low, high] with low < high, got {list(self.score_range)}")
 

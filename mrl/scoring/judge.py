@@ -6,7 +6,7 @@ For each sample of a group, all at once:
    (``{response}``) and the prompt's reference answer (``{answer}``), rendered as one user message with the
    judge tokenizer's chat template when it has one, and sent to the judge pool (``ScoringPool.generate``);
 2. the first match of ``verdict_regex`` in the judge's text gives the verdict (its first capture group):
-   looked up in ``verdicts`` (lowercased), or, with ``verdicts`` empty, read as a number in ``score_range``
+   looked up in ``verdicts`` (lowercased), or, with ``verdicts`` null, read as a number in ``score_range``
    and scaled to [0, 1];
 3. a verdict that does not parse is asked again (``parse_retries`` times, at ``retry_temperature``: a greedy
    verdict would come out the same), counted; one that never parses gets ``fallback`` (counted as a reward
@@ -33,14 +33,15 @@ def render(template: str, *, prompt: str, response: str, answer: str) -> str:
     return template.format(prompt=prompt, response=response, answer=answer)
 
 
-def parse_verdict(text: str, pattern: re.Pattern, verdicts: dict[str, float], score_range: list[float]) -> float | None:
+def parse_verdict(text: str, pattern: re.Pattern, verdicts: dict[str, float] | None,
+                  score_range: list[float]) -> float | None:
     """The reward the judge's ``text`` gives, or None when it holds no verdict ``pattern`` and ``verdicts`` (or,
-    with ``verdicts`` empty, ``score_range``) accept."""
+    with ``verdicts`` None, ``score_range``) accept."""
     m = pattern.search(text)
     if m is None or m.group(1) is None:
         return None
     got = m.group(1).strip()
-    if verdicts:
+    if verdicts is not None:
         return verdicts.get(got.lower())
     try:
         x = float(got)
@@ -60,7 +61,7 @@ class JudgeScorer(PooledScorer):
         self.cfg: JudgeConfig = cfg
         self.tok = tokenizer or ScorerTokenizer(cfg.hf_path, chat_template=cfg.chat_template)
         self.pattern = re.compile(cfg.verdict_regex)
-        self.verdicts = {k.lower(): float(v) for k, v in cfg.verdicts.items()}
+        self.verdicts = None if cfg.verdicts is None else {k.lower(): float(v) for k, v in cfg.verdicts.items()}
         self.counts = {"verdicts": 0, "unparseable": 0, "fallbacks": 0, "groups_unparseable": 0}
 
     async def score(self, group: ScoringGroup) -> GroupScores:

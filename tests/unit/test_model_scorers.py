@@ -32,10 +32,10 @@ def test_template_and_verdict_parse():
     assert parse_verdict("yesterday nothing", YES_NO, v, [0, 10]) is None  # words, not verdicts
     assert parse_verdict("", YES_NO, v, [0, 10]) is None
     score = re.compile(r"Score:\s*(\d+(?:\.\d+)?)")
-    assert parse_verdict("Score: 7", score, {}, [0, 10]) == pytest.approx(0.7)
-    assert parse_verdict("Score: 2.5 of 5", score, {}, [0, 5]) == pytest.approx(0.5)
-    assert parse_verdict("Score: 11", score, {}, [0, 10]) is None  # outside the range: not a verdict
-    assert parse_verdict("Score: x", score, {}, [0, 10]) is None
+    assert parse_verdict("Score: 7", score, None, [0, 10]) == pytest.approx(0.7)
+    assert parse_verdict("Score: 2.5 of 5", score, None, [0, 5]) == pytest.approx(0.5)
+    assert parse_verdict("Score: 11", score, None, [0, 10]) is None  # outside the range: not a verdict
+    assert parse_verdict("Score: x", score, None, [0, 10]) is None
 
 
 def test_template_and_regex_refusals():
@@ -91,6 +91,8 @@ def test_configs_and_presets():
     assert list(cfg.scoring.model_scorers) == ["reward_model"]
     with pytest.raises(ValueError, match="nothing would score"):
         compose(["scoring=judge"])  # no judge checkpoint and reward.fn weighted 0
+    cfg = compose(["scoring.judge.hf_path=/j", "scoring.judge.verdicts=null", "scoring.judge.score_range=[1,5]"])
+    assert cfg.scoring.judge.verdicts is None and cfg.scoring.judge.score_range == [1, 5]
     with pytest.raises(ValueError, match="scoring.judge.score_range"):
         compose(["scoring.judge.hf_path=/j", "scoring.judge.score_range=[5,1]"])
     with pytest.raises(ValueError, match="scoring.reward_model.engine.url_dir"):
