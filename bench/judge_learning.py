@@ -134,6 +134,10 @@ def train_judge(out_dir: str, steps: int, seed: int = 0) -> dict:
 
 
 def run(name: str, overrides: list[str], run_dir: str, timeout: float) -> dict:
+    """One ``mrl train`` run's figures; kept beside the run directory, so that a later call reports it again."""
+    cached = run_dir + ".result.json"
+    if os.path.exists(cached):
+        return json.load(open(cached))
     cmd = [sys.executable, "-m", "mrl", "train", f"run_dir={run_dir}", "train.save_hf=false", *overrides]
     t0 = time.monotonic()
     with open(run_dir + ".log", "w") as log:
@@ -147,7 +151,9 @@ def run(name: str, overrides: list[str], run_dir: str, timeout: float) -> dict:
     judge = {k: v for k, v in rows[-1].items() if k.startswith("rollout/scoring_")} if rows else {}
     print(f"[bench] {name}: greedy pass@1 {got['heldout_pass_at_1_start']:.3f} -> {got['heldout_pass_at_1_end']:.3f}, "
           f"wall {wall:.0f} s", file=sys.stderr, flush=True)
-    return {"variant": name, "seed": 1234, "overrides": overrides, "wall_seconds": wall, "scoring_stats": judge, **got}
+    out = {"variant": name, "seed": 1234, "overrides": overrides, "wall_seconds": wall, "scoring_stats": judge, **got}
+    json.dump(out, open(cached, "w"))
+    return out
 
 
 def main() -> int:
@@ -155,7 +161,7 @@ def main() -> int:
     ap.add_argument("--keep", default="/tmp/mrl-judge-learning")
     ap.add_argument("--judge-steps", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--only", nargs="*", default=["judge", "exact_match"])
+    ap.add_argument("--only", nargs="*", default=["judge", "exact_match"], help="the runs to make and report")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
