@@ -33,10 +33,13 @@ VERDICTS = {True: " YES", False: " NO"}
 
 
 def candidate(rng: random.Random, answer: str, vocab: list[str], alphabet: str) -> str:
-    """A response as a policy might write one: the answer, another letter, the answer with junk after it, or
-    a few random tokens of the tokenizer's."""
+    """A response as a policy might write one: the answer, another letter, the answer with junk after it, a few
+    random tokens of the tokenizer's, or nothing (EOS at once: a judge never shown an empty response says YES
+    to it about half the time, and the policy learns to write nothing)."""
     u = rng.random()
-    if u < 0.4:
+    if u < 0.1:
+        return rng.choice(["", " ", "\n"])
+    if u < 0.45:
         return answer
     if u < 0.65:
         return rng.choice([c for c in alphabet if c != answer])
@@ -63,9 +66,9 @@ def judge_examples(n: int, seed: int, split: str):
     return out
 
 
-def train_judge(out_dir: str, steps: int, seed: int = 0) -> dict:
-    """A dense 2-layer Qwen3 (the tiny tokenizer) trained on (template, verdict) pairs; returns its accuracy
-    against exact_match on pairs of the held-out prompts."""
+def train_judge(out_dir: str, steps: int, seed: int = 0, start: str | None = None) -> dict:
+    """A dense 2-layer Qwen3 (the tiny tokenizer) trained on (template, verdict) pairs, from scratch or from the
+    judge at ``start``; returns its accuracy against exact_match on pairs of the held-out prompts."""
     import torch
     import transformers
 
@@ -81,7 +84,8 @@ def train_judge(out_dir: str, steps: int, seed: int = 0) -> dict:
         max_position_embeddings=TINY_CONTEXT, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg).float()
+    model = (transformers.Qwen3ForCausalLM.from_pretrained(start, dtype=torch.float32) if start
+             else transformers.Qwen3ForCausalLM(cfg).float())
     tok = build_tokenizer(512)
 
     def encode(ex):
@@ -116,21 +120,36 @@ def train_judge(out_dir: str, steps: int, seed: int = 0) -> dict:
         losses.append(loss.item())
         if step % 100 == 0:
             print(f"[judge] step {step} loss {statistics.mean(losses[-100:]):.4f}", file=sys.stderr, flush=True)
-    model.eval()
-    held = judge_examples(600, seed + 1, "eval")
-    right = 0
-    with torch.no_grad():
-        for ex in held:
-            a, _ = encode(ex)
-            out = model.generate(torch.tensor([a]), max_new_tokens=3, do_sample=False, pad_token_id=0)
-            said = tok.decode(out[0, len(a):].tolist(), skip_special_tokens=True)
-            right += ("YES" in said) == ex[2]
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    return {"steps": steps, "train_seconds": time.monotonic() - t0, "loss_last100": statistics.mean(losses[-100:]),
-            "heldout_accuracy_vs_exact_match": right / len(held), "heldout_pairs": len(held),
-            "heldout_share_correct": sum(e[2] for e in held) / len(held)}
+    return {"steps": steps, "started_from": start, "train_seconds": time.monotonic() - t0,
+            "loss_last100": statistics.mean(losses[-100:]), **judge_accuracy(out_dir, seed + 1)}
+
+
+def judge_accuracy(judge_dir: str, seed: int, n: int = 400) -> dict:
+    """The judge's verdicts (greedy, as the run asks) against exact_match on pairs of the held-out prompts, and on
+    empty responses alone."""
+    import torch
+    import transformers
+
+    from mrl.models.tiny import build_tokenizer
+    from mrl.scoring.judge import render
+
+    tok = build_tokenizer(512)
+    model = transformers.Qwen3ForCausalLM.from_pretrained(judge_dir, dtype=torch.float32).eval()
+
+    def says_yes(p, resp) -> bool:
+        a = tok.encode(render(TEMPLATE, prompt=p.text, response=resp, answer=p.answer)).ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([a]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        return "YES" in tok.decode(out[0, len(a):].tolist(), skip_special_tokens=True)
+
+    held = judge_examples(n, seed, "eval")
+    right = sum(says_yes(p, r) == ok for p, r, ok in held)
+    empty_yes = sum(says_yes(p, "") for p, _, _ in held[:50])
+    return {"heldout_accuracy_vs_exact_match": right / len(held), "heldout_pairs": len(held),
+            "heldout_share_correct": sum(e[2] for e in held) / len(held), "empty_response_yes_share": empty_yes / 50}
 
 
 def run(name: str, overrides: list[str], run_dir: str, timeout: float) -> dict:
@@ -164,12 +183,18 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=["judge", "exact_match"], help="the runs to make and report")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--judge-from", default=None, help="continue training this judge instead of a fresh one")
+    ap.add_argument("--judge-name", default="judge_model")
+    ap.add_argument("--include", default=None, help="an earlier report whose runs are added (those also run now "
+                    "under a prefixed name)")
+    ap.add_argument("--include-prefix", default="v1_")
+    ap.add_argument("--include-judge", default=None, help="the earlier report's judge, measured again here")
     a = ap.parse_args()
     os.makedirs(a.keep, exist_ok=True)
-    judge_dir = os.path.join(a.keep, "judge_model")
+    judge_dir = os.path.join(a.keep, a.judge_name)
     info_path = judge_dir + ".json"
     if not os.path.exists(info_path):
-        json.dump(train_judge(judge_dir, a.judge_steps), open(info_path, "w"))
+        json.dump(train_judge(judge_dir, a.judge_steps, start=a.judge_from), open(info_path, "w"))
     judge = json.load(open(info_path))
     print(f"[bench] judge: {judge}", file=sys.stderr, flush=True)
     common = [f"train.steps={a.steps}"]
@@ -178,12 +203,21 @@ def main() -> int:
                   "scoring.judge.max_new_tokens=4"],
         "exact_match": [],
     }
-    runs = [run(n, common + variants[n], os.path.join(a.keep, n), a.timeout) for n in a.only]
+    variants["judge"][1] = f"scoring.judge.hf_path={judge_dir}"
+    runs = [run(n, common + variants[n], os.path.join(a.keep, f"{n}_{a.judge_name}" if n == "judge" else n),
+                a.timeout) for n in a.only]
+    earlier = {}
+    if a.include:
+        earlier = json.load(open(a.include))
+        runs += [dict(r, variant=a.include_prefix + r["variant"]) if r["variant"] in a.only else r
+                 for r in earlier["runs"]]
     name = f"mrl_train_judge_copy_last_{slug(device_name())}"
     out = a.out or os.path.join(REPORTS, "learning", f"{time.strftime('%Y-%m-%d', time.gmtime())}_{name}.json")
     plot(runs, out.removesuffix(".json") + ".png", f"copy_last, reward = a judge engine's verdict vs exact_match "
          f"({device_name()})")
     dump({"task": "copy_last", "judge_template": TEMPLATE, "judge": judge,
+          "earlier": {"report": a.include, "judge": earlier.get("judge"), "judge_measured_again": (
+              judge_accuracy(a.include_judge, 1) if a.include_judge else None)} if a.include else None,
           "summary": {r["variant"]: {"heldout_pass_at_1_start": r["heldout_pass_at_1_start"],
                                      "heldout_pass_at_1_end": r["heldout_pass_at_1_end"],
                                      "lift": r["heldout_pass_at_1_end"] - r["heldout_pass_at_1_start"],
