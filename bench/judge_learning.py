@@ -182,6 +182,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--only", nargs="*", default=["judge", "exact_match"], help="the runs to make and report")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--set", nargs="*", default=[
+        "train.eval_sets=[{name: heldout, max_prompts: 64, greedy: true, n: 8, k: [1]}]"],
+        help="overrides of every run (default: held-out greedy pass@1 and sampled pass@1 of 8 samples a prompt)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--judge-from", default=None, help="continue training this judge instead of a fresh one")
     ap.add_argument("--judge-name", default="judge_model")
@@ -197,7 +200,7 @@ def main() -> int:
         json.dump(train_judge(judge_dir, a.judge_steps, start=a.judge_from), open(info_path, "w"))
     judge = json.load(open(info_path))
     print(f"[bench] judge: {judge}", file=sys.stderr, flush=True)
-    common = [f"train.steps={a.steps}"]
+    common = [f"train.steps={a.steps}", *a.set]
     variants = {
         "judge": ["scoring=judge", f"scoring.judge.hf_path={judge_dir}", f"scoring.judge.template='{TEMPLATE}'",
                   "scoring.judge.max_new_tokens=4"],
