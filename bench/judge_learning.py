@@ -224,6 +224,12 @@ def main() -> int:
           "summary": {r["variant"]: {"heldout_pass_at_1_start": r["heldout_pass_at_1_start"],
                                      "heldout_pass_at_1_end": r["heldout_pass_at_1_end"],
                                      "lift": r["heldout_pass_at_1_end"] - r["heldout_pass_at_1_start"],
+                                     "heldout_metric": "sampled pass@1, 8 a prompt" if r["evaluations"][0].get(
+                                         "pass_at_1") is not None else "greedy pass@1",
+                                     "heldout_greedy_pass_at_1_start": r["heldout_greedy_pass_at_1_start"],
+                                     "heldout_greedy_pass_at_1_end": r["heldout_greedy_pass_at_1_end"],
+                                     "train_reward_first10": r["reward_first10"],
+                                     "train_reward_last10": r["reward_last10"],
                                      "wall_seconds": r["wall_seconds"]} for r in runs},
           "runs": runs}, out, name=name)
     return 0
