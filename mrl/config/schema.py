@@ -192,8 +192,10 @@ class Config:
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
         sc = self.scoring
-        for key, pool in (("engine", e), ("scoring.teacher.engine", sc.teacher.engine),
-                          ("scoring.prm.engine", sc.prm.engine), ("scoring.reference.engine", sc.reference.engine)):
+        pools = [("engine", e), ("scoring.teacher.engine", sc.teacher.engine), ("scoring.prm.engine", sc.prm.engine),
+                 ("scoring.reference.engine", sc.reference.engine)]
+        pools += [(f"scoring.{k}.engine", c.engine) for k, c in sc.model_scorers.items()]
+        for key, pool in pools:
             if pool.cpu_mode and pool.dtype not in (None, "float32"):
                 _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
             if pool.dtype is None:

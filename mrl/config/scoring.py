@@ -1,5 +1,6 @@
-"""The ``scoring:`` node: which scorers turn a group of samples into rewards (``mrl.scoring``), and the teacher
-engine pool of on-policy distillation. The default is ``reward.fn`` alone, as a run without this node."""
+"""The ``scoring:`` node: which scorers turn a group of samples into rewards (``mrl.scoring``), and the engine pools
+of model scorers (the teacher of on-policy distillation, a generative judge, a reward model). The default is
+``reward.fn`` alone, as a run without this node."""
 
 from __future__ import annotations
 
@@ -159,6 +160,122 @@ class ReferenceConfig(EnginePoolConfig):
                  "scoring.reference.engine.urls is set")
 
 
+
+@dataclass(kw_only=True)
+class ModelScorerConfig:
+    """A model scorer's engine pool, configured like the teacher's: the checkpoint, its SGLang servers (started,
+    health-checked, keyed and replaced by the run, or given by ``engine.urls``), call limits and its weight."""
+
+    node = "scoring.model"  # the config path in messages; each subclass names its own
+
+    hf_path: Optional[str] = None
+    """The model's Hugging Face checkpoint (null: this scorer is off). With ``engine.urls`` it names the running
+    servers' checkpoint, whose tokenizer renders the model's input."""
+    weight: float = 1.0
+    """Its weight in the sum of the scorers' rewards."""
+    gated: bool = False
+    """Count it only for samples whose ``reward.fn`` reward reaches ``scoring.gate_threshold`` (0 elsewhere)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Its pool: the same keys as the rollout pool's ``engine:`` (count, cpus, server_args, urls, max_restarts,
+    ...); ``url_dir`` and LoRA keys do not apply."""
+    timeout_s: float = 120.0
+    """Limit of one call; an engine that passes it and fails its liveness probe is replaced."""
+    max_retries: int = 3
+    """A call moves to another engine at most this many times before its group is dropped."""
+    max_error_rate: float = 0.5
+    """The run stops once more than this share of the last 64 groups could not be scored."""
+    health_timeout_s: float = 600.0
+    """How long an engine (or its replacement) may take to become healthy."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.hf_path is not None
+
+    def __post_init__(self) -> None:
+        n = self.node
+        if not self.timeout_s > 0:
+            fail(f"{n}.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.max_retries < 0:
+            fail(f"{n}.max_retries", f"must be >= 0, got {self.max_retries}")
+        if not 0.0 <= self.max_error_rate <= 1.0:
+            fail(f"{n}.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
+        if self.engine.url_dir is not None:
+            fail(f"{n}.engine.url_dir", f"its engines are started by the run or given by {n}.engine.urls; set "
+                 "url_dir to null")
+        if self.engine.urls and not self.enabled:
+            fail(f"{n}.hf_path", f"must name the served checkpoint when {n}.engine.urls is set (its tokenizer "
+                 "renders the model's input)")
+
+
+JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"
+                  "Is the response correct? Answer YES or NO.\nVerdict:")
+
+
+@dataclass(kw_only=True)
+class JudgeConfig(ModelScorerConfig):
+    """A generative judge (``mrl.scoring.judge``): each sample is put into ``template``, the judge engine writes a
+    verdict, ``verdict_regex`` finds it and it becomes the sample's reward."""
+
+    node = "scoring.judge"
+
+    template: str = JUDGE_TEMPLATE
+    """The judge's prompt: ``{prompt}`` (the prompt's text), ``{response}`` (the sample's text) and ``{answer}``
+    (the prompt's reference answer, "" when it has none); ``{{`` and ``}}`` for literal braces. Rendered as one
+    user message with the judge tokenizer's chat template when it has one (``chat_template``)."""
+    chat_template: bool = True
+    """Apply the judge tokenizer's chat template (with the generation prompt) when it has one."""
+    verdict_regex: str = r"(?i)\b(yes|no)\b"
+    """Where the verdict is in the judge's text: its first capture group, at the first match."""
+    verdicts: Optional[dict[str, float]] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
+    """Captured verdict (lowercased) -> reward. null: the capture is a number, scaled from ``score_range`` to
+    [0, 1] (e.g. ``verdict_regex='Score: (\\d+)' verdicts=null score_range=[0,10]``)."""
+    score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])
+    """``[low, high]`` of a numeric verdict (``verdicts`` null); a number outside it does not parse."""
+    max_new_tokens: int = 32
+    """Tokens the judge may write."""
+    temperature: float = 0.0
+    """Sampling temperature of the first attempt."""
+    top_p: float = 1.0
+    retry_temperature: float = 1.0
+    """Temperature of the attempts after a verdict did not parse (a greedy verdict would come out the same)."""
+    parse_retries: int = 2
+    """New attempts for a sample whose verdict did not parse (counted), before ``fallback`` applies."""
+    fallback: Optional[float] = None
+    """Reward of a sample whose verdict never parsed (counted as a reward error); null: its group is dropped,
+    never trained on a made-up score."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_new_tokens < 1:
+            fail("scoring.judge.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.parse_retries < 0:
+            fail("scoring.judge.parse_retries", f"must be >= 0, got {self.parse_retries}")
+        if self.temperature < 0 or self.retry_temperature < 0:
+            fail("scoring.judge.temperature", "temperature and retry_temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("scoring.judge.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.verdicts is not None and not self.verdicts:
+            fail("scoring.judge.verdicts", "is empty: map verdicts to rewards, or set it to null for numeric verdicts")
+        if len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]:
+            fail("scoring.judge.score_range", f"must be [low, high] with low < high, got {list(self.score_range)}")
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig(ModelScorerConfig):
+    """A reward model (``mrl.scoring.reward_model``): a ``*ForSequenceClassification`` / ``*ForRewardModel``
+    checkpoint served by SGLang's classification path (``/classify``); its score of prompt + response is the
+    sample's reward."""
+
+    node = "scoring.reward_model"
+
+    chat_template: bool = True
+    """Render prompt and response as a user and an assistant message with the reward model tokenizer's chat
+    template when it has one; otherwise (or false) the model scores ``prompt + response`` as plain text."""
+    scale: float = 1.0
+    """The reward is ``scale * (score - shift)``."""
+    shift: float = 0.0
+
+
 @dataclass(kw_only=True)
 class ScoringConfig:
     """How groups are scored (``mrl.rollout.scorers.build_scorer``): ``reward_weight * reward.fn`` (or the multi-turn
@@ -177,42 +294,30 @@ class ScoringConfig:
     """Step rewards of a process reward model on engines (token rewards)."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The KL reference's logprobs from engines instead of the trainer's weight swap."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A generative judge on engines of its own."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model on engines of its own."""
 
     @property
     def default(self) -> bool:
         """``reward.fn`` alone, weight 1: the rewards of a run without scorers."""
         return (self.reward_weight == 1.0 and not self.scorers and not self.teacher.enabled and not self.prm.enabled
-                and not self.reference.enabled)
+                and not self.reference.enabled and not self.model_scorers)
+
+    @property
+    def model_scorers(self) -> dict[str, ModelScorerConfig]:
+        """The enabled model scorers whose reward is weighted into the sum (judge, reward model), by pool name."""
+        return {k: c for k, c in (("judge", self.judge), ("reward_model", self.reward_model)) if c.enabled}
 
     def __post_init__(self) -> None:
         if self.reward_weight < 0.0:
             fail("scoring.reward_weight", f"must be >= 0, got {self.reward_weight}")
-        if self.reward_weight == 0.0 and not self.scorers and not self.teacher.enabled and not self.prm.enabled:
+        if (self.reward_weight == 0.0 and not self.scorers and not self.teacher.enabled and not self.prm.enabled
+                and not self.model_scorers):
             fail("scoring.reward_weight", "is 0 and no other scorer is configured: nothing would score the samples "
-                 "(set scoring.teacher.hf_path, scoring.prm.hf_path or scoring.scorers)")
+                 "(set scoring.teacher.hf_path, scoring.prm.hf_path, scoring.judge.hf_path, "
+                 "scoring.reward_model.hf_path or scoring.scorers)")
         for i, s in enumerate(self.scorers):
             if s.cls.count(".") < 1 or not all(s.cls.split(".")):
                 fail(f"scoring.scorers[{i}].cls", f"expected a dotted path 'package.module.Class', got {s.cls!r}")
-
-
-def check_reference(cfg: Any) -> None:
-    """``scoring.reference`` against the other nodes (``Config.__post_init__``): what the engines' logprobs
-    could not stand in for is refused."""
-    ref = cfg.scoring.reference
-    if not ref.enabled:
-        return
-    if cfg.algo.kl_coef <= 0:
-        fail("scoring.reference.enabled", "is true but algo.kl_coef is 0: nothing reads the reference; set "
-             "algo.kl_coef > 0 or scoring.reference.enabled=false")
-    if cfg.rollout.temperature not in (0.0, 1.0):
-        fail("scoring.reference.enabled", f"with rollout.temperature={cfg.rollout.temperature}: the trainer's KL "
-             "compares logprobs of softmax(logits / T) and an engine's prefill logprobs are at T=1; use the "
-             "trainer's reference (scoring.reference.enabled=false)")
-    if cfg.train.sampling_mask:
-        fail("scoring.reference.enabled", "with train.sampling_mask=true: the trainer's reference logprobs are "
-             "renormalized over each token's sampling support, which an engine's prefill does not know; use the "
-             "trainer's reference")
-    if ref.hf_path is None and (cfg.train.sft_warmup_steps or cfg.model.lora.init_from):
-        fail("scoring.reference.hf_path", "is null (model.hf_path) but RL does not start from model.hf_path "
-             "(train.sft_warmup_steps or model.lora.init_from changes the weights first): name the reference "
-             "checkpoint")

@@ -199,3 +199,27 @@ def check_preset(path: str, preset: TinyPreset) -> None:
         raise ValueError(f"model.hf_path={path} holds a {have} checkpoint but model.tiny_preset="
                          f"{TinyPreset(preset).value} is {want}: point model.hf_path elsewhere or delete it")
 
+
+
+def make_tiny_reward_model(out_dir: str, seed: int = 0, *, score_std: float = 1.0) -> str:
+    """Write a random one-label ``Qwen3ForSequenceClassification`` (dense, the tiny preset's attention shapes) with
+    the tiny tokenizer to ``out_dir``: a reward model SGLang serves on its classification path (``/classify``),
+    for tests and CPU recipes. The score head is drawn with ``score_std`` (HF's 0.02 would make every score
+    nearly 0). Returns ``out_dir``."""
+    import transformers
+
+    p = PRESETS[TinyPreset.tiny]
+    cfg = transformers.Qwen3Config(
+        vocab_size=p["vocab_size"], hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
+        num_hidden_layers=2, num_attention_heads=p["num_attention_heads"], head_dim=p["head_dim"],
+        num_key_value_heads=p["num_key_value_heads"], rope_theta=p["rope_theta"], rms_norm_eps=p["rms_norm_eps"],
+        max_position_embeddings=TINY_CONTEXT, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_labels=1,
+        tie_word_embeddings=False, architectures=["Qwen3ForSequenceClassification"])
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForSequenceClassification(cfg).to(torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, score_std, generator=torch.Generator().manual_seed(seed + 1))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    build_tokenizer(cfg.vocab_size).save(os.path.join(out_dir, "tokenizer.json"))
+    return out_dir

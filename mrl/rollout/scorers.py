@@ -42,8 +42,9 @@ class EnvScorer(Scorer):
 def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_path: str,
                  side_engines: dict | None = None) -> Scorer:
     """``reward_weight * (reward.fn, or the environment's reward for episodes)`` + each user scorer by its
-    weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL + the PRM's step rewards;
-    the reference pool (``scoring.reference``) adds no reward and fills ``Sample.ref_logprobs``. The default config
+    weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL + the PRM's step rewards
+    + the judge's and the reward model's rewards by their weights; the reference pool (``scoring.reference``) adds
+    no reward and fills ``Sample.ref_logprobs``. The default config
     gives the ``reward.fn`` scorer alone. ``side_engines``: the unstarted server groups of the pools the run
     starts, by pool name; they begin booting here."""
     sc = cfg.scoring
@@ -80,6 +81,11 @@ def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_
 
         pool = _side_pool("reference", sc.reference, sc.reference.hf_path or student_path, student_path, side_engines)
         parts.append((ReferenceScorer(sc.reference, pool.start()), 0.0))  # no reward: fills Sample.ref_logprobs
+    for name, mcfg in sc.model_scorers.items():
+        scorer = _model_scorer(name, mcfg, (side_engines or {}).get(name))
+        if mcfg.gated:
+            scorer = Gate(RuleScorer(rewards), scorer, sc.gate_threshold)
+        parts.append((scorer, mcfg.weight))
     return WeightedSum(parts)
 
 
@@ -96,3 +102,16 @@ def _side_pool(name: str, cfg, model_path: str, student_path: str, side_engines:
         raise ValueError(f"scoring.{name}: no engines to score on (the run starts them: "
                          "mrl.trainer.engines.RunEngines.side_groups)")
     return ScoringPool(cfg, group, name=name)
+
+
+def _model_scorer(name: str, mcfg, group) -> Scorer:
+    """The judge or reward model scorer on its pool (``group``: the servers the run starts; None: by URL)."""
+    from mrl.scoring.judge import JudgeScorer
+    from mrl.scoring.pool import ScoringPool
+    from mrl.scoring.reward_model import RewardModelScorer
+
+    if group is None and not mcfg.engine.urls:
+        raise ValueError(f"{mcfg.node}: no engines to score on (the run starts them: "
+                         "mrl.trainer.engines.RunEngines.side_groups)")
+    pool = ScoringPool(mcfg, group, name=name).start()
+    return JudgeScorer(mcfg, pool) if name == "judge" else RewardModelScorer(mcfg, pool)

@@ -1,12 +1,17 @@
 """The preflight's checks of the ``scoring:`` node (``mrl.preflight.check_reward_fn`` runs them with the job's
 import path): user scorers import as ``Scorer`` classes, the checkpoints of the teacher, the PRM and the reference
-are there and share the student's tokenizer, the PRM's verdict tokens are one token each. Imports no torch."""
+are there and share the student's tokenizer, the PRM's verdict tokens are one token each, a judge's or reward
+model's checkpoint is there and of a kind SGLang serves for it, a judge's template and verdict pattern are usable.
+Imports no torch."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
+import re
+import string
 
 from mrl.config.schema import Config
 from mrl.scoring.base import Scorer
@@ -31,6 +36,9 @@ def scoring_problem(cfg: Config) -> str | None:
     if sc.reference.enabled and (why := _pool_checkpoint_problem(cfg, "reference",
                                                                  sc.reference.hf_path or cfg.model.hf_path)):
         return why
+    for name, mcfg in sc.model_scorers.items():
+        if why := model_scorer_problem(name, mcfg):
+            return why
     t = sc.teacher
     if not t.enabled:
         return None
@@ -72,4 +80,69 @@ def _verdict_problem(prm) -> str | None:
         one_token(tok, prm.bad_token, "bad_token")
     except ValueError as e:
         return str(e)
+    return None
+
+
+TEMPLATE_FIELDS = ("prompt", "response", "answer")
+
+
+def template_problem(template: str) -> str | None:
+    """Why a judge template is unusable: a placeholder other than {prompt}, {response}, {answer} (or with a
+    format spec or an index), unbalanced braces, or no {response}."""
+    try:
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        return f"cannot be filled in ({e}; write {{{{ and }}}} for literal braces)"
+    names = {f for f, _, _ in fields}
+    bad = sorted(names - set(TEMPLATE_FIELDS))
+    if bad:
+        return f"has placeholders {bad}; only {{prompt}}, {{response}} and {{answer}} are filled in"
+    if any(spec or conv for _, spec, conv in fields):
+        return "placeholders take no format spec or conversion (write {prompt}, not {prompt:>10})"
+    if "response" not in names:
+        return "has no {response}: the judge would never see the sample"
+    return None
+
+
+def verdict_regex_problem(pattern: str) -> str | None:
+    """Why a verdict pattern is unusable: it does not compile, or has no capture group for the verdict."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        return f"does not compile ({e})"
+    if compiled.groups < 1:
+        return "has no capture group: the verdict is its first group, e.g. '(?i)\\b(yes|no)\\b'"
+    return None
+
+
+def _architectures(path: str) -> list[str]:
+    with open(os.path.join(path, "config.json")) as f:
+        return list(json.load(f).get("architectures") or [])
+
+
+def model_scorer_problem(name: str, mcfg) -> str | None:
+    """A judge's or reward model's checkpoint has a config and a tokenizer (tokenizer.json), and is a generative
+    model (judge) or a classifier SGLang serves on its classification path (reward model); a judge's template
+    and verdict pattern are usable."""
+    node = mcfg.node
+    if name == "judge":
+        if why := template_problem(mcfg.template):
+            return f"{node}.template={mcfg.template!r}: {why}"
+        if why := verdict_regex_problem(mcfg.verdict_regex):
+            return f"{node}.verdict_regex={mcfg.verdict_regex!r}: {why}"
+    for f in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(mcfg.hf_path, f)):
+            return (f"{node}.hf_path={mcfg.hf_path}: no {f} there (a Hugging Face checkpoint with tokenizers' "
+                    "tokenizer.json)")
+    try:
+        archs = _architectures(mcfg.hf_path)
+    except (OSError, ValueError) as e:
+        return f"{node}.hf_path={mcfg.hf_path}: cannot read config.json ({e})"
+    classifier = any(a.endswith(("ForSequenceClassification", "ForRewardModel")) for a in archs)
+    if name == "reward_model" and not classifier:
+        return (f"{node}.hf_path={mcfg.hf_path}: architectures {archs} is no reward model; SGLang's /classify serves "
+                "*ForSequenceClassification and *ForRewardModel checkpoints (e.g. Qwen3ForSequenceClassification)")
+    if name == "judge" and classifier:
+        return (f"{node}.hf_path={mcfg.hf_path}: architectures {archs} is a classifier, which writes no verdict; "
+                "use it as scoring.reward_model, or give the judge a generative (*ForCausalLM) checkpoint")
     return None

@@ -4,6 +4,8 @@ dead ones replaced, every call failed over to a live one.
     pool = ScoringPool(cfg.scoring.teacher, engines=group, name="teacher").start()   # group: None = by URL
     logps = await pool.input_logprobs(token_ids, start=len(prompt_ids), rid="g3-s1")  # prefill only
     verdicts = await pool.candidate_logprobs(token_ids, start=k, candidates=[plus, minus], rid="g3-s1")  # a PRM's
+    out = await pool.generate(judge_ids, {"max_new_tokens": 16}, rid="j3-s1")          # a judge's verdict
+    score = await pool.classify(ids, rid="rm3-s1")                                     # a reward model's scores
     pool.stats(); pool.close()
 
 The servers the run starts come as an ``EngineSet`` (``mrl.engine.group.EngineGroup``, built on the trainer
@@ -21,12 +23,14 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from mrl.config.scoring import TeacherConfig
+from mrl.config.scoring import ModelScorerConfig, TeacherConfig
 from mrl.scoring.base import NoScoringEngine, ScoringError
 from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients, liveness
-from mrl.sglang.protocol import EngineHTTPError, EngineProtocolError, EngineUnavailable
+from mrl.sglang.protocol import EngineProtocolError, EngineUnavailable, GenerateOutput
+
+T = TypeVar("T")
 
 
 class EngineSet(Protocol):
@@ -56,7 +60,8 @@ class _Slot:
 
 
 class ScoringPool:
-    def __init__(self, cfg: TeacherConfig, engines: EngineSet | None = None, *, name: str = "teacher"):
+    def __init__(self, cfg: TeacherConfig | ModelScorerConfig, engines: EngineSet | None = None, *,
+                 name: str = "teacher"):
         self.cfg, self.engines, self.name = cfg, engines, name
         if (engines is None) == (not cfg.engine.urls):
             raise ValueError(f"{name}: a pool takes engine.urls or the servers the run starts, not both or neither")
@@ -95,28 +100,17 @@ class ScoringPool:
         (``max_new_tokens=0``); ``start`` >= 1. Fails over to another engine up to ``max_retries`` times."""
         if not 1 <= start < len(ids):
             raise ValueError(f"input_logprobs: start={start} must be in [1, {len(ids)})")
-        last: Exception | None = None
-        for attempt in range(self.cfg.max_retries + 1):
-            slot = await self._pick()
-            slot.inflight += 1
-            try:
-                out = await slot.client.generate(ids, {"max_new_tokens": 0}, rid=f"{rid}-a{attempt}",
-                                                 return_logprob=True, logprob_start_len=start - 1)
-                got = out.input_logprobs or []
-                if len(got) < len(ids) - start or any(x is None for x in got[len(got) - (len(ids) - start):]):
-                    raise EngineProtocolError(slot.client.url, "/generate", f"{len(got)} input logprobs for "
-                                              f"{len(ids) - start} scored tokens")
-                slot.served += 1
-                return [float(x) for x in got[len(got) - (len(ids) - start):]]
-            except (EngineUnavailable, EngineProtocolError) as e:
-                last = e
-                self.counts["call_failures"] += 1
-                await self._failed(slot, e)
-            except EngineHTTPError:
-                raise  # the request itself is refused: another engine would refuse it too
-            finally:
-                slot.inflight -= 1
-        raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")
+        n = len(ids) - start
+
+        async def call(c: EngineClient, r: str) -> list[float]:
+            out = await c.generate(ids, {"max_new_tokens": 0}, rid=r, return_logprob=True,
+                                   logprob_start_len=start - 1)
+            got = (out.input_logprobs or [])[-n:]
+            if len(got) < n or any(x is None for x in got):
+                raise EngineProtocolError(c.url, "/generate", f"{len(got)} input logprobs for {n} scored tokens")
+            return [float(x) for x in got]
+
+        return await self._failover(call, rid=rid)
 
     async def candidate_logprobs(self, ids: list[int], *, start: int, candidates: list[int],
                                  rid: str) -> list[dict[int, float]]:
@@ -126,27 +120,45 @@ class ScoringPool:
         if not 1 <= start <= len(ids):
             raise ValueError(f"candidate_logprobs: start={start} must be in [1, {len(ids)}]")
         n_in = len(ids) - start  # input positions start .. len(ids) - 1; the last one is the output's
+
+        async def call(c: EngineClient, r: str) -> list[dict[int, float]]:
+            out = await c.generate(ids, {"max_new_tokens": 1, "temperature": 0.0}, rid=r, return_logprob=True,
+                                   logprob_start_len=start - 1, token_ids_logprob=list(candidates))
+            got = (out.input_token_ids_logprobs or [])[-n_in:] if n_in else []
+            got += (out.output_token_ids_logprobs or [])[:1]
+            if len(got) != n_in + 1 or any(g is None or set(g) != set(candidates) for g in got):
+                raise EngineProtocolError(c.url, "/generate", f"candidate logprobs of {len(got)} positions for "
+                                          f"{n_in + 1} asked")
+            return got
+
+        return await self._failover(call, rid=rid)
+
+    async def generate(self, ids: list[int], sampling_params: dict[str, Any], *, rid: str) -> GenerateOutput:
+        """One generation (a judge's verdict) from ``ids``; fails over as ``input_logprobs``."""
+        return await self._failover(
+            lambda c, r: c.generate(ids, sampling_params, rid=r, return_logprob=False), rid=rid)
+
+    async def classify(self, ids: list[int], *, rid: str) -> list[float]:
+        """A classification or reward model's scores of ``ids`` (SGLang ``/classify``); fails over as
+        ``input_logprobs``."""
+        return await self._failover(lambda c, r: c.classify(ids, rid=r), rid=rid)
+
+    async def _failover(self, call: Callable[[EngineClient, str], Awaitable[T]], *, rid: str) -> T:
+        """``call(client, rid)`` on the least busy healthy engine; a failed engine is probed (and replaced when
+        dead) and the call moves on, ``max_retries`` times at most. A refusal of the request itself (4xx)
+        is raised at once: another engine would refuse it too."""
         last: Exception | None = None
         for attempt in range(self.cfg.max_retries + 1):
             slot = await self._pick()
             slot.inflight += 1
             try:
-                out = await slot.client.generate(ids, {"max_new_tokens": 1, "temperature": 0.0},
-                                                 rid=f"{rid}-a{attempt}", return_logprob=True,
-                                                 logprob_start_len=start - 1, token_ids_logprob=list(candidates))
-                got = (out.input_token_ids_logprobs or [])[-n_in:] if n_in else []
-                got += (out.output_token_ids_logprobs or [])[:1]
-                if len(got) != n_in + 1 or any(g is None or set(g) != set(candidates) for g in got):
-                    raise EngineProtocolError(slot.client.url, "/generate", f"candidate logprobs of {len(got)} "
-                                              f"positions for {n_in + 1} asked")
+                out = await call(slot.client, f"{rid}-a{attempt}")
                 slot.served += 1
-                return got
+                return out
             except (EngineUnavailable, EngineProtocolError) as e:
                 last = e
                 self.counts["call_failures"] += 1
                 await self._failed(slot, e)
-            except EngineHTTPError:
-                raise  # the request itself is refused: another engine would refuse it too
             finally:
                 slot.inflight -= 1
         raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")

@@ -193,6 +193,20 @@ class EngineClient:
             raise EngineProtocolError(self.url, "/generate", f"reply for rid {out.rid!r}, asked {rid!r}")
         return out
 
+    async def classify(self, input_ids: list[int], *, rid: str) -> list[float]:
+        """The scores of a classification or reward model server (``--is-embedding``; SGLang's ``/classify``) for
+        one sequence: one value per label, taken at its last token."""
+        if not input_ids:
+            raise ValueError("classify: input_ids is empty")
+        body = {"input_ids": list(input_ids), "rid": rid}
+        _, data, _ = await self._call("POST", "/classify", json=body, timeout=self.timeouts.generate)
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        scores = data.get("embedding") if isinstance(data, dict) else None
+        if not isinstance(scores, list) or not scores or not all(isinstance(x, (int, float)) for x in scores):
+            raise EngineProtocolError(self.url, "/classify", f"no 'embedding' list of scores: {data!r:.160}")
+        return [float(x) for x in scores]
+
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """Abort one request (by rid) or all; the aborted /generate returns its partial output."""
         if (rid is None) == (not abort_all):

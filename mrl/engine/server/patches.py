@@ -31,6 +31,10 @@ CUDA IPC updates (``update_weights_from_tensor``) get the same loads for a bucke
 
 In-flight updates (``mrl.engine.server.inflight``): every output token carries the version of the weights that
 produced it, and a retract or in-place pause leaves no KV cache of older weights to later requests.
+Classifier score bias: SGLang's ``Qwen2ForSequenceClassification`` and ``Qwen3ForSequenceClassification`` give
+their score head a bias (``nn.Linear``'s default) that Hugging Face's classes do not have, so a reward model
+checkpoint has no ``score.bias`` and the bias kept its random init: every score off by one random constant.
+The patch zeroes a score bias the checkpoint did not carry, which makes the engine's score the checkpoint's.
 
 Whoever wants to time an update's phases (a benchmark) sets ``watch`` to an ``UpdateWatch`` of its own.
 """
@@ -379,8 +383,43 @@ def _runner(module) -> None:
     inflight.tag_forwards(module)
 
 
+CLASSIFIER_MODULES = ("sglang.srt.models.qwen2_classification", "sglang.srt.models.qwen3_classification")
+CLASSIFIER_CLASSES = ("Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+
+
+def zero_missing_score_bias(module) -> None:
+    for name in CLASSIFIER_CLASSES:
+        cls = getattr(module, name, None)
+        load = getattr(cls, "load_weights", None)
+        if load is None or getattr(load, "_mrl_score_bias", False):
+            continue
+
+        @functools.wraps(load)
+        def load_weights(self, weights, _load=load):
+            names: set[str] = set()
+
+            def seen():
+                for n, w in weights:
+                    names.add(n)
+                    yield n, w
+
+            import torch
+
+            out = _load(self, seen())
+            bias = getattr(getattr(self, "score", None), "bias", None)
+            if bias is not None and not any(n.endswith("score.bias") for n in names):
+                with torch.no_grad():
+                    bias.zero_()
+            return out
+
+        load_weights._mrl_score_bias = True
+        cls.load_weights = load_weights
+
+
 def install() -> None:
     """Register the patches (called from the engines' ``sitecustomize``)."""
+    for target in CLASSIFIER_MODULES:
+        sys.meta_path.insert(0, PatchOnImport(target, zero_missing_score_bias))
     sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
     sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, _runner))
     sys.meta_path.insert(0, PatchOnImport(inflight.SCHEDULER_MODULE, inflight.pause_and_continue))

@@ -1,0 +1,90 @@
+"""What the scorers that call a model of their own (a judge, a reward model) share: the model's tokenizer, which
+turns the text they build into the engine's token ids, and the failure accounting of a pool.
+
+    tok = ScorerTokenizer(cfg.hf_path, chat_template=cfg.chat_template)
+    ids = tok.encode_messages([{"role": "user", "content": text}], generation_prompt=True)
+
+A group the pool cannot score (its calls failed on every engine they were moved to), or whose samples the
+scorer could not score at all, is dropped, counted, never trained on a made-up score; more than
+``max_error_rate`` of the last 64 groups failing stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from mrl.config.scoring import ModelScorerConfig
+from mrl.scoring.base import GroupScores, Scorer, ScoringError, ScoringGroup
+from mrl.scoring.pool import ScoringPool
+
+logger = logging.getLogger(__name__)
+
+ERROR_RATE_WINDOW = 64
+
+
+class ScorerTokenizer:
+    """A scoring model's tokenizer: transformers' when the checkpoint has a chat template (and ``chat_template``),
+    which then renders the messages; otherwise the checkpoint's ``tokenizer.json``, the messages' contents joined
+    and encoded with the tokenizer's special tokens (as the rollout encodes plain prompts)."""
+
+    def __init__(self, model_dir: str, *, chat_template: bool = True):
+        from mrl.data.hf_files import has_chat_template
+
+        self.templated = chat_template and has_chat_template(model_dir)
+        if self.templated:
+            from transformers import AutoTokenizer
+
+            self.tok: Any = AutoTokenizer.from_pretrained(model_dir)
+        else:
+            from mrl.data.prompt import load_tokenizer
+
+            self.tok = load_tokenizer(model_dir)
+
+    def encode_messages(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> list[int]:
+        if self.templated:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return list(self.tok.encode(text, add_special_tokens=False))
+        return list(self.tok.encode("".join(m["content"] for m in messages)).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+class PooledScorer(Scorer):
+    """A scorer whose model runs on a ``ScoringPool``: counts its groups, drops the failed ones and stops the run
+    past ``cfg.max_error_rate``; closes the pool."""
+
+    def __init__(self, cfg: ModelScorerConfig, pool: ScoringPool):
+        self.cfg, self.pool = cfg, pool
+        self._recent: deque[bool] = deque(maxlen=ERROR_RATE_WINDOW)
+        self.groups = self.failed = 0
+
+    def _scored(self) -> None:
+        self._recent.append(False)
+
+    def _failed(self, group: ScoringGroup, why: str) -> GroupScores:
+        """A group that could not be scored: dropped, counted."""
+        self._count_failure(group, why)
+        return GroupScores(rewards=[None] * len(group), errors=[why] * len(group))
+
+    def _count_failure(self, group: ScoringGroup, why: str) -> None:
+        """Count a group that is dropped; past ``max_error_rate`` of the last 64 the run stops."""
+        self.failed += 1
+        self._recent.append(True)
+        bad = sum(self._recent)
+        if len(self._recent) == ERROR_RATE_WINDOW and bad > self.cfg.max_error_rate * ERROR_RATE_WINDOW:
+            raise ScoringError(f"{self.cfg.node}: {bad} of the last {ERROR_RATE_WINDOW} groups could not be scored, "
+                               f"more than {self.cfg.node}.max_error_rate={self.cfg.max_error_rate}; last: {why}")
+        if self.failed <= 5:
+            logger.warning("%s could not score prompt %r (group dropped): %s", self.name, group.prompt.id, why)
+
+    def stats(self) -> dict[str, float]:
+        return {"groups": float(self.groups), "groups_failed": float(self.failed), **self.pool.stats()}
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    def close(self) -> None:
+        self.pool.close()
