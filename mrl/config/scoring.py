@@ -321,3 +321,26 @@ class ScoringConfig:
         for i, s in enumerate(self.scorers):
             if s.cls.count(".") < 1 or not all(s.cls.split(".")):
                 fail(f"scoring.scorers[{i}].cls", f"expected a dotted path 'package.module.Class', got {s.cls!r}")
+
+
+def check_reference(cfg: Any) -> None:
+    """``scoring.reference`` against the other nodes (``Config.__post_init__``): what the engines' logprobs
+    could not stand in for is refused."""
+    ref = cfg.scoring.reference
+    if not ref.enabled:
+        return
+    if cfg.algo.kl_coef <= 0:
+        fail("scoring.reference.enabled", "is true but algo.kl_coef is 0: nothing reads the reference; set "
+             "algo.kl_coef > 0 or scoring.reference.enabled=false")
+    if cfg.rollout.temperature not in (0.0, 1.0):
+        fail("scoring.reference.enabled", f"with rollout.temperature={cfg.rollout.temperature}: the trainer's KL "
+             "compares logprobs of softmax(logits / T) and an engine's prefill logprobs are at T=1; use the "
+             "trainer's reference (scoring.reference.enabled=false)")
+    if cfg.train.sampling_mask:
+        fail("scoring.reference.enabled", "with train.sampling_mask=true: the trainer's reference logprobs are "
+             "renormalized over each token's sampling support, which an engine's prefill does not know; use the "
+             "trainer's reference")
+    if ref.hf_path is None and (cfg.train.sft_warmup_steps or cfg.model.lora.init_from):
+        fail("scoring.reference.hf_path", "is null (model.hf_path) but RL does not start from model.hf_path "
+             "(train.sft_warmup_steps or model.lora.init_from changes the weights first): name the reference "
+             "checkpoint")
