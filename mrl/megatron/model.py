@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mrl._compat.te import HAVE_TE
-from mrl.config.schema import DType, GroupedGemm, ParallelConfig
+from mrl.config.schema import DType, GroupedGemm, ParallelConfig, Recompute
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
@@ -105,6 +105,16 @@ def use_grouped_gemm(kind: GroupedGemm) -> None:
     os.environ.pop("NVTE_USE_CUTLASS_GROUPED_GEMM", None)
     if kind == GroupedGemm.cutlass:
         os.environ["NVTE_USE_CUTLASS_GROUPED_GEMM"] = "1"
+
+
+def recompute_kwargs(kind: Recompute) -> dict[str, Any]:
+    """``TransformerConfig`` fields of ``train.recompute``: full recompute one layer at a time (each layer keeps
+    its input only), or megatron's selective recompute (its default modules: the core attention)."""
+    if kind == Recompute.full:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if kind == Recompute.selective:
+        return dict(recompute_granularity="selective")
+    return {}
 
 
 def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: DType = DType.fp32,
