@@ -144,7 +144,7 @@ RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NVTE_USE_CUTLASS_GROUPED_GEMM", "NCC
 TOPICS = (
     ("rl_step_vs_", "rl_step"), ("fwd_bwd_layouts", "rl_step"), ("micro_batches", "rl_step"),
     ("gc_pause", "rl_step"), ("batch_delivery", "rl_step"), ("old_logprob_pass", "rl_step"),
-    ("async_vs_sync", "loop"), ("loop_e2e", "loop"), ("gpu_loop", "loop"),
+    ("async_vs_sync", "loop"), ("loop_e2e", "loop"), ("gpu_loop", "loop"), ("full_depth", "loop"),
     ("rollout_throughput", "rollouts"), ("routes_decode", "rollouts"),
     ("weight_sync", "weight_sync"), ("lora_sync", "weight_sync"),
     ("replay_overhead", "keep_routing"), ("packing", "keep_routing"), ("routing_mismatch", "keep_routing"),
