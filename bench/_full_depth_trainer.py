@@ -13,11 +13,12 @@ same ones pushed), its parameters allocated on the GPU, LoRA on the config's tar
   the response tokens mean |log pi_train - log pi_engine|, k3 KL and the share of tokens with |dlogp| > 0.5;
 - ``--steps`` LoRA GRPO steps (``Policy.rl_step``, replay on): offline on that batch again and again
   (advantages from a fixed reward), or colocated: generate (the engine, through mrl's rollout manager, the
-  current adapter), release the engine's KV cache (``--release-kv``: SGLang's memory saver), train, export the
-  adapter and load it into the engine (``AdapterSync``), resume the KV cache; each phase timed;
+  current adapter), release the engine's KV cache (``--release-kv``: SGLang's memory saver), train, resume
+  the KV cache, export the adapter and load it into the engine (``AdapterSync``, from tensors); each phase timed;
 - memory by component: frozen base, adapters (DDP buffer), grads, the optimizer's states (what the first step
   allocated), activations (a step's peak over what it started with), the process's peak, and the device's
-  use (with an engine on it: both).
+  use (with an engine on it: both). Colocated: generate, release the KV cache, train, resume it, export and
+  load the adapter: every step's phases in that order.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mrl.routing.replay import ReplayDriver, ReplayMode
 from mrl.startup import LAUNCHED_AT
 
 GIB = 1 << 30
-PHASES = ("resume_kv_s", "generate_s", "release_kv_s", "train_s", "export_s", "push_s")
+PHASES = ("generate_s", "release_kv_s", "train_s", "resume_kv_s", "export_s", "push_s")
 """A step's phases, in order: what its ``step_s`` adds up."""
 
 
@@ -260,10 +261,6 @@ def main() -> int:
         if compat.HAS_CUDA:
             torch.cuda.reset_peak_memory_stats()
         if colo is not None:
-            if a.release_kv and step:
-                t = time.perf_counter()
-                colo.memory(release=False)
-                ph["resume_kv_s"] = time.perf_counter() - t
             t = time.perf_counter()
             samples = colo.generate(step)
             ph["generate_s"] = time.perf_counter() - t
@@ -300,6 +297,10 @@ def main() -> int:
             if step == 0:  # Adam's states (and fp32 masters) appear with the first step
                 rep["memory"]["optimizer_gib"] = ph["allocated_after_gib"] - before
         if colo is not None:
+            if a.release_kv:  # back before the adapter loads: the engine is whole whenever it takes a request
+                t = time.perf_counter()
+                colo.memory(release=False)
+                ph["resume_kv_s"] = time.perf_counter() - t
             ph |= colo.push_adapter(step + 1)
             ph["adapter_sync_ms"] = 1000 * (ph["export_s"] + ph["push_s"])
         ph["step_s"] = sum(ph.get(k, 0.0) for k in PHASES)

@@ -189,8 +189,10 @@ def main() -> int:
             eng.stop()  # its memory is the trainer's now
             tr = trainer(a, hf, ["--samples", os.path.join(a.out, "samples.json")])
         else:
+            # adapters from tensors: an engine started with load_format=dummy cannot read adapter files (SGLang
+            # 0.5.14's LoRA manager keeps the start's load format)
             extra = ["--engine", eng.url, "--prompts", str(a.prompts), "--prompt-len", str(a.prompt_len),
-                     "--new", str(a.new), "--adapter-dir", os.path.join(a.out, "adapters")]
+                     "--new", str(a.new)]
             tr = trainer(a, hf, extra + ([] if a.no_release_kv or a.cpu else ["--release-kv"]))
     finally:
         eng.stop()

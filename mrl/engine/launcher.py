@@ -119,7 +119,8 @@ class Engine:
     load_format: str | None = None
     """``--load-format`` (null: SGLang's ``auto``). ``dummy``: the server reads no weights at start, only
     ``config.json``; they arrive by a weight update (``mrl.weight_sync.named``), e.g. synthetic weights of
-    a model whose checkpoint is not on this host's disk."""
+    a model whose checkpoint is not on this host's disk. Such an engine loads LoRA adapters from tensors only:
+    SGLang 0.5.14's LoRA manager reads adapter files with the load format the server started with."""
     host: str = "127.0.0.1"
     port: int | None = None
     log_dir: str = "runs/engines"
