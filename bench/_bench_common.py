@@ -103,11 +103,13 @@ REPORTS = os.path.join(HERE, "reports")
 
 
 def slug(device: str) -> str:
-    """``2x NVIDIA H200`` -> ``2xH200``, ``CPU (gloo)`` -> ``cpu``: the hardware part of a report's name."""
+    """``2x NVIDIA H200`` -> ``2xH200``, ``1x NVIDIA H100 80GB HBM3`` -> ``1xH100``, ``CPU (gloo)`` ->
+    ``cpu<N>core``: the hardware part of a report's name."""
     if device.startswith("CPU"):
         return f"cpu{os.cpu_count()}core"
     n, _, name = device.partition("x ")
-    return f"{n}x{name.split()[-1]}"
+    words = name.split()  # "NVIDIA H100 80GB HBM3": the model, not the memory's kind
+    return f"{n}x{words[1] if len(words) > 1 and words[0] == 'NVIDIA' else words[-1]}"
 
 
 def environment() -> dict:

@@ -81,7 +81,8 @@ def engine(a, hf: str, *, lora=None):
                   load_format="dummy", return_routed_experts=True, max_running_requests=inflight,
                   max_total_tokens=8192 if a.cpu else a.max_total_tokens,
                   mem_fraction_static=None if a.cpu else a.mem_fraction, dtype=None if a.cpu else "bfloat16",
-                  memory_saver=a.mode == "colocated" and not a.cpu, lora=lora, env=_engine_env(a))
+                  memory_saver=a.mode == "colocated" and not a.cpu, lora=lora, env=_engine_env(a),
+                  server_args={} if a.cpu else json.loads(a.engine_args))
 
 
 def run(cmd: list[str], log: str, timeout: float) -> None:
@@ -156,6 +157,9 @@ def main() -> int:
     ap.add_argument("--mem-fraction", type=float, default=None,
                     help="the engine's --mem-fraction-static (default 0.85 sequential, 0.5 colocated)")
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="the engine's KV cache in tokens")
+    ap.add_argument("--engine-args", default='{"disable_prefill_cuda_graph": true}', metavar="JSON",
+                    help="GPU: more server args; by default no prefill CUDA graphs (their capture is the longest part "
+                         "of a 48-layer engine's start, and this job's batches are small)")
     ap.add_argument("--no-release-kv", action="store_true", help="colocated: keep the engine's KV cache in train")
     ap.add_argument("--set", nargs="*", default=[], help="more trainer overrides (mrl train's)")
     a = ap.parse_args()
