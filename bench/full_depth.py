@@ -206,8 +206,7 @@ def main() -> int:
             "route_agreement_replay_off": mm.get("route_agreement_replay_off"),
             "peak_memory_gib": tr.get("peak_memory_gib"), "time_to_first_step_s": tr["time_to_first_step_s"],
             "adapter_sync_ms": tr.get("adapter_sync_ms"), "trainer": tr}
-    name = f"full_depth_{a.mode}_{a.preset}_l{tr['num_hidden_layers']}_{slug(device_name())}"
-    dump(rep, a.json, name=name)
+    dump(rep, a.json, name=f"full_depth_{a.mode}_{a.preset}_l{tr['num_hidden_layers']}_{slug(device_name())}")
     on, off = rep["route_agreement_replay_on"], rep["route_agreement_replay_off"]
     print(f"[full_depth] {a.mode} {tr['num_hidden_layers']} layers: route agreement replay off {off:.4f} on {on:.4f}; "
           f"|dlogp| off {mm['replay_off']['mean_abs_dlogp']:.3e} on {mm['replay_on']['mean_abs_dlogp']:.3e}; "
