@@ -59,6 +59,8 @@ def main() -> int:
     rep = {"seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets": stats.buckets, "tensors": stats.tensors,
            "gb_per_s": stats.bytes_sent / stats.seconds / 1e9, "transport": a.transport, "bucket_mb": a.bucket_mb,
            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+    if stats.bytes_sent != weights.num_bytes:  # every tensor of the model, each once
+        raise SystemExit(f"pushed {stats.bytes_sent} bytes, the model has {weights.num_bytes}")
     print(f"[full_depth] pushed {stats.bytes_sent / 1e9:.2f} GB in {stats.buckets} buckets, {stats.seconds:.1f} s",
           flush=True)
     if not a.no_verify:

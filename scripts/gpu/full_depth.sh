@@ -41,11 +41,14 @@ run() {  # MODE TIMEOUT EXTRA...
   return $rc
 }
 
+BUDGET=${FULL_DEPTH_BUDGET:-570}  # seconds this script may take in all (a device call: 600)
 if [ "$MODE" = colocated ]; then
   # r=4: the trainer's 60.4 GiB of model states beside the engine's 57 GiB of weights (docs/memory.md)
-  run colocated "${COLOCATED_TIMEOUT:-420}" --steps "${FULL_DEPTH_STEPS:-5}" --lora-rank 4 --prompts 4 \
-    || run sequential "${SEQUENTIAL_TIMEOUT:-420}" --steps 3 --lora-rank 8
+  if ! run colocated "${COLOCATED_TIMEOUT:-480}" --steps "${FULL_DEPTH_STEPS:-5}" --lora-rank 4 --prompts 4; then
+    left=$((BUDGET - SECONDS))
+    if [ "$left" -gt 240 ]; then run sequential "$left" --steps 2 --lora-rank 8; else say "no time left for sequential"; fi
+  fi
 else
-  run sequential "${SEQUENTIAL_TIMEOUT:-540}" --steps "${FULL_DEPTH_STEPS:-3}" --lora-rank 8
+  run sequential "$((BUDGET - SECONDS))" --steps "${FULL_DEPTH_STEPS:-3}" --lora-rank 8
 fi
 say "done"
