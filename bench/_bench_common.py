@@ -146,13 +146,14 @@ RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NVTE_USE_CUTLASS_GROUPED_GEMM", "NCC
 TOPICS = (
     ("rl_step_vs_", "rl_step"), ("fwd_bwd_layouts", "rl_step"), ("micro_batches", "rl_step"),
     ("gc_pause", "rl_step"), ("batch_delivery", "rl_step"), ("old_logprob_pass", "rl_step"),
-    ("async_vs_sync", "loop"), ("loop_e2e", "loop"), ("gpu_loop", "loop"), ("full_depth", "loop"),
+    ("async_vs_sync", "loop"), ("opd_cost", "loop"), ("loop_e2e", "loop"), ("gpu_loop", "loop"),
+    ("full_depth", "loop"),
     ("rollout_throughput", "rollouts"), ("routes_decode", "rollouts"),
     ("weight_sync", "weight_sync"), ("lora_sync", "weight_sync"),
     ("replay_overhead", "keep_routing"), ("packing", "keep_routing"), ("routing_mismatch", "keep_routing"),
     ("sampling_mask_payload", "keep_routing"),
     ("mrl_train", "learning"), ("parity", "parity"), ("checkpoint_save", "checkpoints"),
-    ("export_time", "checkpoints"), ("image_build", "image"),
+    ("export_time", "checkpoints"), ("image_build", "image"), ("context_parallel", "context_parallel"),
 )
 """Report name prefix -> its folder under ``bench/reports/`` (the first prefix that matches; a bench whose
 name matches none is refused: add it here, tests/unit/test_bench_reports.py checks every bench's name)."""

@@ -103,6 +103,17 @@ def check_layout(cfg: Config, where: str) -> str | None:
     return None
 
 
+def check_context_parallel(cfg: Config, where: str) -> str | None:
+    """``parallel.cp`` > 1 runs only with Transformer Engine's attention on GPUs (the layouts it combines with
+    are ``ParallelConfig``'s and ``check_layout``'s). Where the trainer runs: here, or the nodes under
+    ``mrl launch``."""
+    if cfg.parallel.cp == 1 or where == SUBMIT:
+        return None
+    return cfg.parallel.context_parallel_problem(
+        transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
+        gpu=bool(glob.glob("/dev/nvidia[0-9]*")))
+
+
 def check_data(cfg: Config, where: str) -> str | None:
     """The prompt files exist and yield a usable row (bad rows: as the run reports them); a task's needs are met
     (``mrl.data.checks``)."""
@@ -475,8 +486,9 @@ def check_checkpoint_space(cfg: Config, where: str) -> str | None:
             "run saves one at its end: put run_dir on a filesystem with room")
 
 
-CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_data, check_eval_sets, check_reward_fn, check_env_fn,
-                            check_gpu_stack, check_ports, check_loggers)
+CHEAP: tuple[Check, ...] = (check_run_dir, check_layout, check_context_parallel, check_data, check_eval_sets,
+                            check_reward_fn, check_env_fn, check_gpu_stack, check_ports,
+                            check_loggers)
 COSTLY: tuple[Check, ...] = (check_model, check_fp8_shapes, check_checkpoint_space)
 
 

@@ -104,6 +104,8 @@ def kind(d: dict, fname: str) -> str:
         return "mrl_train_summary"
     if "sides" in d and "rounds" in d:
         return "default_run"
+    if "minibatch" in fname and "runs" in d and "summary" in d:
+        return "minibatch"
     if "recipe" in fname and "runs" in d and "summary" in d:
         return "recipe"
     return "unknown"
@@ -342,6 +344,63 @@ def recipe(d):
     return out
 
 
+def opd_learning(d):
+    """``bench/opd_run.py``: steps to the GRPO run's final held-out pass@1, OPD against GRPO, per seed."""
+    t = d["teacher"]
+    teacher = (f"teacher: held-out pass@1 {t['heldout_pass_at_1_end']:.2f} after {t['rl_steps']} RL steps"
+               if "heldout_pass_at_1_end" in t else f"teacher {t['hf_path']}")
+    opd, grpo = d["opd_steps_to_target"], d["grpo_steps_to_target"]
+    out = [f"+experiment={d['recipe']}, {d['steps']} RL steps, seeds {', '.join(map(str, d['seeds']))}; {teacher}; "
+           f"OPD overrides {' '.join(d['opd_overrides'])}",
+           f"**steps to the GRPO run's final held-out pass@1: OPD {'never' if opd is None else f'{opd:g}'}, GRPO "
+           f"{'never' if grpo is None else f'{grpo:g}'}** (target {d['target_heldout_pass_at_1']:.3f}, median over "
+           f"seeds)"]
+    for name, s in d["summary"].items():
+        per_seed = zip(s["seeds"], s["heldout_pass_at_1_start"], s["heldout_pass_at_1_end"], s["steps_to_target"])
+        runs = ", ".join(f"s{seed} {a:.2f} -> {b:.2f} ({'never' if n is None else f'step {n}'})"
+                         for seed, a, b, n in per_seed)
+        out.append(f"{name}: held-out pass@1 {runs}; step {statistics.median(s['median_step_seconds']):.2f} s")
+    return out
+
+
+def opd_cost(d):
+    """``bench/opd_cost.py``: the teacher's prefill against the student's rollouts, the loop with OPD over without."""
+    out = []
+    if "engines" in d:
+        e, sh = d["engines"]["summary"], d["engines"]["shape"]
+        med = {k: v["median"] for k, v in e.items()}
+        out.append(f"one teacher engine scores **{med['teacher_scored_over_rollout']:.1f}x** the tokens/s one "
+                   f"student engine samples ({med['teacher_scored_tokens_per_s']:.0f} vs "
+                   f"{med['rollout_tokens_per_s']:.0f}; prefill {med['teacher_prefill_tokens_per_s']:.0f} tokens/s), "
+                   f"{sh['prompts']}x{sh['n']} samples of {sh['new_tokens']} tokens, "
+                   f"{len(d['engines']['rounds'])} rounds")
+    if "loop" in d:
+        lp = d["loop"]
+        out.append(f"loop trained tokens/s with scoring=opd / without: **{lp['loop_with_scoring_vs_without']:.2f}** "
+                   f"(median of {lp['n_pairs']} paired window ratios, p25-p75 {lp['ratios']['p25']:.2f}-"
+                   f"{lp['ratios']['p75']:.2f}; {lp['tokens_per_s']['with_opd']['median']:.0f} vs "
+                   f"{lp['tokens_per_s']['without']['median']:.0f} tokens/s)")
+    return out
+
+
+def minibatch(d):
+    """``bench/recipe_run.py --target``: per setting, the steps (and loop seconds) until the training reward's
+    trailing mean reaches the target, and the trainer's clip fractions over every step."""
+    t = d["target"]
+    out = [f"target: reward's trailing mean over {t['window_steps']} steps >= {t['reward_trailing_mean']:g}"]
+    for name, s in d["summary"].items():
+        steps = ", ".join("-" if x is None else str(x) for x in s["steps_to_target"])
+        med, sec = s["steps_to_target_median"], s["seconds_to_target_median"]
+        hi, lo = s["clip_frac_high_pooled"], s["clip_frac_low_pooled"]
+        out.append(f"{name} ({', '.join(d['runs'][[r['variant'] for r in d['runs']].index(name)]['overrides'])}): "
+                   f"steps to target {steps} (median **{'not reached' if med is None else f'{med:g}'}**"
+                   + ("" if sec is None else f", {sec:.0f} s") + f"); clip_frac_high median {hi['median']:.3g}, "
+                   f"mean {hi['mean']:.3g}, low mean {lo['mean']:.3g} ({100 * (lo['nonzero_steps'] or 0):.0f}% of "
+                   f"steps clip low); held-out {statistics.median(s['heldout_pass_at_1_start']):.2f} -> "
+                   f"{statistics.median(s['heldout_pass_at_1_end']):.2f} (medians)")
+    return out
+
+
 def learn_compare(d):
     out = []
     for run, r in d["summary"].items():
@@ -570,6 +629,8 @@ EXTRACTORS = {
     "fused_replay_check": fused_replay_check, "checkpoint_save": checkpoint_save, "moe_kernel_tune": moe_kernel_tune,
     "logprob_kernel": logprob_kernel, "gpu_loop_sync_profile": sync_profile,
     "update_request_latency": update_request_latency, "export_time": export_time, "recipe": recipe,
+    "opd_learning": opd_learning, "opd_cost": opd_cost,
+    "minibatch": minibatch,
     "image_build_cpu": image_build,
 }
 
@@ -595,6 +656,16 @@ def _ws_max(d):
 
 def _ws_cpu_tp1(d):
     return min(ws_ratio(r) for r in d["rows"] if r["layout"] == "tp1")
+
+
+def _opd_steps(d):
+    """OPD's steps to target over GRPO's; never reaching it counts as infinitely many."""
+    return d["opd_over_grpo_steps"] if d["opd_over_grpo_steps"] is not None else float("inf")
+def _mb_steps_ratio(d):
+    """Median steps to 90% with 4 mini-batches over that with 1 (a run that never got there: beyond all)."""
+    by = {k: statistics.median([float("inf") if x is None else x for x in v])
+          for k, v in d["steps_to_90_by_minibatches"].items()}
+    return by["4"] / by["1"]
 
 
 _KR = "keep_routing/2026-11-29_gpu_replay_overhead_2xH200_16reps_paired.json"
@@ -650,6 +721,16 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
      "learning/2026-12-07_mrl_train_recipe_countdown_cpu2core.json",
      lambda d: d["summary"]["default"]["lift_median"],
      "2-core CPU, tiny model, sampled pass@1 (8 samples on 87 held-out problems), median over 3 seeds"),
+    ("OPD: steps to the GRPO run's final held-out pass@1 / GRPO's steps, CPU", "<=", 0.5,
+     "learning/2026-12-07_mrl_train_opd_countdown_cpu2core.json", _opd_steps,
+     "2-core CPU, countdown, tiny model, teacher from the recipe (held-out pass@1 0.55), 200 steps, 1 seed"),
+    ("scoring keeps pace: loop trained tokens/s with a teacher pool of equal size / without, CPU", ">=", 0.9,
+     "loop/2026-12-07_opd_cost_cpu2core.json", lambda d: d["loop_with_scoring_vs_without"],
+     "2-core CPU under a load of 30-45, default run, median of 8 paired window ratios (p25-p75 0.91-1.27)"),
+    ("default task: steps to 90% reward with 4 mini-batches / with 1, CPU", "<=", 1.0,
+     "learning/2026-12-07_mrl_train_minibatch_default_cpu2core.json", _mb_steps_ratio,
+     "2-core CPU, algo=dapo, 128 samples a step in both (steps are samples), medians over 2 seeds; trailing "
+     "5-step mean of the training reward"),
     ("seconds for mrl export of the 30B-A3B slice, one GPU host", "<=", 120,
      "checkpoints/2026-12-07_export_time_qwen3_30b_a3b_l8_none_1xH100.json",
      lambda d: d["export_wall_s"]["median"], "1x H100, 8-layer slice (11.2 GB), process start to exit, cold cache"),

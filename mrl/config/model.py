@@ -129,7 +129,8 @@ class ParallelConfig:
     etp: Optional[int] = None
     """Expert tensor parallel size; null means megatron's default (= tp)."""
     cp: int = 1
-    """Context parallel size."""
+    """Context parallel size: every sequence split over cp ranks (megatron's load-balanced split into
+    2*cp chunks), for long responses. Needs Transformer Engine attention on GPUs and model.dtype=bf16."""
     sequence_parallel: bool = True
     """Sequence parallelism; required for MoE with tp > 1 (megatron-core refuses to train without it)."""
     dispatcher: Dispatcher = Dispatcher.alltoall
@@ -173,6 +174,21 @@ class ParallelConfig:
         """Trainer processes ``mrl train`` starts on one machine: ``world_size``, else the smallest world that
         holds both the dense (tp*pp*cp) and the expert (ep*etp*pp) layout."""
         return self.world_size or max(self.tp * self.pp * self.cp, self.ep * self.expert_tp * self.pp)
+
+    def context_parallel_problem(self, *, transformer_engine: bool, gpu: bool) -> str | None:
+        """Why ``cp`` > 1 cannot run on this machine, None when it can: megatron-core's context parallelism
+        is Transformer Engine's attention (its local attention asserts context_parallel_size == 1), and TE's
+        context-parallel attention runs on GPUs only."""
+        if self.cp == 1:
+            return None
+        if not transformer_engine:
+            return (f"parallel.cp={self.cp}: context parallelism needs Transformer Engine attention (megatron's "
+                    "local attention supports parallel.cp=1 only) and transformer_engine is not installed; "
+                    "install it (pip install -e '.[gpu]') or set parallel.cp=1")
+        if not gpu:
+            return (f"parallel.cp={self.cp}: context parallelism runs Transformer Engine's attention on GPUs and "
+                    "this host has none; set parallel.cp=1")
+        return None
 
     def check_world_size(self, world_size: int) -> None:
         """Raise a ValueError naming the fields when the layout does not fit ``world_size`` ranks."""

@@ -20,13 +20,13 @@ from mrl.config.model import (Dispatcher, TinyPreset, LoraConfig, ModelConfig, P
 from mrl.config.algo import (AdvEstimator, LossType, Aggregation, Correction, CorrectionLevel, KLEstimator, AlgoConfig,
                              OldLogprobs)
 from mrl.config.data import HF_TASK, BadRowPolicy, DataConfig, DataFormat, RewardConfig, RewardExecutor, RewardOnError
-from mrl.config.weight_sync import WeightTransport, WeightSyncConfig
+from mrl.config.weight_sync import PauseMode, WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
 from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, Recompute, StalePolicy, TrainConfig,
                               TrackingConfig, LOGGERS)
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.engine import EngineConfig
-from mrl.config.scoring import ScorerSpec, ScoringConfig, TeacherConfig
+from mrl.config.scoring import ScorerSpec, ScoringConfig, TeacherConfig, check_reference
 
 __all__ = [
     "AdvEstimator",
@@ -59,6 +59,7 @@ __all__ = [
     "OldLogprobs",
     "Recompute",
     "ModelConfig",
+    "PauseMode",
     "ParallelConfig",
     "RewardConfig",
     "RewardExecutor",
@@ -167,6 +168,18 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Project and run names of the trackers, offline mode."""
 
+    def _check_pause_mode(self) -> None:
+        """``weight_sync.pause_mode`` retract / in_place: refused where it cannot hold its promises."""
+        mode = self.weight_sync.pause_mode.value
+        if self.model.lora.enabled:
+            _fail("weight_sync.pause_mode", f"={mode} with model.lora: a LoRA run never pauses the engines (each "
+                  "adapter version is served beside the older ones, requests finish on the version they began "
+                  "with); leave pause_mode=abort")
+        if self.engine.dp > 1:
+            _fail("weight_sync.pause_mode", f"={mode} with engine.dp={self.engine.dp}: an in-flight update tags "
+                  "each token in the scheduler that ran it, and SGLang's data-parallel controller in front of "
+                  "several schedulers was never tested with it; use abort, or more engines of dp=1")
+
     @property
     def samples_per_step(self) -> int:
         """Samples in a step's batch: train.prompts_per_step groups of rollout.n_samples_per_prompt."""
@@ -179,7 +192,9 @@ class Config:
         if len(set(self.logger)) != len(self.logger):
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
-        for key, pool in (("engine", e), ("scoring.teacher.engine", self.scoring.teacher.engine)):
+        sc = self.scoring
+        for key, pool in (("engine", e), ("scoring.teacher.engine", sc.teacher.engine),
+                          ("scoring.prm.engine", sc.prm.engine), ("scoring.reference.engine", sc.reference.engine)):
             if pool.cpu_mode and pool.dtype not in (None, "float32"):
                 _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")
             if pool.dtype is None:
@@ -203,8 +218,21 @@ class Config:
         if e.quantization == "fp8" and self.model.lora.enabled:
             _fail("engine.quantization", "=fp8 with model.lora: SGLang's LoRA layers over a block-FP8 base are not "
                   "what the trainer computes (bf16 base + adapter) and were never tested here; use null")
+        if self.weight_sync.pause_mode != PauseMode.abort:
+            self._check_pause_mode()
         if self.model.lora.enabled:  # what the engines could not serve, refused now rather than at launch
             lora_engine_spec(self)
+        if self.parallel.cp > 1 and self.model.dtype != DType.bf16:
+            _fail("parallel.cp", f"={self.parallel.cp} with model.dtype={self.model.dtype.value}: Transformer "
+                  "Engine's context-parallel attention runs in its flash/fused kernels, bf16 only; set "
+                  "model.dtype=bf16 or parallel.cp=1")
+        check_reference(self)
+        if self.weight_sync.pause_mode.value != "abort" and self.engine.urls:
+            # only engines with mrl's patches (the job's, or `mrl engine`'s) tag each token with its weights' version
+            _fail("weight_sync.pause_mode", f"={self.weight_sync.pause_mode.value} with engine.urls: engines attached "
+                  "by URL may lack mrl's engine patches that tag each token with the version of the weights that "
+                  "produced it, so the versions of requests running across a sync could not be known; let the job "
+                  "start the engines, start them with `mrl engine` (engine.url_dir), or use pause_mode=abort")
         if self.parallel.collective_timeout_s <= self.train.batch_timeout_s:
             _fail("parallel.collective_timeout_s", f"={self.parallel.collective_timeout_s} must exceed "
                   f"train.batch_timeout_s={self.train.batch_timeout_s}: trainer ranks other than 0 wait in the "

@@ -4,7 +4,7 @@ engine pool of on-policy distillation. The default is ``reward.fn`` alone, as a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from mrl.config.base import fail
 from mrl.config.engine import EngineConfig
@@ -68,6 +68,98 @@ class TeacherConfig:
 
 
 @dataclass(kw_only=True)
+class EnginePoolConfig:
+    """A scoring engine pool's keys (``mrl.scoring.pool.ScoringPool``): the checkpoint, the servers, the limits
+    of a call. ``NODE`` names the node in errors."""
+
+    NODE: ClassVar[str] = "scoring.pool"
+    hf_path: Optional[str] = None
+    """The pool's Hugging Face checkpoint. It must share the policy's tokenizer (the preflight compares them).
+    With ``engine.urls`` it names the running servers' checkpoint."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The servers: the same keys as the rollout pool's ``engine:`` (count, cpus, server_args, urls,
+    max_restarts, ...); ``url_dir`` and LoRA keys do not apply."""
+    timeout_s: float = 120.0
+    """Limit of one call; an engine that passes it and fails its liveness probe is replaced."""
+    max_retries: int = 3
+    """A group's call moves to another engine at most this many times before the group is dropped."""
+    max_error_rate: float = 0.5
+    """The run stops once more than this share of the last 64 groups could not be scored."""
+    health_timeout_s: float = 600.0
+    """How long an engine (or its replacement) may take to become healthy."""
+
+    def __post_init__(self) -> None:
+        n = self.NODE
+        if not self.timeout_s > 0:
+            fail(f"{n}.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.max_retries < 0:
+            fail(f"{n}.max_retries", f"must be >= 0, got {self.max_retries}")
+        if not 0.0 <= self.max_error_rate <= 1.0:
+            fail(f"{n}.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
+        if self.engine.url_dir is not None:
+            fail(f"{n}.engine.url_dir", f"the pool's engines are started by the run or given by {n}.engine.urls; "
+                 "set url_dir to null")
+
+
+@dataclass(kw_only=True)
+class PRMConfig(EnginePoolConfig):
+    """A process reward model: a generative PRM on engines reads, after each step of a response, the probability
+    of its "good" verdict token against its "bad" one (``mrl.scoring.process_reward``); the step's reward
+    ``weight * (p_good - baseline)`` goes on the step's last token."""
+
+    NODE: ClassVar[str] = "scoring.prm"
+    hf_path: Optional[str] = None
+    """The PRM's Hugging Face checkpoint (null: no PRM); it must share the policy's tokenizer."""
+    weight: float = 1.0
+    """Scale of the step rewards (token rewards: they reach the advantage unnormalized)."""
+    separator: str = "\n\n"
+    """A step ends where this text ends in a model turn; every model turn ends a step too. "" = turns only."""
+    step_tag: str = ""
+    """Text inserted after each step in what the PRM reads (e.g. Math-Shepherd's " ки"); "" = none."""
+    good_token: str = "+"
+    """The PRM's verdict token for a good step (one token of the shared tokenizer)."""
+    bad_token: str = "-"
+    """The PRM's verdict token for a bad step (one token)."""
+    baseline: float = 0.5
+    """Subtracted from each step's p_good: a step the PRM cannot judge adds nothing, and a response of many
+    middling steps does not gather reward by its length alone."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.hf_path is not None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.weight > 0:
+            fail("scoring.prm.weight", f"must be > 0, got {self.weight}")
+        if not self.good_token or not self.bad_token or self.good_token == self.bad_token:
+            fail("scoring.prm.good_token", f"good_token={self.good_token!r} and bad_token={self.bad_token!r} must be "
+                 "two different non-empty tokens")
+        if self.engine.urls and not self.enabled:
+            fail("scoring.prm.hf_path", "must name the PRM's checkpoint when scoring.prm.engine.urls is set")
+
+
+@dataclass(kw_only=True)
+class ReferenceConfig(EnginePoolConfig):
+    """The KL reference on engines: a frozen reference pool prefills each finished sample and its logprobs are
+    the ``ref_logp`` of ``algo.kl_coef``'s term, instead of the trainer swapping reference weights in for a
+    forward each step (``mrl.megatron.reference``)."""
+
+    NODE: ClassVar[str] = "scoring.reference"
+    enabled: bool = False
+    """Take the KL reference's logprobs from this pool (needs ``algo.kl_coef > 0``)."""
+    hf_path: Optional[str] = None
+    """The reference checkpoint; null = ``model.hf_path``, the weights RL starts from (as the trainer's own
+    reference, unless a warm start or a LoRA ``init_from`` changed them first: then name it)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.engine.urls and self.hf_path is None:
+            fail("scoring.reference.hf_path", "must name the reference's checkpoint when "
+                 "scoring.reference.engine.urls is set")
+
+
+@dataclass(kw_only=True)
 class ScoringConfig:
     """How groups are scored (``mrl.rollout.scorers.build_scorer``): ``reward_weight * reward.fn`` (or the multi-turn
     environment's reward) + each of ``scorers`` by its weight + the teacher's per-token reverse KL."""
@@ -81,18 +173,46 @@ class ScoringConfig:
     """Group scorers of the user's, e.g. ``scoring.scorers=[{cls: my_pkg.Judge, weight: 0.5}]``."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """On-policy distillation from teacher engines."""
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    """Step rewards of a process reward model on engines (token rewards)."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The KL reference's logprobs from engines instead of the trainer's weight swap."""
 
     @property
     def default(self) -> bool:
         """``reward.fn`` alone, weight 1: the rewards of a run without scorers."""
-        return self.reward_weight == 1.0 and not self.scorers and not self.teacher.enabled
+        return (self.reward_weight == 1.0 and not self.scorers and not self.teacher.enabled and not self.prm.enabled
+                and not self.reference.enabled)
 
     def __post_init__(self) -> None:
         if self.reward_weight < 0.0:
             fail("scoring.reward_weight", f"must be >= 0, got {self.reward_weight}")
-        if self.reward_weight == 0.0 and not self.scorers and not self.teacher.enabled:
+        if self.reward_weight == 0.0 and not self.scorers and not self.teacher.enabled and not self.prm.enabled:
             fail("scoring.reward_weight", "is 0 and no other scorer is configured: nothing would score the samples "
-                 "(set scoring.teacher.hf_path or scoring.scorers)")
+                 "(set scoring.teacher.hf_path, scoring.prm.hf_path or scoring.scorers)")
         for i, s in enumerate(self.scorers):
             if s.cls.count(".") < 1 or not all(s.cls.split(".")):
                 fail(f"scoring.scorers[{i}].cls", f"expected a dotted path 'package.module.Class', got {s.cls!r}")
+
+
+def check_reference(cfg: Any) -> None:
+    """``scoring.reference`` against the other nodes (``Config.__post_init__``): what the engines' logprobs
+    could not stand in for is refused."""
+    ref = cfg.scoring.reference
+    if not ref.enabled:
+        return
+    if cfg.algo.kl_coef <= 0:
+        fail("scoring.reference.enabled", "is true but algo.kl_coef is 0: nothing reads the reference; set "
+             "algo.kl_coef > 0 or scoring.reference.enabled=false")
+    if cfg.rollout.temperature not in (0.0, 1.0):
+        fail("scoring.reference.enabled", f"with rollout.temperature={cfg.rollout.temperature}: the trainer's KL "
+             "compares logprobs of softmax(logits / T) and an engine's prefill logprobs are at T=1; use the "
+             "trainer's reference (scoring.reference.enabled=false)")
+    if cfg.train.sampling_mask:
+        fail("scoring.reference.enabled", "with train.sampling_mask=true: the trainer's reference logprobs are "
+             "renormalized over each token's sampling support, which an engine's prefill does not know; use the "
+             "trainer's reference")
+    if ref.hf_path is None and (cfg.train.sft_warmup_steps or cfg.model.lora.init_from):
+        fail("scoring.reference.hf_path", "is null (model.hf_path) but RL does not start from model.hf_path "
+             "(train.sft_warmup_steps or model.lora.init_from changes the weights first): name the reference "
+             "checkpoint")

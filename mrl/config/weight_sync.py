@@ -15,11 +15,26 @@ class WeightTransport(str, enum.Enum):
     tensor = "tensor"  # colocated GPUs: CUDA IPC handles via update_weights_from_tensor
 
 
+class PauseMode(str, enum.Enum):
+    """How a sync pauses the engines (SGLang's ``/pause_generation`` modes)."""
+
+    abort = "abort"  # requests in flight return their partial output and resume afterwards as new requests
+    retract = "retract"  # requests stay open; their KV cache is dropped and recomputed with the new weights
+    in_place = "in_place"  # requests stay open and keep their KV cache, computed with the older weights
+
+
 @dataclass(kw_only=True)
 class WeightSyncConfig:
     """Trainer -> engine weight sync."""
 
     transport: WeightTransport = WeightTransport.distributed
+    pause_mode: PauseMode = PauseMode.abort
+    """What a sync does to the requests in flight. ``abort``: they are aborted and the engines' caches flushed;
+    each sample resumes as prompt + partial output, re-prefilled with the new weights. ``retract``: they stay
+    in the engine, their KV cache is dropped and recomputed with the new weights when generation continues
+    (no abort round trip, no resubmission). ``in_place``: they stay in the engine with their KV cache, computed
+    with the older weights; the next forward pass uses the new weights. Every token is tagged with the version
+    of the weights whose forward pass produced it in every mode (docs/weight_sync.md#pause-modes)."""
     bucket_mb: float = 512
     """Upper bound of one streamed bucket (a single larger tensor gets a bucket of its own)."""
     every_n_steps: int = 1
@@ -44,6 +59,12 @@ class WeightSyncConfig:
     """The address engines dial to join a trainer rank's weight-update group (the rank hosts its store).
     null = each sending rank's own address on the interface that routes to the engines, which is right on
     one node and across nodes; set it only when that route is not the one engines can reach it by."""
+
+    @property
+    def keeps_requests(self) -> bool:
+        """A sync leaves the requests in flight in the engines (retract / in_place): no drain around it, and
+        one request's tokens may come from several versions."""
+        return self.pause_mode != PauseMode.abort
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:

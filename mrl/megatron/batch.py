@@ -72,6 +72,9 @@ class RLBatch:
     token_advantages: list[list[float]] | None = None
     """Per sample, per response token: the advantage of that token (``mrl.algo.token_advantages``: token-level
     rewards of a process reward or a teacher). None: ``advantages`` holds for every token of its sample."""
+    ref_logp: list[list[float]] | None = None
+    """Per sample, per response token: the KL reference's logprob from reference engines (``scoring.reference``).
+    None: the trainer computes it (``mrl.megatron.reference``) when ``algo.kl_coef > 0``."""
     whole: WholeBatch | None = None
     """Set when this batch holds one DP rank's share of the step's batch: that batch's figures. None: this
     is the whole batch."""

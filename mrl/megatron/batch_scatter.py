@@ -7,10 +7,10 @@ Every rank gets a small header as one pickled object (the sizes of every sample'
 advantages, the loss normalizer, the step's info figures, and the ``WholeBatch`` figures its micro-batch
 plan needs); the bulk goes point to point from rank 0, one contiguous byte buffer per destination: tokens,
 engine logprobs, routes, sampling supports (ragged: counts and ids), loss masks, token versions, per-token
-advantages, each field in its own dtype (uint8 routes stay uint8). Ranks of one DP rank (TP, PP, CP peers)
-receive the same share: megatron's dense DP group holds the EP peers too, so an EP rank is a DP rank here. On
-NCCL the buffers travel as device tensors (rank 0 fills a pinned host buffer and copies it to its device). A
-one-rank world sends nothing.
+advantages, reference engines' logprobs, each field in its own dtype (uint8 routes stay uint8). Ranks of one DP
+rank (TP, PP, CP peers) receive the same share: megatron's dense DP group holds the EP peers too, so an EP rank
+is a DP rank here. On NCCL the buffers travel as device tensors (rank 0 fills a pinned host buffer and copies it
+to its device). A one-rank world sends nothing.
 
 The receiving side rebuilds an ``RLBatch`` of its samples (``first``, ``whole`` set); ``Policy`` plans the
 same micro-batches from it as from the whole batch.
@@ -75,6 +75,7 @@ _SOURCES: dict[str, Callable[[RLBatch, int], Any]] = {
     "loss_mask": lambda b, i: b.loss_mask[i],
     "versions": lambda b, i: b.versions[i],
     "token_advantages": lambda b, i: b.token_advantages[i],
+    "ref_logp": lambda b, i: b.ref_logp[i],
 }
 
 
@@ -116,6 +117,8 @@ def make_header(batch: RLBatch, normalizer: float, info: dict[str, Any], dp_size
         fields.append(FieldSpec("versions", "int32", tuple(len(x) for x in batch.versions)))
     if _per_sample(batch, "token_advantages", batch.token_advantages) is not None:
         fields.append(FieldSpec("token_advantages", "float64", tuple(len(x) for x in batch.token_advantages)))
+    if _per_sample(batch, "ref_logp", batch.ref_logp) is not None:
+        fields.append(FieldSpec("ref_logp", "float64", tuple(len(x) for x in batch.ref_logp)))
     return Header(whole=WholeBatch.of(batch), prompt_lens=list(batch.prompt_lens),
                   advantages=[float(a) for a in batch.advantages], fields=tuple(fields),
                   normalizer=float(normalizer), info=dict(info))
@@ -196,7 +199,8 @@ def decode(header: Header, share: range, buf: np.ndarray) -> RLBatch:
                    behav_logp=lists("behav_logp"), advantages=header.advantages[share.start:share.stop],
                    routes=routes, support=support, support_log_mass=lists("support_log_mass"),
                    loss_mask=lists("loss_mask"), versions=lists("versions"),
-                   token_advantages=lists("token_advantages"), whole=header.whole, first=share.start)
+                   token_advantages=lists("token_advantages"), ref_logp=lists("ref_logp"), whole=header.whole,
+                   first=share.start)
 
 
 def share_of(batch: RLBatch, header: Header, share: range) -> RLBatch:
@@ -207,7 +211,8 @@ def share_of(batch: RLBatch, header: Header, share: range) -> RLBatch:
     return RLBatch(tokens=cut(batch.tokens), prompt_lens=cut(batch.prompt_lens), behav_logp=cut(batch.behav_logp),
                    advantages=cut(batch.advantages), routes=cut(batch.routes), support=cut(batch.support),
                    support_log_mass=cut(batch.support_log_mass), loss_mask=cut(batch.loss_mask),
-                   versions=cut(batch.versions), token_advantages=cut(batch.token_advantages), whole=header.whole,
+                   versions=cut(batch.versions), token_advantages=cut(batch.token_advantages),
+                   ref_logp=cut(batch.ref_logp), whole=header.whole,
                    first=share.start)
 
 

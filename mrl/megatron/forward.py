@@ -14,8 +14,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 def forward_logits(model: torch.nn.Module, layout: Layout, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Logits [B, S, padded_vocab] on the last pipeline stage (None on other stages), eval mode.
 
-    PP > 1 goes through megatron's own forward-only schedule (p2p over gloo/NCCL), one micro-batch.
+    PP > 1 goes through megatron's own forward-only schedule (p2p over gloo/NCCL), one micro-batch. Whole
+    sequences on every rank: no context parallelism (the training step's forwards split them).
     """
+    if layout.cp.size > 1:
+        raise ValueError(f"parallel.cp={layout.cp.size}: full-vocabulary logits of whole sequences (mrl check-model, "
+                         "the weight-sync probe) are computed without context parallelism; run them with "
+                         "parallel.cp=1")
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
     if layout.pp.size == 1:
@@ -116,3 +121,15 @@ def vocab_parallel_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
         return ce(logits, target, 0.0, False, group, _IGNORE, overwrite_input=True)[:, :-1].neg()
     return _VocabParallelLogprob.apply(logits[:, :-1], input_ids[:, 1:], tp.rank * logits.shape[-1], vocab_size,
                                        group)
+
+
+def vocab_parallel_target_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp: GroupInfo,
+                                   fused: bool = True) -> torch.Tensor:
+    """log p(target[:, q] | position q), ``[B, S]``, from vocab-parallel logits ``[B, S, V_padded / tp]`` with
+    the targets given per position (context parallelism: a rank's next tokens are not its next positions,
+    ``mrl.megatron.context_parallel.next_tokens``). Otherwise as ``vocab_parallel_token_logprobs``."""
+    group = tp.group if tp.size > 1 else None
+    ce = _fused_cross_entropy(logits) if fused else None
+    if ce is not None and logits.shape[-1] * tp.size == vocab_size and logits.is_contiguous():
+        return ce(logits, target.long(), 0.0, False, group, _IGNORE, overwrite_input=True).neg()
+    return _VocabParallelLogprob.apply(logits, target, tp.rank * logits.shape[-1], vocab_size, group)

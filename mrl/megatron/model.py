@@ -20,6 +20,7 @@ import torch
 from mrl._compat.te import HAVE_TE
 from mrl.config.schema import DType, GroupedGemm, ParallelConfig, Recompute
 from mrl.megatron import compat
+from mrl.megatron.context_parallel import check_runnable
 from mrl.megatron.parallel import Layout
 from mrl.models.bridge import ModelBridge
 from megatron.core.models.gpt import GPTModel
@@ -129,6 +130,7 @@ def transformer_config(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: 
                        **overrides: Any) -> TransformerConfig:
     """``recompute``: ``train.recompute``; ``device_init``: megatron allocates the parameters on the GPU
     (without CUDA: ignored), not in host memory first (a model of tens of GB would pass through the host)."""
+    check_runnable(parallel)  # context_parallel_size > 1 only where TE's CP attention runs
     parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
                          num_query_groups=bridge.num_query_groups)
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32

@@ -251,7 +251,7 @@ class Packing:
 
 
 def pack_micro_batches(lengths: Sequence[int], *, dp_size: int, dp_rank: int, row_len: int,
-                       rows_per_micro_batch: int, fmt: PackFormat | None = None,
+                       rows_per_micro_batch: int, fmt: PackFormat | None = None, align: int = 1,
                        device: torch.device | str | None = None) -> list[tuple[list[int], Packing]]:
     """A step's packing plan for one DP rank: ``(sample indices, Packing)`` per micro-batch.
 
@@ -259,15 +259,17 @@ def pack_micro_batches(lengths: Sequence[int], *, dp_size: int, dp_rank: int, ro
     ``row_len``, at most ``rows_per_micro_batch`` rows per micro-batch. Every DP rank runs as many
     micro-batches as the rank that needs most (EP all-to-alls run in lockstep across DP ranks): rows
     are spread evenly, and a rank with too few rows splits its fullest ones. ``fmt``: the attention
-    path of the model's spec (default: ``"thd"`` with Transformer Engine, else ``"mask"``)."""
+    path of the model's spec (default: ``"thd"`` with Transformer Engine, else ``"mask"``). ``align``: every
+    sample's slot is a multiple of it (``2 * cp`` under context parallelism), and so must ``row_len`` be."""
     n = len(lengths)
     if n % dp_size:
         raise PackingError(f"{n} samples do not split over dp={dp_size}")
     fmt = fmt or ("thd" if HAVE_TE else "mask")
+    slots = [round_up(int(x), align) for x in lengths]
 
     def bins_of(rank: int) -> list[list[int]]:
         lo = rank * n // dp_size
-        return [[lo + k for k in b] for b in first_fit_decreasing(lengths[lo:(rank + 1) * n // dp_size], row_len)]
+        return [[lo + k for k in b] for b in first_fit_decreasing(slots[lo:(rank + 1) * n // dp_size], row_len)]
 
     num_mb = max(math.ceil(len(bins_of(q)) / rows_per_micro_batch) for q in range(dp_size))
     bins = bins_of(dp_rank)
@@ -282,13 +284,7 @@ def pack_micro_batches(lengths: Sequence[int], *, dp_size: int, dp_rank: int, ro
         idx = [i for b in rows for i in b]
         pos = {i: j for j, i in enumerate(idx)}
         out.append((idx, Packing.build([lengths[i] for i in idx], [[pos[i] for i in b] for b in rows],
-                                       row_len=row_len, num_rows=max(sizes), fmt=fmt, device=device)))
+                                       row_len=row_len, num_rows=max(sizes), fmt=fmt, align=align,
+                                       device=device)))
     return out
 
-
-def check_context_parallel(cp: int) -> None:
-    """Megatron's local attention asserts ``context_parallel_size == 1``; refuse early and say why."""
-    if cp > 1 and not HAVE_TE:
-        raise PackingError(f"parallel.cp={cp} needs Transformer Engine attention (megatron's local "
-                           "DotProductAttention supports context_parallel_size == 1 only); set parallel.cp=1 "
-                           "or run where transformer-engine is installed")

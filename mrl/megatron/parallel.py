@@ -39,6 +39,7 @@ class Layout:
     ep: GroupInfo
     etp: GroupInfo
     edp: GroupInfo
+    cp: GroupInfo = GroupInfo(None, 0, 1)
 
     @property
     def is_first_stage(self) -> bool:
@@ -97,6 +98,8 @@ def init_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Layout:
                       ps.get_expert_tensor_parallel_world_size()),
         edp=GroupInfo(ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_rank(),
                       ps.get_expert_data_parallel_world_size()),
+        cp=GroupInfo(ps.get_context_parallel_group(), ps.get_context_parallel_rank(),
+                     ps.get_context_parallel_world_size()),
     )
 
 

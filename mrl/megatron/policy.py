@@ -28,7 +28,8 @@ from mrl.megatron.export import check_model_keys
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
 from mrl.megatron.model import LOCAL_SPEC_ON_GPU, build_gpt_model, transformer_config, use_grouped_gemm
 from mrl.megatron.optim import build_optimizer, wrap_ddp
-from mrl.megatron.packing import Packing, check_context_parallel, pack_micro_batches, round_up
+from mrl.megatron.context_parallel import packed_rows, padded_len
+from mrl.megatron.packing import Packing, pack_micro_batches
 from mrl.megatron.parallel import Layout
 from mrl.megatron.reference import ReferenceWeights
 from mrl.megatron.train_step import MicroBatch, forward_backward
@@ -64,7 +65,6 @@ class Policy:
         the checkpoint at ``hf_path``. ``device_init``: parameters allocated on the GPU, not first in host memory."""
         self.cfg, self.layout = cfg, layout
         self.bridge = get_bridge(hf_path)
-        check_context_parallel(cfg.parallel.cp)
         self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype, recompute=cfg.train.recompute,
                                        device_init=device_init)
         use_grouped_gemm(cfg.train.grouped_gemm)
@@ -106,8 +106,8 @@ class Policy:
             warnings.warn(LOCAL_SPEC_ON_GPU)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.fused_logprob = cfg.train.fused_logprob
-        self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 else None
-        """KL to a reference: its weights, swapped in for one forward per step (``capture_reference``)."""
+        self.reference = ReferenceWeights() if cfg.algo.kl_coef > 0 and not cfg.scoring.reference.enabled else None
+        """KL reference weights swapped in for a forward per step; None: engines' (``RLBatch.ref_logp``)."""
         log.info("%s", describe_update(cfg.algo))
         self.collector = StepCollector(freeze=t.gc_freeze, interval=t.gc_interval)
         self.collector.after_setup()
@@ -151,22 +151,22 @@ class Policy:
         ``version``: the trainer's (``WeightsVersion.current``); with ``batch.versions`` each token's lag behind
         it goes along as ``data["lag"]``. ``samples``: a mini-batch's whole-batch indices, DP rank 0's part
         first (``minibatch.mini_batch_samples``); None: the whole batch."""
-        dp, r = self.layout.dp.size, self.layout.dp.rank
+        dp, r, tp, cp = self.layout.dp.size, self.layout.dp.rank, self.layout.tp.size, self.layout.cp.size
         whole = WholeBatch.of(batch)
         samples = list(range(len(whole.lengths))) if samples is None else samples
         lengths = [whole.lengths[i] for i in samples]
         mine = [samples[j] for j in dp_share(len(lengths), dp, r)]
         if self.cfg.train.packing:
-            row_len = round_up(max(self.cfg.train.pack_max_len or 0, max(lengths)), self.layout.tp.size)
+            row_len, align = packed_rows(max(lengths), self.cfg.train.pack_max_len, tp=tp, cp=cp)
             plan = [([samples[j] for j in idx], pk) for idx, pk in
                     pack_micro_batches(lengths, dp_size=dp, dp_rank=r, row_len=row_len, device=compat.DEVICE,
-                                       rows_per_micro_batch=self.cfg.train.micro_batch_size)]
+                                       rows_per_micro_batch=self.cfg.train.micro_batch_size, align=align)]
         else:
             size = min(self.cfg.train.micro_batch_size, len(mine))
             while len(mine) % size:
                 size -= 1
             plan = [(mine[j:j + size], None) for j in range(0, len(mine), size)]
-        seq = round_up(max(lengths), self.layout.tp.size)  # SP splits S over TP
+        seq = padded_len(max(lengths), tp=tp, cp=cp)  # SP splits S over TP, CP into 2 * cp chunks
         return [self._micro_batch(batch, idx, pk, pk.width if pk else seq, with_routes, whole.support_width, version)
                 for idx, pk in plan], mine
 
@@ -178,7 +178,7 @@ class Policy:
         size = len(idx)
         ids = torch.zeros(size, width, dtype=torch.long)
         mask = torch.zeros(size, width - 1)
-        behav = torch.zeros(size, width - 1)
+        behav, ref = torch.zeros(size, width - 1), None if batch.ref_logp is None else torch.zeros(size, width - 1)
         adv = torch.zeros(size, width - 1) if batch.token_advantages is not None else torch.zeros(size)
         valid = torch.zeros(size, width)  # rows the engine routed: every token but the last
         lag = torch.zeros(size, width - 1, dtype=torch.int32) if version is not None and batch.versions else None
@@ -197,6 +197,8 @@ class Policy:
                     raise ValueError(f"sample {i}: loss mask of {len(trained)} tokens for {resp} response tokens")
                 mask[b, p - 1:p - 1 + resp] = _host(trained, np.float32)
             behav[b, p - 1:p - 1 + resp] = _host(batch.behav_logp[at][:resp], np.float32)
+            if ref is not None:  # the reference engines' logprobs, in the loss layout like behav
+                ref[b, p - 1:p - 1 + resp] = _host(batch.ref_logp[at][:resp], np.float32)
             if batch.token_advantages is not None:  # per token, in the loss layout like behav
                 adv[b, p - 1:p - 1 + resp] = _host(batch.token_advantages[at][:resp], np.float32)
             else:
@@ -231,6 +233,7 @@ class Policy:
         data = {"mask": dev(mask), "behav": dev(behav), "adv": dev(adv), "valid": dev(valid)}
         if lag is not None:
             data["lag"] = dev(lag)
+        data |= {"ref": dev(ref)} if ref is not None else {}
         return MicroBatch(dev(ids), dev(routes_t) if routes_t is not None else None, data,
                           packing=pk, support=dev(support_t) if support_t is not None else None, samples=list(idx))
 
@@ -256,10 +259,7 @@ class Policy:
         passes = dict(vocab_size=self.bridge.vocab_size, driver=driver, support=self.support_spec,
                       temperature=self.temperature, fused_logprob=self.fused_logprob)
         if self.reference is not None:  # same micro-batches and routes, the reference's weights
-            with self.reference.swapped_in(self.module):
-                for mbs in plans:
-                    for mb, o in zip(mbs, forward_backward(self.model, self.layout, mbs, forward_only=True, **passes)):
-                        mb.data["ref"] = o["logprobs"]
+            self.reference.fill(self.model, self.layout, plans, passes)
         before = minibatch.old_logprobs(self, plans, passes)
         norms = minibatch.loss_normalizers(self, batch, plans, before, normalizer)
 
@@ -327,9 +327,9 @@ class Policy:
                                 temperature=self.temperature, fused_logprob=self.fused_logprob)
         rates = []
         for mb, rec in zip(mbs, self.record.recorded):
-            want = self.record.slice.tokens(mb.routes)  # [T_local, L_local, K] in router order
+            want = self.record.slice.tokens(mb.routes, mb.positions)  # [T_local, L_local, K] in router order
             got = torch.stack([t.to(want.device) for t in rec], 1)
-            valid = self.record.slice.rows(mb.data["valid"]) > 0
+            valid = self.record.slice.rows(mb.data["valid"], mb.positions) > 0
             rates.append(routing_disagreement(got, want, valid))
         metrics = {"routing_disagreement": _mean(rates)} if rates else {}
         if outs:

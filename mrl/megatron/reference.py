@@ -4,7 +4,9 @@ The reference's local weight shards live in host memory and are swapped into the
 one forward-only pass per step (slime keeps its reference the same way). So the reference sees the
 same layout, the same micro-batches and the same replayed routes as the policy -- the KL measures the
 weights, not two routings -- and no second set of megatron ``RouterReplay`` instances is created
-(they are process-global; a second model would break the replay of the first).
+(they are process-global; a second model would break the replay of the first). With ``scoring.reference``
+the reference runs on engines instead (``mrl.scoring.reference``): the batch carries its logprobs
+(``RLBatch.ref_logp``) and nothing is swapped.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 from contextlib import contextmanager
 
 import torch
+
+from mrl.megatron.train_step import forward_backward
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -56,6 +60,14 @@ class ReferenceWeights:
             with torch.no_grad():
                 for t, b in zip(live, backup):
                     t.copy_(b, non_blocking=True)
+
+    def fill(self, model, layout, plans: list[list], passes: dict) -> None:
+        """Each micro-batch's ``data["ref"]``: its logprobs by a forward-only pass of the policy's micro-batches
+        (its routes replayed, ``passes``: ``forward_backward``'s options) with the reference's weights in."""
+        with self.swapped_in(model.module):
+            for mbs in plans:
+                for mb, o in zip(mbs, forward_backward(model, layout, mbs, forward_only=True, **passes)):
+                    mb.data["ref"] = o["logprobs"]
 
     def save(self, path: str, rank: int) -> None:
         if self._host is not None:

@@ -10,6 +10,12 @@ stage with one row per sample either way (packed logprobs are unpacked first). T
 taken over the real vocabulary only (padding rows are not part of the engine's distribution), on the
 vocab-parallel logits (two small all-reduces over TP, no gather of ``[b, S, V]``); with a sampling
 support (Keep Sampling Mask) over that support only, on logits gathered over TP.
+
+With context parallelism (``layout.cp``) each rank feeds the model its positions of every row
+(``mrl.megatron.context_parallel``: megatron's load-balanced split, per packed segment for THD), replays
+the routes of exactly those positions, scores them against their next tokens in sequence order, and
+all-gathers the logprobs back into sequence order before ``loss_fn``: the loss sees whole sequences,
+the same on every CP rank, equal to CP=1's.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from typing import Any, Callable
 import torch
 
 from mrl._compat.te import HAVE_TE
-from mrl.megatron.forward import vocab_parallel_token_logprobs
+from mrl.megatron.context_parallel import LocalInputs, local_inputs
+from mrl.megatron.forward import vocab_parallel_target_logprobs, vocab_parallel_token_logprobs
 from mrl.megatron.packing import Packing
 from mrl.megatron.parallel import GroupInfo, Layout
 from mrl.routing.replay import ReplayDriver
@@ -46,24 +53,51 @@ class MicroBatch:
     (-1 = empty slot; a position with no id is not masked), in the input's row layout."""
     samples: list[int] = field(default_factory=list)
     """Whole-batch indices of the samples of ``data``'s rows, in row order."""
+    cp: LocalInputs | None = None
+    """Under context parallelism: this CP rank's inputs, targets and supports (``forward_backward`` makes them
+    once per micro-batch)."""
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """This CP rank's sequence positions of the input, in its token order (None without CP)."""
+        return self.cp.split.index if self.cp is not None else None
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def _model_inputs(mb: MicroBatch) -> dict[str, Any]:
+def _position_ids(mb: MicroBatch) -> torch.Tensor:
     ids = mb.input_ids
+    if mb.packing is None:
+        return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    return mb.packing.position_ids
+
+
+def _model_inputs(mb: MicroBatch) -> dict[str, Any]:
+    ids, pos = (mb.cp.input_ids, mb.cp.position_ids) if mb.cp is not None else (mb.input_ids, _position_ids(mb))
     pk = mb.packing
     if pk is None:
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         return dict(input_ids=ids, position_ids=pos, attention_mask=None)
     if pk.fmt == "mask":
         if HAVE_TE:  # model.layer_spec picks TE's attention, whose causal mask type ignores a custom mask
             raise ValueError("packed rows with a block-diagonal mask need megatron's local attention; with the "
                              "Transformer Engine spec pack with fmt='thd'")
-        return dict(input_ids=ids, position_ids=pk.position_ids, attention_mask=pk.attention_mask)
-    return dict(input_ids=ids, position_ids=pk.position_ids, attention_mask=None,
-                packed_seq_params=pk.packed_seq_params)
+        return dict(input_ids=ids, position_ids=pos, attention_mask=pk.attention_mask)
+    # THD under CP: megatron and TE take the whole micro-batch's cu_seqlens, each rank its split of the tokens
+    return dict(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=pk.packed_seq_params)
+
+
+def _split_over_cp(mb: MicroBatch, layout: Layout) -> None:
+    """This CP rank's share of ``mb`` (once per micro-batch: the step's forwards reuse it)."""
+    if mb.cp is not None:
+        return
+    pk = mb.packing
+    if pk is not None and pk.fmt != "thd":
+        raise ValueError(f"parallel.cp={layout.cp.size}: packed rows with a block-diagonal mask run on megatron's "
+                         "local attention, which has no context parallelism; context parallelism packs in THD "
+                         "(Transformer Engine)")
+    cu = pk.cu_seqlens_padded if pk is not None else None
+    mb.cp = local_inputs(mb.input_ids, _position_ids(mb), cu, layout.cp, support=mb.support)
 
 
 def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: SupportSpec | None,
@@ -72,6 +106,8 @@ def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: Su
     """Per-sample logprobs [n, T-1] and, under a sampling support, where the token lies outside it.
     ``logits``: vocab-parallel over ``tp`` (None: full), gathered when the micro-batch has a support.
     ``temperature``: the engine samples (and reports logprobs) from softmax(logits / T)."""
+    if mb.cp is not None:
+        return _cp_logprobs(logits, mb, vocab_size, support, temperature, tp, fused)
     ids = mb.input_ids
     outside = None
     if mb.support is None:
@@ -82,6 +118,28 @@ def _logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: Su
             raise ValueError("micro-batch carries a sampling support but forward_backward got no SupportSpec")
         lp, outside = support_logprobs(logits[:, :-1, :vocab_size], ids[:, 1:], mb.support, support.temperature,
                                        on_outside=support.on_outside)
+    if mb.packing is not None:
+        lp = mb.packing.unpack_predictions(lp)
+        outside = None if outside is None else mb.packing.unpack_predictions(outside, fill=False)
+    return lp, outside
+
+
+def _cp_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, support: SupportSpec | None,
+                 temperature: float, tp: GroupInfo | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_logprobs`` under context parallelism: ``logits`` cover this rank's positions; each is scored against
+    its next token in sequence order, then the ranks' logprobs are gathered back into sequence order."""
+    loc = mb.cp
+    outside = None
+    if loc.support is None:
+        lp = vocab_parallel_target_logprobs(logits if temperature == 1.0 else logits / temperature, loc.targets,
+                                            vocab_size, tp or GroupInfo(None, 0, 1), fused=fused)
+    else:
+        if support is None:
+            raise ValueError("micro-batch carries a sampling support but forward_backward got no SupportSpec")
+        lp, outside = support_logprobs(logits[..., :vocab_size], loc.targets, loc.support, support.temperature,
+                                       on_outside=support.on_outside)
+        outside = loc.split.gather(outside)[:, :-1]
+    lp = loc.split.gather(lp)[:, :-1]  # [b, S - 1]: position q predicts token q + 1, as without CP
     if mb.packing is not None:
         lp = mb.packing.unpack_predictions(lp)
         outside = None if outside is None else mb.packing.unpack_predictions(outside, fill=False)
@@ -105,20 +163,19 @@ def forward_backward(model: torch.nn.Module, layout: Layout, mbs: list[MicroBatc
     ``train.fused_logprob`` (``vocab_parallel_token_logprobs``)."""
     if temperature <= 0:
         raise ValueError(f"temperature {temperature}: RL samples need a temperature > 0")
-    if layout.config.cp > 1:
-        raise ValueError(f"parallel.cp={layout.config.cp}: the training step does not split inputs, labels and "
-                         "losses over context-parallel ranks yet (routes are: RankSlice); use parallel.cp=1")
     n = len(mbs)
     shape = tuple(mbs[0].input_ids.shape)
     if any(tuple(mb.input_ids.shape) != shape for mb in mbs):
         raise ValueError("all micro-batches must share one [b, S] shape (pad them)")
+    if layout.cp.size > 1:
+        for mb in mbs:
+            _split_over_cp(mb, layout)
     it = iter(mbs)
 
     def forward_step(_data_iterator, m):
         mb = next(it)
-        pk = mb.packing
         if driver is not None:
-            driver.before_forward(mb.routes, pk.cu_seqlens_padded if pk is not None and pk.fmt == "thd" else None)
+            driver.before_forward(mb.routes, mb.positions)
         # full-vocab logits only where a sampling support needs them; else the vocab-parallel log-softmax
         out = m(**_model_inputs(mb), runtime_gather_output=mb.support is not None)
         if driver is not None:

@@ -59,6 +59,10 @@ class NoEngineAvailable(RuntimeError):
     pass
 
 
+class InflightVersionsMissing(ValueError):
+    """An engine did not tag its tokens with their versions while syncs keep requests running: fails the sample."""
+
+
 @dataclass
 class _Slot:
     client: EngineClient
@@ -106,13 +110,16 @@ class RolloutManager:
     def __init__(self, clients: list[EngineClient], *, sampling: SamplingSpec, codec: RoutesCodec | None = None,
                  max_inflight_per_engine: int = 8, max_retries: int = 3, run_id: str | None = None,
                  top_logprobs_num: int = 0, adapters: AdapterRouter | None = None, probe_timeout_s: float = 15.0,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, inflight_updates: bool = False):
         """``top_logprobs_num`` > 0: ask for that many top logprobs per token and rebuild each token's
         sampling support from them (Keep Sampling Mask, ``mrl.routing.sampling_mask``). ``adapters``: LoRA
         runs, one router shared by every manager on these engines. ``probe_timeout_s``: an engine with
         requests in flight and no answer for this long is probed, and judged hung when the probe is not
         answered within it (``weight_sync.probe_timeout_s``). ``vocab_size``: a reply with a token id at or
-        above it is refused (the sample retried elsewhere, counted), never trained on."""
+        above it is refused (the sample retried elsewhere, counted), never trained on. ``inflight_updates``:
+        weight syncs keep requests running in the engines (``weight_sync.pause_mode`` retract / in_place), so one
+        call's tokens may come from several versions: each reply must tag every token with its version (mrl's
+        engines do), and every call asks for all its route rows."""
         if probe_timeout_s <= 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
         self.probe_timeout_s = probe_timeout_s
@@ -125,6 +132,7 @@ class RolloutManager:
         self.codec = codec
         self.max_retries = max_retries
         self.top_logprobs_num = top_logprobs_num
+        self.inflight_updates = inflight_updates
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.adapters = adapters
         self._holding = False
@@ -221,7 +229,7 @@ class RolloutManager:
             adapter = self.adapters.acquire(slot.client.url) if self.adapters is not None else None
             # read after the gate: a drain while this call waited there counts
             weights = f"{self._drains}:{adapter[1] if adapter else ''}"
-            start_row = sample.route_rows if self.codec is not None else 0
+            start_row = sample.route_rows if self.codec is not None and not self.inflight_updates else 0
             if start_row and sample.metadata.get(ROUTES_WEIGHTS) != weights:
                 start_row = 0  # the prefix is routed anew: every row, replacing the sample's
             loop = asyncio.get_running_loop()
@@ -261,6 +269,9 @@ class RolloutManager:
         slot.served += 1
         try:
             return self._apply(sample, inputs, out, budget, start_row, adapter[1] if adapter else None, weights)
+        except InflightVersionsMissing as e:  # every reply of that engine lacks them: retrying cannot help
+            sample.error = str(e)
+            return None
         except (RoutesError, ValueError) as e:
             self._retry_or_fail(sample, e)
             return None
@@ -319,10 +330,7 @@ class RolloutManager:
             raise ValueError(f"engine returned {len(new)} tokens for a budget of {budget}")
         if self.vocab_size is not None and new and max(new) >= self.vocab_size:
             raise ValueError(f"engine returned token id {max(new)}, outside the vocabulary of {self.vocab_size}")
-        try:
-            version = adapter_version if adapter_version is not None else int(out.weight_version)
-        except ValueError:
-            raise ValueError(f"weight_version {out.weight_version!r} is not an integer (mrl numbers versions)")
+        versions = self._versions(out, adapter_version)
         routes = None
         if self.codec is not None and new:
             if out.routed_experts is None:
@@ -340,7 +348,7 @@ class RolloutManager:
             sample.support_log_mass += mass
         sample.response_ids += new
         sample.response_logprobs += out.output_logprobs or []
-        sample.versions += [version] * len(new)
+        sample.versions += versions
         sample.loss_mask += [1] * len(new)
         if routes is not None:
             fresh = sample.routes is None or start_row == 0
@@ -355,6 +363,25 @@ class RolloutManager:
             self.stats.aborted_segments += 1
             return None
         return out.finish.type if out.finish is not None else None
+
+    def _versions(self, out: GenerateOutput, adapter_version: int | None) -> list[int]:
+        """The version of each token of ``out``: the engine's tag per token where it sends them (mrl's engines),
+        else the reply's version, which is every token's when no sync can change the weights under a running
+        request (abort mode). LoRA: the adapter's, whatever the base weights' tags say."""
+        n = len(out.output_ids)
+        if adapter_version is not None:
+            return [adapter_version] * n
+        tags = out.token_versions
+        if tags is None and self.inflight_updates:
+            raise InflightVersionsMissing(
+                f"engine reply for {out.rid} has no per-token weight versions: weight_sync.pause_mode retract / "
+                "in_place keeps requests running across a sync, so one call's tokens may come from several "
+                "versions, and only engines with mrl's patches (started by mrl or `mrl engine`) tag them")
+        try:
+            return [int(v) for v in tags] if tags is not None else [int(out.weight_version)] * n
+        except ValueError:
+            raise ValueError(f"weight version {tags or out.weight_version!r} is not an integer (mrl numbers "
+                             "versions)") from None
 
     # -- engine-wide control (weight updates) ---------------------------------------------------
     async def drain(self, timeout: float = 60.0) -> int:

@@ -64,6 +64,8 @@ class Sample:
     num_retries: int = 0
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    ref_logprobs: list[float] = field(default_factory=list)
+    """Per response token: the KL reference's logprob from reference engines (``scoring.reference``); [] = none."""
 
     @property
     def remaining(self) -> int:

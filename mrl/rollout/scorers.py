@@ -42,7 +42,8 @@ class EnvScorer(Scorer):
 def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_path: str,
                  side_engines: dict | None = None) -> Scorer:
     """``reward_weight * (reward.fn, or the environment's reward for episodes)`` + each user scorer by its
-    weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL. The default config
+    weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL + the PRM's step rewards;
+    the reference pool (``scoring.reference``) adds no reward and fills ``Sample.ref_logprobs``. The default config
     gives the ``reward.fn`` scorer alone. ``side_engines``: the unstarted server groups of the pools the run
     starts, by pool name; they begin booting here."""
     sc = cfg.scoring
@@ -69,4 +70,29 @@ def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_
                              "mrl.trainer.engines.RunEngines.side_groups)")
         pool = ScoringPool(sc.teacher, group, name="teacher")
         parts.append((TeacherScorer(sc.teacher, pool.start()), 1.0))  # coef is applied per token by the scorer
+    if sc.prm.enabled:
+        from mrl.scoring.process_reward import ProcessRewardScorer
+
+        pool = _side_pool("prm", sc.prm, sc.prm.hf_path, student_path, side_engines)
+        parts.append((ProcessRewardScorer(sc.prm, pool.start()), 1.0))  # weight is applied per step by the scorer
+    if sc.reference.enabled:
+        from mrl.scoring.reference import ReferenceScorer
+
+        pool = _side_pool("reference", sc.reference, sc.reference.hf_path or student_path, student_path, side_engines)
+        parts.append((ReferenceScorer(sc.reference, pool.start()), 0.0))  # no reward: fills Sample.ref_logprobs
     return WeightedSum(parts)
+
+
+def _side_pool(name: str, cfg, model_path: str, student_path: str, side_engines: dict | None):
+    """The ``scoring.<name>`` pool: its checkpoint shares the policy's tokenizer; its servers are the run's
+    (``side_engines[name]``) or ``engine.urls``."""
+    from mrl.scoring.pool import ScoringPool
+    from mrl.scoring.tokenizer import tokenizer_mismatch
+
+    if why := tokenizer_mismatch(student_path, model_path):
+        raise ValueError(f"scoring.{name}: {model_path} must share the policy's tokenizer ({student_path}): {why}")
+    group = (side_engines or {}).get(name)
+    if group is None and not cfg.engine.urls:
+        raise ValueError(f"scoring.{name}: no engines to score on (the run starts them: "
+                         "mrl.trainer.engines.RunEngines.side_groups)")
+    return ScoringPool(cfg, group, name=name)

@@ -185,7 +185,8 @@ class LocalRollout(RolloutSide):
         self.manager = RolloutManager(clients, sampling=sampling, codec=codec if t.replay else None,
                                       max_inflight_per_engine=cfg.engine.max_running_requests, top_logprobs_num=top,
                                       adapters=self.adapters, probe_timeout_s=cfg.weight_sync.probe_timeout_s,
-                                      vocab_size=state.get("vocab_size"))
+                                      vocab_size=state.get("vocab_size"),
+                                      inflight_updates=cfg.weight_sync.keeps_requests)
         self.scorer = RewardScorer(cfg.reward)  # reward.fn: evaluation's, and the group scorer's rule part
         sources = functools.partial(build_prompt_source, cfg.data, model_dir=hf_path, max_new_tokens=r.max_new_tokens)
         source = sources()
@@ -239,7 +240,8 @@ class LocalRollout(RolloutSide):
         def completer(spec):
             m = RolloutManager(clients, sampling=spec, adapters=self.adapters,
                                max_inflight_per_engine=t.eval_max_inflight,
-                               probe_timeout_s=cfg.weight_sync.probe_timeout_s)
+                               probe_timeout_s=cfg.weight_sync.probe_timeout_s,
+                               inflight_updates=cfg.weight_sync.keeps_requests)
             return Completer(m, self._episodes(m) if self._episodes else None)
 
         greedy = None

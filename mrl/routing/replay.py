@@ -7,9 +7,10 @@ construction order; actions RECORD / REPLAY_FORWARD / REPLAY_BACKWARD). This mod
   routes the last sampled token): one pad row is appended, padding positions get valid ids
   (``arange % experts``), and micro-batches are stacked ``[B, S, L, K]``;
 - **slicing**: router input is ``[s, b, h]`` flattened s-first, so a rank's token i is
-  ``s * b_local + b``; with context parallelism a rank holds chunks r and 2cp-1-r of 2cp (megatron's
-  load-balanced split, per packed segment for THD); with sequence parallelism each TP rank routes its
-  own ``S / tp`` chunk of that; a PP stage takes the columns of its own MoE layers;
+  ``s * b_local + b``; with context parallelism a rank holds the positions megatron's split gives its
+  tokens (``mrl.megatron.context_parallel``: chunks r and 2cp-1-r of 2cp, per packed segment for THD),
+  taken with the same index; with sequence parallelism each TP rank routes its own ``S / tp`` chunk of
+  that; a PP stage takes the columns of its own MoE layers;
 - **micro-batches and recompute**: ``set_replay_data`` once per micro-batch, right before its
   forward (it also queues the ids for recompute); a gradient hook on the micro-batch output switches
   to REPLAY_BACKWARD when its backward starts, so activation recompute pops the same ids in
@@ -81,27 +82,6 @@ def align_routes(routes: np.ndarray, seq_len: int, num_experts: int) -> np.ndarr
     return np.concatenate([routes.astype(dtype, copy=False), pad], 0)
 
 
-def cp_positions(seq_len: int, cp_size: int, cp_rank: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Sequence positions a context-parallel rank holds, in its local order (megatron's load-balanced split).
-
-    Without ``cu_seqlens`` (``utils.get_batch_on_this_cp_rank``, per-sequence balancing): the row is cut
-    into ``2 * cp`` equal chunks and rank r takes chunks r and ``2cp - 1 - r``. With ``cu_seqlens``
-    (packed THD: TE's ``thd_get_partitioned_indices``, per-document balancing): the same split inside
-    every segment, segments in order; each segment's length must be a multiple of ``2 * cp``."""
-    bounds = [0, seq_len] if cu_seqlens is None else [int(x) for x in cu_seqlens]
-    if bounds[-1] != seq_len:
-        raise ReplayError(f"cu_seqlens end at {bounds[-1]}, the sequence has {seq_len} positions")
-    parts = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if (end - start) % (2 * cp_size):
-            raise ReplayError(f"segment of {end - start} positions not divisible by 2*cp={2 * cp_size} "
-                              "(context parallelism splits each sequence into 2*cp chunks)")
-        chunk = (end - start) // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
-    return torch.cat(parts)
-
-
 @dataclass(frozen=True)
 class RankSlice:
     """Which tokens and MoE layers this rank's routers see."""
@@ -111,13 +91,11 @@ class RankSlice:
     sequence_parallel: bool
     moe_columns: tuple[int, ...]
     """Columns of the routes' layer axis that live on this PP stage, in local construction order."""
-    cp_rank: int = 0
-    cp_size: int = 1
 
-    def tokens(self, routes_bslk: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def tokens(self, routes_bslk: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, S, L, K]`` -> ``[S_local * B, L_local, K]`` in the router's s-first token order."""
         k = routes_bslk.shape[-1]
-        x = self.rows(self._columns(routes_bslk), cu_seqlens)
+        x = self.rows(self._columns(routes_bslk), positions)
         return x.reshape(-1, len(self.moe_columns), k)
 
     def _columns(self, routes_bslk: torch.Tensor) -> torch.Tensor:
@@ -129,15 +107,15 @@ class RankSlice:
             return routes_bslk[:, :, cols[0]:cols[0] + len(cols)]
         return routes_bslk[:, :, list(cols)]
 
-    def rows(self, x_bs: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def rows(self, x_bs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, S, ...]`` per-token values -> ``[S_local * B, ...]`` in the router's token order: the
-        context-parallel split first (the caller's batch slicing), then the sequence-parallel chunk of
-        the CP-local sequence (megatron scatters the embeddings over TP), flattened s-first.
-        ``cu_seqlens``: segment bounds of a packed THD row (per-document CP split)."""
+        context-parallel split first (``positions``: this CP rank's sequence positions in its token order,
+        ``mrl.megatron.context_parallel.CPSplit.index``, the same index its tokens were taken with), then
+        the sequence-parallel chunk of the CP-local sequence (megatron scatters the embeddings over TP),
+        flattened s-first."""
+        if positions is not None:
+            x_bs = x_bs.index_select(1, positions.to(x_bs.device))
         s = x_bs.shape[1]
-        if self.cp_size > 1:
-            x_bs = x_bs.index_select(1, cp_positions(s, self.cp_size, self.cp_rank, cu_seqlens).to(x_bs.device))
-            s = x_bs.shape[1]
         x = x_bs.transpose(0, 1)  # [S, B, ...]
         if self.sequence_parallel and self.tp_size > 1:
             if s % self.tp_size:
@@ -168,9 +146,9 @@ class ReplayDriver:
                               "after this one? (megatron keeps the instances process-global)")
         self.recorded: list[list[torch.Tensor]] = []
 
-    def before_forward(self, routes_bslk: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> None:
-        """Call right before a micro-batch's forward (inside megatron's forward_step); ``cu_seqlens``:
-        segment bounds of a packed THD micro-batch (only used by the context-parallel split)."""
+    def before_forward(self, routes_bslk: torch.Tensor | None, positions: torch.Tensor | None = None) -> None:
+        """Call right before a micro-batch's forward (inside megatron's forward_step); ``positions``: this
+        context-parallel rank's sequence positions (``RankSlice.rows``), None without CP."""
         if self.mode == ReplayMode.off:
             RouterReplay.clear_global_router_replay_action()
             return
@@ -179,7 +157,7 @@ class ReplayDriver:
             return
         if routes_bslk is None:
             raise ReplayError("replay mode but this micro-batch has no routes")
-        local = self.slice.tokens(routes_bslk, cu_seqlens)  # [T, L, K]
+        local = self.slice.tokens(routes_bslk, positions)  # [T, L, K]
         # megatron gathers scores with int64 ids, one contiguous [T, K] per layer: widened and laid out
         # layer-major in one copy, not one per layer
         per_layer = local.transpose(0, 1).to(torch.long, memory_format=torch.contiguous_format)

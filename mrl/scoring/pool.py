@@ -3,6 +3,7 @@ dead ones replaced, every call failed over to a live one.
 
     pool = ScoringPool(cfg.scoring.teacher, engines=group, name="teacher").start()   # group: None = by URL
     logps = await pool.input_logprobs(token_ids, start=len(prompt_ids), rid="g3-s1")  # prefill only
+    verdicts = await pool.candidate_logprobs(token_ids, start=k, candidates=[plus, minus], rid="g3-s1")  # a PRM's
     pool.stats(); pool.close()
 
 The servers the run starts come as an ``EngineSet`` (``mrl.engine.group.EngineGroup``, built on the trainer
@@ -107,6 +108,39 @@ class ScoringPool:
                                               f"{len(ids) - start} scored tokens")
                 slot.served += 1
                 return [float(x) for x in got[len(got) - (len(ids) - start):]]
+            except (EngineUnavailable, EngineProtocolError) as e:
+                last = e
+                self.counts["call_failures"] += 1
+                await self._failed(slot, e)
+            except EngineHTTPError:
+                raise  # the request itself is refused: another engine would refuse it too
+            finally:
+                slot.inflight -= 1
+        raise ScoringError(f"{self.name}: gave up after {self.cfg.max_retries} retries: {last}")
+
+    async def candidate_logprobs(self, ids: list[int], *, start: int, candidates: list[int],
+                                 rid: str) -> list[dict[int, float]]:
+        """The log-probabilities of the ``candidates`` ids at each position ``p`` in ``[start, len(ids)]``, given
+        ``ids[:p]`` (``p = len(ids)``: the token after the input); ``start`` >= 1. One prefill and one generated
+        token; fails over to another engine up to ``max_retries`` times."""
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"candidate_logprobs: start={start} must be in [1, {len(ids)}]")
+        n_in = len(ids) - start  # input positions start .. len(ids) - 1; the last one is the output's
+        last: Exception | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            slot = await self._pick()
+            slot.inflight += 1
+            try:
+                out = await slot.client.generate(ids, {"max_new_tokens": 1, "temperature": 0.0},
+                                                 rid=f"{rid}-a{attempt}", return_logprob=True,
+                                                 logprob_start_len=start - 1, token_ids_logprob=list(candidates))
+                got = (out.input_token_ids_logprobs or [])[-n_in:] if n_in else []
+                got += (out.output_token_ids_logprobs or [])[:1]
+                if len(got) != n_in + 1 or any(g is None or set(g) != set(candidates) for g in got):
+                    raise EngineProtocolError(slot.client.url, "/generate", f"candidate logprobs of {len(got)} "
+                                              f"positions for {n_in + 1} asked")
+                slot.served += 1
+                return got
             except (EngineUnavailable, EngineProtocolError) as e:
                 last = e
                 self.counts["call_failures"] += 1

@@ -154,12 +154,15 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str,
                        return_logprob: bool = True, return_routed_experts: bool = False,
                        top_logprobs_num: int = 0, logprob_start_len: int | None = None,
-                       routed_experts_start_len: int | None = None, lora_path: str | None = None) -> GenerateOutput:
+                       routed_experts_start_len: int | None = None, lora_path: str | None = None,
+                       token_ids_logprob: list[int] | None = None) -> GenerateOutput:
         """One sample (one rid: abortable, own logprobs and routes). ``n > 1`` is refused: SGLang
         replaces the rid of each of the n samples with a fresh uuid, so they could not be aborted.
         ``routed_experts_start_len``: the routes reply starts at that row (SGLang 0.5.14; rows before it
         are the caller's already), so a continued conversation does not fetch its whole history again.
-        ``lora_path``: the registered NAME of a loaded adapter (SGLang's field name notwithstanding)."""
+        ``lora_path``: the registered NAME of a loaded adapter (SGLang's field name notwithstanding).
+        ``token_ids_logprob``: the logprobs of these ids at every input position from ``logprob_start_len`` on
+        and at every output position (``GenerateOutput.input_token_ids_logprobs``, ``output_...``)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         if routed_experts_start_len is not None and not 0 <= routed_experts_start_len <= len(input_ids):
@@ -180,6 +183,8 @@ class EngineClient:
             body["logprob_start_len"] = logprob_start_len
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if token_ids_logprob:
+            body["token_ids_logprob"] = list(token_ids_logprob)
         _, data, _ = await self._call("POST", "/generate", json=body, timeout=self.timeouts.generate)
         out = parse_generate(data, (self.url, "/generate"), expect_logprobs=return_logprob)
         if isinstance(out, list):
@@ -285,11 +290,15 @@ class EngineClient:
         return parse_success(data, (self.url, ep))
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       load_format: str | None = None) -> str:
-        """``load_format``: how to read ``model_path`` (null: the server's own, the one it started with; an
-        engine started with ``load_format=dummy`` has no reader of files until one is named, e.g. ``auto``)."""
+                                       flush_cache: bool = True, load_format: str | None = None) -> str:
+        """``flush_cache``: SGLang's default flushes the cache after the load, which fails an assert in the
+        scheduler (and kills it) while requests are held by a retract/in-place pause. ``load_format``: how to
+        read ``model_path`` (null: the server's own, the one it started with; an engine started with
+        ``load_format=dummy`` has no reader of files until one is named, e.g. ``auto``)."""
         ep = "/update_weights_from_disk"
-        body = {"model_path": model_path, "weight_version": weight_version}
+        if flush_cache and self.paused in ("retract", "in_place"):
+            raise EngineGuardError(self.url, ep, f"flush_cache=True while paused in {self.paused!r} mode")
+        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
         if load_format is not None:
             body["load_format"] = load_format
         _, data, _ = await self._call("POST", ep, json=body, timeout=self.timeouts.weight_update, admin=True,

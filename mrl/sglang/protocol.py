@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mrl.sglang.wire import TOKEN_VERSIONS_KEY
+
 
 class EngineError(RuntimeError):
     """Base of every engine-side failure; carries the engine URL and endpoint."""
@@ -76,6 +78,13 @@ class GenerateOutput:
     routed_experts: str | None
     output_top_logprobs: list[list[tuple[float, int]]] | None
     input_logprobs: list[float | None] | None = None  # with logprob_start_len >= 0; first entry None
+    input_token_ids_logprobs: list[dict[int, float] | None] | None = None
+    """With ``token_ids_logprob``: per input position from ``logprob_start_len`` on, the asked ids' logprobs
+    there (None where the engine gives none: the first position)."""
+    output_token_ids_logprobs: list[dict[int, float]] | None = None
+    """With ``token_ids_logprob``: per output position, the asked ids' logprobs there."""
+    token_versions: list[int | str] | None = None
+    """Per output token, the version of the weights that produced it (engines with mrl's in-flight patch)."""
 
 
 def _req(d: dict, key: str, typ, where: str, ctx: tuple[str, str]):
@@ -136,6 +145,14 @@ def _top_logprobs(v: Any, where: str, ctx) -> list[list[tuple[float, int]]]:
     return [[(_logprob(x, f"{where}[{i}]", ctx), x[1]) for x in (step or [])] for i, step in enumerate(v)]
 
 
+def _ids_logprobs(v: Any, where: str, ctx) -> list[dict[int, float] | None]:
+    """Per position, ``{id: logprob}`` of the ``[logprob, id, text]`` triples asked by ``token_ids_logprob``."""
+    if not isinstance(v, list) or not all(step is None or isinstance(step, list) for step in v):
+        raise EngineProtocolError(*ctx, f"{where}: expected a list of lists of triples, got {v!r:.120}")
+    return [None if step is None else {x[1]: _logprob(x, f"{where}[{i}]", ctx) for x in step}
+            for i, step in enumerate(v)]
+
+
 def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: bool = False) -> GenerateOutput:
     if not isinstance(body, dict):
         raise EngineProtocolError(*ctx, f"expected a JSON object, got {type(body).__name__}")
@@ -159,6 +176,13 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
         if not isinstance(v, list):
             raise EngineProtocolError(*ctx, f"meta_info.input_token_logprobs: expected a list, got {v!r:.80}")
         inp = [_logprob(t, f"meta_info.input_token_logprobs[{i}]", ctx, nullable=True) for i, t in enumerate(v)]
+    ids_in = ids_out = None
+    if meta.get("input_token_ids_logprobs") is not None:
+        ids_in = _ids_logprobs(meta["input_token_ids_logprobs"], "meta_info.input_token_ids_logprobs", ctx)
+    if meta.get("output_token_ids_logprobs") is not None:
+        ids_out = _ids_logprobs(meta["output_token_ids_logprobs"], "meta_info.output_token_ids_logprobs", ctx)
+        if any(step is None for step in ids_out):
+            raise EngineProtocolError(*ctx, "meta_info.output_token_ids_logprobs: a generated position has none")
     routes = meta.get("routed_experts")
     if routes is not None and not isinstance(routes, str):
         raise EngineProtocolError(*ctx, f"meta_info.routed_experts: expected base64 str, got {type(routes).__name__}")
@@ -168,12 +192,18 @@ def parse_generate_item(body: Any, ctx: tuple[str, str], *, expect_logprobs: boo
     completion = _count(meta, "completion_tokens", ctx, len(ids))
     if completion != len(ids):
         raise EngineProtocolError(*ctx, f"meta_info.completion_tokens={completion} but {len(ids)} output_ids")
+    tags = meta.get(TOKEN_VERSIONS_KEY)
+    if tags is not None and (not isinstance(tags, list) or len(tags) != len(ids) or not all(
+            isinstance(t, (int, str)) and not isinstance(t, bool) for t in tags)):
+        raise EngineProtocolError(*ctx, f"meta_info.{TOKEN_VERSIONS_KEY}: expected one version per output token "
+                                  f"({len(ids)}), got {tags!r:.120}")
     return GenerateOutput(
         rid=rid, output_ids=list(ids), output_logprobs=lps, finish=finish, weight_version=version,
         prompt_tokens=_count(meta, "prompt_tokens", ctx), completion_tokens=completion,
         cached_tokens=_count(meta, "cached_tokens", ctx),
         total_retractions=_count(meta, "total_retractions", ctx) or 0,
-        routed_experts=routes, output_top_logprobs=top, input_logprobs=inp,
+        routed_experts=routes, output_top_logprobs=top, input_logprobs=inp, token_versions=tags,
+        input_token_ids_logprobs=ids_in, output_token_ids_logprobs=ids_out,
     )
 
 

@@ -37,6 +37,12 @@ copies from the second sync of a layout on) and answers once its copies are done
 refill the buffer. Only engines whose answers to ``/update_weights_from_tensor`` carry ``FLAT_TENSOR_MARK``
 (this patch) get it: SGLang itself fails on an unknown ``load_format``."""
 FLAT_TENSOR_MARK = "[mrl: flat tensor buckets]"
+TOKEN_VERSIONS_KEY = "mrl_token_versions"
+"""``meta_info`` key of a ``/generate`` reply from an engine with the in-flight patch
+(``mrl.engine.server.inflight``): per output token, the weight version whose forward pass produced it (an int
+where the version is one). Engines without the patch leave it out."""
+TOKEN_VERSIONS_MARK = "mrl: each output token carries the weight version that produced it (mrl.engine.server.inflight)"
+"""Printed to the engine's log when the in-flight patch is in place (once per server process that loads it)."""
 
 
 # -- LoRA adapters on an engine -----------------------------------------------------------------------

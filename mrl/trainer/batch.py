@@ -1,4 +1,5 @@
-"""A step's batch from its groups: advantages per group, the loss normalizer and the reward figures."""
+"""A step's batch from its groups: advantages per group, the loss normalizer and the reward figures (and the
+reference engines' logprobs of the KL term, with ``scoring.reference``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
                     # multi-turn episodes: observation tokens (mask 0) are context, never trained
                     loss_mask=[list(s.loss_mask) or [1] * len(s.response_ids) for s in samples]
                     if any(0 in s.loss_mask for s in samples) else None,
-                    versions=[list(s.versions) for s in samples], token_advantages=token_adv)
+                    versions=[list(s.versions) for s in samples], token_advantages=token_adv,
+                    ref_logp=_ref_logprobs(samples) if cfg.scoring.reference.enabled else None)
     masks = torch.zeros(len(samples), max(len(t) for t in batch.tokens))
     for i, s in enumerate(samples):  # the normalizer counts trained tokens only (token-mean aggregations)
         masks[i, :len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1
@@ -50,3 +52,13 @@ def build_batch(groups: list[Group], cfg: Config, with_routes: bool) -> tuple[RL
             "batch_tokens": float(sum(len(s.tokens) for s in samples)),  # prompt + response: what the step trains on
             **token_info}
     return batch, float(loss_normalizer(masks, cfg.algo.aggregation)), info
+
+
+def _ref_logprobs(samples) -> list[list[float]]:
+    """The reference engines' logprobs of every sample (``scoring.reference``): a sample without them is never
+    trained (the reference scorer drops the groups it could not score)."""
+    for s in samples:
+        if len(s.ref_logprobs) != len(s.response_ids):
+            raise ValueError(f"scoring.reference: sample {s.index} of group {s.group_id} has {len(s.ref_logprobs)} "
+                             f"reference logprobs for {len(s.response_ids)} response tokens")
+    return [list(s.ref_logprobs) for s in samples]

@@ -72,13 +72,14 @@ class RunEngines:
                            "announced themselves within 15 min")
 
     def side_groups(self) -> dict[str, EngineGroup]:
-        """The servers of the scoring pools this run starts (the teacher's, unless given by URL), by pool name,
+        """The servers of the scoring pools this run starts (teacher, PRM, reference, unless given by URL), by name,
         not started: the rollout process, which calls them, starts them and owns their processes."""
-        t = self.cfg.scoring.teacher
-        if not t.enabled or t.engine.urls:
-            return {}
-        return {"teacher": EngineGroup(t.engine, t.hf_path, log_dir=os.path.join(self.cfg.run_dir, "engines"),
-                                       name="teacher", health_timeout_s=t.health_timeout_s)}
+        sc, logs = self.cfg.scoring, os.path.join(self.cfg.run_dir, "engines")
+        pools = {"teacher": (sc.teacher, sc.teacher.enabled, sc.teacher.hf_path),
+                 "prm": (sc.prm, sc.prm.enabled, sc.prm.hf_path),
+                 "reference": (sc.reference, sc.reference.enabled, sc.reference.hf_path or self.cfg.model.hf_path)}
+        return {name: EngineGroup(p.engine, path, log_dir=logs, name=name, health_timeout_s=p.health_timeout_s)
+                for name, (p, on, path) in pools.items() if on and not p.engine.urls}
 
     def stop(self) -> None:
         for e in self.started:

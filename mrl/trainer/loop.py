@@ -191,7 +191,7 @@ class Loop:
             self.syncer = self._adapter_channel(endpoints)
         else:
             self.syncer = FullWeightChannel(*self._channels(endpoints), self.layout, endpoints, rebuild=self._channels,
-                                            model=self.policy.module,
+                                            model=self.policy.module, pause_mode=self.cfg.weight_sync.pause_mode.value,
                                             probe_timeout_s=self.cfg.weight_sync.probe_timeout_s)
         self.syncer.connect()
         self.clock.mark("weights_connected")
@@ -255,9 +255,10 @@ class Loop:
         self.version += 1
         joining = broadcast_object(self.duties.joining_engines(), what="the engines joining at this sync") \
             if restarts_engines(self.cfg) else []
-        pause = self.syncer.pauses_engines  # an adapter push pauses nothing: generation goes on
+        # an adapter push pauses nothing, a retract / in-place pause keeps the requests in the engines: no drain
+        drain = self.syncer.pauses_engines and not self.cfg.weight_sync.keeps_requests
         drained = 0
-        if pause:
+        if drain:
             with self.phases.timed("drain"):
                 drained = self.duties.drain()
         try:
@@ -267,7 +268,7 @@ class Loop:
                 rep = self.syncer.sync(str(self.version))
                 self.policy.version.synced(self.version)
         finally:
-            if pause:
+            if drain:
                 with self.phases.timed("drain"):  # resuming generation: the drain's other half
                     self.duties.undrain()
         with self.phases.timed("verify"):

@@ -3,7 +3,7 @@
     transport, disk = make_transport(WeightTransport.distributed, model=..., layout=..., bridge=..., ...)
     channel = FullWeightChannel(transport, disk, layout, engines, rebuild=...)
     channel.connect()
-    report = channel.sync("7")     # pause -> flush -> push -> repair through disk -> stamp -> continue
+    report = channel.sync("7")     # pause (-> flush) -> push -> repair through disk -> stamp -> continue
     channel.close()
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mrl.megatron.collectives import CollectiveError, named
 from mrl.megatron.parallel import Layout
-from mrl.sglang.client import EngineClient, close_clients
+from mrl.sglang.client import PAUSE_MODES, EngineClient, close_clients
 from mrl.sglang.endpoint import EngineEndpoint
 from mrl.weight_sync.channel import SyncReport, WeightChannel
 from mrl.weight_sync.checks import check_finite_weights
@@ -38,10 +38,12 @@ class _Phases:
 
 class FullWeightChannel(WeightChannel):
     """The sequence for one weight version, whatever the transport:
-    pause(abort) + flush -> push -> engines that failed are reloaded from disk -> stamp -> continue.
+    pause (``pause_mode``; abort: + flush) -> push -> engines that failed are reloaded from disk -> stamp -> continue.
 
     Partial rollouts survive: requests aborted by the pause come back to the rollout manager, which
-    resumes them on the new weights (per-token versions tell the trainer which tokens are stale).
+    resumes them on the new weights (per-token versions tell the trainer which tokens are stale). A retract or
+    in-place pause keeps them in the engines instead, with no flush (SGLang refuses one while it holds requests);
+    they continue on the new weights from the next forward pass (``mrl.engine.server.inflight``).
 
     An engine that fails a step is dropped when it is dead (``verdict``); every control call to the
     engines runs under the liveness watch (``WeightChannel.watch``)."""
@@ -51,10 +53,13 @@ class FullWeightChannel(WeightChannel):
     def __init__(self, transport: Transport, disk: Transport, layout: Layout,
                  engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None,
                  model: torch.nn.Module | None = None, probe_timeout_s: float = 15.0):
-        """``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
+        """``pause_mode``: ``weight_sync.pause_mode`` (abort, retract, in_place).
+        ``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
         one died mid-sync (its weight-update groups are broken for every member); None = fail instead.
         ``model``: checked for non-finite weights before every sync (``check_finite_weights``).
         ``probe_timeout_s``: ``weight_sync.probe_timeout_s``, the liveness probe's limit."""
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         super().__init__(layout, engines, probe_timeout_s=probe_timeout_s)
         self.transport, self.disk = transport, disk
         self.pause_mode, self.rebuild, self.model = pause_mode, rebuild, model
@@ -179,7 +184,8 @@ class FullWeightChannel(WeightChannel):
 
     async def _pause(self, c: EngineClient) -> None:
         await self.watch(c, c.pause(self.pause_mode), "/pause_generation")
-        await self.watch(c, c.flush_cache(), "/flush_cache")
+        if self.pause_mode == "abort":  # the others keep requests, and their engines evict what no request holds
+            await self.watch(c, c.flush_cache(), "/flush_cache")
 
     async def _finish(self, c: EngineClient, version: str, stamped: bool = False) -> None:
         if not stamped:  # else the push's own request set it

@@ -31,12 +31,13 @@ def make_batch(n: int = 8, *, routes_dtype=np.uint8, support: bool = True, loss_
     return RLBatch(tokens=tokens, prompt_lens=plens, behav_logp=behav, advantages=g.normal(size=n).tolist(),
                    routes=routes, support=sup if support else None, support_log_mass=mass if support else None,
                    loss_mask=masks if loss_mask else None, versions=vers,
-                   token_advantages=[g.normal(size=len(b)).tolist() for b in behav])
+                   token_advantages=[g.normal(size=len(b)).tolist() for b in behav],
+                   ref_logp=[(-g.random(len(b)) * 3).tolist() for b in behav])
 
 
 def assert_same_samples(got: RLBatch, want: RLBatch) -> None:
     for name in ("tokens", "prompt_lens", "behav_logp", "advantages", "support", "support_log_mass", "loss_mask",
-                 "versions", "token_advantages"):
+                 "versions", "token_advantages", "ref_logp"):
         assert getattr(got, name) == getattr(want, name), name  # floats compared exactly
     assert (got.routes is None) == (want.routes is None)
     for a, b in zip(got.routes or [], want.routes or []):
@@ -61,12 +62,12 @@ def test_every_share_round_trips_exactly(routes_dtype, dp):
 
 def test_none_fields_stay_none():
     batch = make_batch(support=False, loss_mask=False)
-    batch.routes = batch.versions = batch.token_advantages = None
+    batch.routes = batch.versions = batch.token_advantages = batch.ref_logp = None
     header = make_header(batch, 1.0, {}, 2)
     assert [f.name for f in header.fields] == ["tokens", "behav_logp"]
     got = decode(header, range(4, 8), encode(batch, header, range(4, 8)))
     assert got.routes is got.support is got.support_log_mass is got.loss_mask is got.versions is None
-    assert got.token_advantages is None
+    assert got.token_advantages is got.ref_logp is None
     assert_same_samples(got, share_of(batch, header, range(4, 8)))
 
 
@@ -91,7 +92,8 @@ def test_a_share_carries_its_own_samples_only_in_their_dtypes():
         share = dp_share(8, 2, 1)
         segments, size = layout(header, share)
         want = sum(len(batch.tokens[i]) * 4 + len(batch.behav_logp[i]) * 8 + batch.routes[i].size * itemsize
-                   + len(batch.versions[i]) * 4 + len(batch.token_advantages[i]) * 8 for i in share)
+                   + len(batch.versions[i]) * 4 + len(batch.token_advantages[i]) * 8 + len(batch.ref_logp[i]) * 8
+                   for i in share)
         assert want <= size < want + len(segments) * ALIGN
         assert all(offset % ALIGN == 0 for _, offset, _ in segments)
     long = make_batch(n=8)

@@ -17,6 +17,7 @@ import _bench_common  # noqa: E402
     ("micro_batches", "rl_step"), ("gc_pause", "rl_step"), ("batch_delivery_cpu2core", "rl_step"),
     ("fwd_bwd_layouts_cpu2core", "rl_step"), ("async_vs_sync_cpu", "loop"), ("rollout_throughput_cpu", "rollouts"),
     ("routes_decode_cpu", "rollouts"), ("weight_sync_4xH200_gpu", "weight_sync"), ("lora_sync_cpu", "weight_sync"),
+    ("weight_sync_inflight_1xH100", "weight_sync"),
     ("replay_overhead_2xH200", "keep_routing"), ("packing_cpu2core", "keep_routing"),
     ("routing_mismatch_1xH200", "keep_routing"), ("sampling_mask_payload", "keep_routing"),
     ("image_build_cpu", "image"),

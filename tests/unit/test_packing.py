@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrl.megatron.packing import (Packing, PackingError, check_context_parallel, first_fit_decreasing,
+from mrl.megatron.packing import (Packing, PackingError, first_fit_decreasing,
                                   pack_micro_batches, split_rows)
 from tests.conftest import one_rank_gloo_world
 
@@ -106,16 +106,13 @@ def test_placement_by_slices_equals_the_index_layouts(fmt, monkeypatch):
         assert pk.pack_predictions(xp, -1.0).equal(want), trial
 
 
-def test_thd_and_context_parallel_need_transformer_engine():
+def test_thd_needs_transformer_engine():
     from mrl._compat.te import HAVE_TE
 
     if HAVE_TE:
         pytest.skip("Transformer Engine present: the THD path is available")
     with pytest.raises(PackingError, match="needs Transformer Engine"):
         Packing.build([3, 2], [[0, 1]], row_len=6, fmt="thd")
-    with pytest.raises(PackingError, match="parallel.cp=2 needs Transformer Engine"):
-        check_context_parallel(2)
-    check_context_parallel(1)
 
 
 def test_thd_parameters_count_real_tokens_and_slots(monkeypatch):

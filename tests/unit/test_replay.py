@@ -1,4 +1,4 @@
-"""Keep Routing's pure parts: alignment, per-rank slicing (SP, CP checked against megatron's own split), PP
+"""Keep Routing's pure parts: alignment, per-rank slicing (SP; CP in tests/unit/test_context_parallel.py), PP
 layer columns, refusals, metrics."""
 
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrl.routing.replay import (RankSlice, ReplayError, align_routes, check_replayable, check_routes, cp_positions,
+from mrl.routing.replay import (RankSlice, ReplayError, align_routes, check_replayable, check_routes,
                                 routing_disagreement, stage_moe_columns)
 
 
@@ -104,52 +104,3 @@ def test_disagreement_compares_expert_sets():
     b = torch.tensor([[[1, 0], [2, 4]], [[4, 5], [6, 7]]])  # same set, one differs, same, same
     assert routing_disagreement(a, b) == 0.25
     assert routing_disagreement(a, b, valid=torch.tensor([False, True])) == 0.0
-
-
-# -- context parallelism: the same tokens megatron's own split gives each rank ---------------------------
-
-def _megatron_router_tokens(monkeypatch, ids_BS, cp, cp_rank, tp, tp_rank):
-    """Token ids in the order this rank's routers see them, from megatron's own functions: the CP batch
-    split (``utils.get_batch_on_this_cp_rank``, per-sequence balancing), then the SP scatter of the
-    ``[s, b]`` embeddings (``tensor_parallel.mappings._split_along_first_dim``), flattened s-first."""
-    import torch.distributed as dist
-
-    from megatron.core.tensor_parallel.mappings import _split_along_first_dim
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    cp_group, tp_group = object(), SimpleNamespace(size=lambda: tp, rank=lambda: tp_rank)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: cp if group is cp_group else 1)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: cp_rank if group is cp_group else 0)
-    batch = get_batch_on_this_cp_rank({"tokens": ids_BS.clone(), "cu_seqlens": None}, is_hybrid_cp=False,
-                                      cp_group=cp_group)
-    monkeypatch.undo()
-    emb_SB = batch["tokens"].transpose(0, 1)  # the embedding layer's [s, b] order
-    return _split_along_first_dim(emb_SB.contiguous(), tp_group).reshape(-1)
-
-
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (2, False)])
-def test_cp_slice_selects_megatrons_tokens(monkeypatch, cp, tp, sp):
-    b, s = 3, 32
-    ids = torch.arange(b * s).view(b, s)  # every (row, position) its own id
-    for cp_rank in range(cp):
-        for tp_rank in range(tp):
-            want = _megatron_router_tokens(monkeypatch, ids, cp, cp_rank, tp if sp else 1, tp_rank)
-            rs = RankSlice(tp_rank=tp_rank, tp_size=tp, sequence_parallel=sp, moe_columns=(0,), cp_rank=cp_rank,
-                           cp_size=cp)
-            assert torch.equal(rs.rows(ids), want), (cp_rank, tp_rank)
-            routes = torch.stack([ids, ids + 1000], -1)[:, :, None, :]  # [B, S, L=1, K=2]
-            assert torch.equal(rs.tokens(routes)[:, 0, 0], want)
-
-
-def test_cp_slice_of_packed_thd_segments_is_per_document():
-    # TE's thd_get_partitioned_indices: every segment split into 2*cp chunks, rank r takes r and 2cp-1-r
-    cu = torch.tensor([0, 8, 12, 16], dtype=torch.int32)
-    assert cp_positions(16, 2, 0, cu).tolist() == [0, 1, 6, 7, 8, 11, 12, 15]
-    assert cp_positions(16, 2, 1, cu).tolist() == [2, 3, 4, 5, 9, 10, 13, 14]
-    assert cp_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # unpacked: one sequence
-    ids = torch.arange(16).view(1, 16)
-    rs = RankSlice(tp_rank=1, tp_size=2, sequence_parallel=True, moe_columns=(0,), cp_rank=0, cp_size=2)
-    assert rs.rows(ids, cu).tolist() == [8, 11, 12, 15]  # CP split first, then the SP chunk of it
-    with pytest.raises(ReplayError, match="not divisible by 2\\*cp=4"):
-        cp_positions(16, 2, 0, torch.tensor([0, 6, 16]))

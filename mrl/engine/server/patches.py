@@ -29,6 +29,9 @@ posts its receives back to back instead of answering and waiting for the next re
 CUDA IPC updates (``update_weights_from_tensor``) get the same loads for a bucket sent as one flat buffer
 (``FLAT_TENSOR_FORMAT``, announced in the answers to the per-tensor updates).
 
+In-flight updates (``mrl.engine.server.inflight``): every output token carries the version of the weights that
+produced it, and a retract or in-place pause leaves no KV cache of older weights to later requests.
+
 Whoever wants to time an update's phases (a benchmark) sets ``watch`` to an ``UpdateWatch`` of its own.
 """
 
@@ -41,6 +44,7 @@ import json
 import os
 import sys
 
+from mrl.engine.server import inflight
 from mrl.sglang.wire import (BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK, COMPACT_ROUTES_MARK, FLAT_TENSOR_FORMAT,
                              FLAT_TENSOR_MARK, KEEPS_LAYOUTS_MARK, LAYOUT_KEPT_MARK, REPLAYED_LOAD_MARK)
 
@@ -370,7 +374,15 @@ def _load(runner, flat, names, dtypes, shapes, group_name, info: dict | None = N
     return "Succeeded to update parameter online."
 
 
+def _runner(module) -> None:
+    replayed_load(module)
+    inflight.tag_forwards(module)
+
+
 def install() -> None:
     """Register the patches (called from the engines' ``sitecustomize``)."""
     sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
-    sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, replayed_load))
+    sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, _runner))
+    sys.meta_path.insert(0, PatchOnImport(inflight.SCHEDULER_MODULE, inflight.pause_and_continue))
+    sys.meta_path.insert(0, PatchOnImport(inflight.TOKENIZER_MODULE, inflight.send_version))
+    sys.meta_path.insert(0, PatchOnImport(inflight.BATCH_MODULE, inflight.start_untagged))
