@@ -7,8 +7,8 @@
 # FULL_DEPTH_STEPS GRPO steps, default 5) on an H200, sequential (engine, then the trainer alone: mismatch and
 # LoRA GRPO steps with small micro-batches) on an 80 GB H100. A colocated run that fails is followed by a
 # sequential one, so the call still brings the mismatch and memory reports. FULL_DEPTH_ARGS: more flags
-# (e.g. --layers 24 --lora-rank 4). DEST gets the report(s) (file names hold full_depth), the logs' tails,
-# gpus.txt and status.
+# (e.g. --layers 24 --lora-rank 4). DEST gets, per mode run, the report (its name holds full_depth), the
+# output and the tails of the workers' and the engine's logs, and one status file (the GPU, each step's rc).
 set -uo pipefail
 STACK=${1:?stack}; WORK=${2:?work dir}; DEST=${3:?dest}; MODE=${4:-}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -17,8 +17,8 @@ cd "$ROOT"
 # shellcheck disable=SC1091
 source "$STACK/env.sh" te
 export PYTHONPATH=$ROOT:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MRL_LAUNCHED_AT=${MRL_LAUNCHED_AT:-$(date +%s.%N)}
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$DEST/gpus.txt"
 say() { echo "$(date -u +%T) $*" | tee -a "$DEST/status"; }
+say "gpu: $(nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tr '\n' ' ')"
 if [ -z "$MODE" ]; then
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "${mib:-0}" -gt 100000 ]; then MODE=colocated; else MODE=sequential; fi
@@ -35,8 +35,8 @@ run() {  # MODE TIMEOUT EXTRA...
     --json "$DEST/$(date -u +%F)_full_depth_${mode}_qwen3_30b_a3b_l48_${gpu}.json" "$@" ${FULL_DEPTH_ARGS:-} > "$DEST/${mode}.log" 2>&1
   local rc=$?
   say "$mode rc $rc"
-  for f in "$out"/*.log "$out"/engines/*.log; do
-    [ -f "$f" ] && tail -c 20000 "$f" > "$DEST/${mode}_$(basename "$f")"
+  for f in "$out"/*.log "$out"/engines/*.log; do  # one file per mode: a device call brings back 8 files
+    [ -f "$f" ] && { echo "=== $(basename "$f")"; tail -c 20000 "$f"; } >> "$DEST/${mode}_logs.txt"
   done
   return $rc
 }
