@@ -103,11 +103,13 @@ REPORTS = os.path.join(HERE, "reports")
 
 
 def slug(device: str) -> str:
-    """``2x NVIDIA H200`` -> ``2xH200``, ``CPU (gloo)`` -> ``cpu``: the hardware part of a report's name."""
+    """``2x NVIDIA H200`` -> ``2xH200``, ``1x NVIDIA H100 80GB HBM3`` -> ``1xH100``, ``CPU (gloo)`` ->
+    ``cpu<N>core``: the hardware part of a report's name."""
     if device.startswith("CPU"):
         return f"cpu{os.cpu_count()}core"
     n, _, name = device.partition("x ")
-    return f"{n}x{name.split()[-1]}"
+    words = name.split()  # "NVIDIA H100 80GB HBM3": the model, not the memory's kind
+    return f"{n}x{words[1] if len(words) > 1 and words[0] == 'NVIDIA' else words[-1]}"
 
 
 def environment() -> dict:
@@ -145,6 +147,7 @@ TOPICS = (
     ("rl_step_vs_", "rl_step"), ("fwd_bwd_layouts", "rl_step"), ("micro_batches", "rl_step"),
     ("gc_pause", "rl_step"), ("batch_delivery", "rl_step"), ("old_logprob_pass", "rl_step"),
     ("async_vs_sync", "loop"), ("opd_cost", "loop"), ("loop_e2e", "loop"), ("gpu_loop", "loop"),
+    ("full_depth", "loop"),
     ("rollout_throughput", "rollouts"), ("routes_decode", "rollouts"),
     ("weight_sync", "weight_sync"), ("lora_sync", "weight_sync"),
     ("replay_overhead", "keep_routing"), ("packing", "keep_routing"), ("routing_mismatch", "keep_routing"),

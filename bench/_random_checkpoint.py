@@ -6,8 +6,9 @@ No model is instantiated: each tensor is drawn on its own (on the GPU where ther
 bf16 and written into safetensors shards of about ``--shard-gb`` with a
 ``model.safetensors.index.json``, so the full Qwen3-30B-A3B shape (30.5B parameters, 61 GB) needs one
 shard of host memory, not the model's. Values follow transformers' init: matrices normal(0, 0.02),
-norms 1. Tensor ``name`` is drawn from a generator seeded with ``crc32(f"{seed}:{name}")``, so a
-checkpoint is the same on every run on the same kind of device (CPU and CUDA generators differ).
+norms 1. Tensor ``name`` is drawn from a generator seeded with ``crc32(f"{seed}:{name}")``
+(``mrl.models.synthetic``), so a checkpoint is the same on every run on the same kind of device (CPU and
+CUDA generators differ) and equals the weights ``SyntheticWeights`` draws without any file.
 Names are the hub's per-expert names, which SGLang requires.
 """
 
@@ -16,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import zlib
 
 import torch
+
+from mrl.models.synthetic import synthetic_tensor
 
 # Qwen3-MoE shapes; "probe" is the 2.4 GB bf16 model the SGLang GPU measurements used (hidden 1024,
 # 8 layers, 64 experts top-8, vocab 32768), "qwen3_30b_a3b" the real model (48 layers; cut with --layers).
@@ -93,11 +95,7 @@ def write_checkpoint(path: str, kw: dict, seed: int = 0, shard_gb: float = 4.0, 
         fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         sd = {}
         for name, shape in items:
-            if len(shape) == 1:  # RMSNorm weights
-                t = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # CPU: 32 bits
-                t = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=g).to(torch.bfloat16).cpu()
+            t = synthetic_tensor(name, shape, seed=seed, device=device).cpu()  # what SyntheticWeights draws
             sd[name] = t
             weight_map[name] = fn
             total += t.numel() * 2
@@ -109,14 +107,27 @@ def write_checkpoint(path: str, kw: dict, seed: int = 0, shard_gb: float = 4.0, 
     return path
 
 
-def make_checkpoint(path: str, shape: str, layers: int | None, seed: int = 0, shard_gb: float = 4.0) -> str:
-    """``SHAPES[shape]`` cut to ``layers`` layers (all of them when None) at ``path``."""
+def shape_kw(shape: str, layers: int | None) -> dict:
+    """``SHAPES[shape]`` cut to ``layers`` layers (all of them when None)."""
     if shape not in SHAPES:
         raise ValueError(f"--model: unknown shape {shape!r} (one of {sorted(SHAPES)})")
     kw = dict(SHAPES[shape])
     if layers:
         kw["num_hidden_layers"] = layers
-    return write_checkpoint(path, kw, seed=seed, shard_gb=shard_gb)
+    return kw
+
+
+def make_config_dir(path: str, shape: str, layers: int | None) -> str:
+    """Only the ``config.json`` of ``shape`` at ``path``: the weights come from ``mrl.models.synthetic``
+    (no checkpoint on disk; the full 48-layer model's 61 GB would not fit beside the stack)."""
+    os.makedirs(path, exist_ok=True)
+    config(shape_kw(shape, layers)).save_pretrained(path)
+    return path
+
+
+def make_checkpoint(path: str, shape: str, layers: int | None, seed: int = 0, shard_gb: float = 4.0) -> str:
+    """``SHAPES[shape]`` cut to ``layers`` layers (all of them when None) at ``path``."""
+    return write_checkpoint(path, shape_kw(shape, layers), seed=seed, shard_gb=shard_gb)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from mrl.config.algo import (AdvEstimator, LossType, Aggregation, Correction, Co
 from mrl.config.data import HF_TASK, BadRowPolicy, DataConfig, DataFormat, RewardConfig, RewardExecutor, RewardOnError
 from mrl.config.weight_sync import PauseMode, WeightTransport, WeightSyncConfig
 from mrl.config.cluster import ClusterKind, ContainerKind, ClusterConfig
-from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, StalePolicy, TrainConfig, TrackingConfig,
-                              LOGGERS)
+from mrl.config.train import (LoopMode, BadRoutes, BadSupport, GroupedGemm, Recompute, StalePolicy, TrainConfig,
+                              TrackingConfig, LOGGERS)
 from mrl.config.lora_engine import lora_engine_spec
 from mrl.config.engine import EngineConfig
 from mrl.config.scoring import ScorerSpec, ScoringConfig, TeacherConfig, check_reference
@@ -57,6 +57,7 @@ __all__ = [
     "LoraConfig",
     "LossType",
     "OldLogprobs",
+    "Recompute",
     "ModelConfig",
     "PauseMode",
     "ParallelConfig",

@@ -30,6 +30,12 @@ class GroupedGemm(str, enum.Enum):
     cublas = "cublas"  # one cuBLAS GEMM per expert on a pool of streams (Transformer Engine's default)
 
 
+class Recompute(str, enum.Enum):
+    off = "off"  # every layer's activations kept for backward
+    full = "full"  # megatron's full recompute, one layer at a time: only each layer's input is kept
+    selective = "selective"  # megatron's selective recompute: the core attention is recomputed
+
+
 class StalePolicy(str, enum.Enum):
     drop = "drop"  # samples older than max_staleness are dropped (counted)
     keep = "keep"  # kept; the off-policy correction (algo.correction) weighs them
@@ -118,6 +124,10 @@ class TrainConfig:
     the bf16 logits, the gradient written into their buffer) instead of mrl's fp32 path, which keeps an
     fp32 copy of the logits for backward; same values up to fp32 rounding. Vocabulary shards with
     padding columns (TP where the padded vocabulary differs) and CPU runs take the fp32 path."""
+    recompute: Recompute = Recompute.off
+    """Activation recompute in backward: ``full`` keeps each layer's input and recomputes the layer (what
+    makes a deep model's micro-batches fit beside frozen base weights; Keep Routing replays the same experts
+    in the recompute), ``selective`` the core attention only (megatron's recipe for long sequences)."""
     bad_routes: BadRoutes = BadRoutes.error
     """A sample whose routes are missing or mis-sized: never trained with wrong routing."""
     packing: bool = True

@@ -116,6 +116,11 @@ class Engine:
     log (``moe_tuning.merged_config_dir``) that ``SGLANG_MOE_CONFIG_DIR`` names; null: SGLang's own."""
     quantization: str | None = None
     """GPU: ``--quantization`` (``fp8``: ``model_path`` must be a block-FP8 checkpoint, ``mrl export-fp8``)."""
+    load_format: str | None = None
+    """``--load-format`` (null: SGLang's ``auto``). ``dummy``: the server reads no weights at start, only
+    ``config.json``; they arrive by a weight update (``mrl.weight_sync.named``), e.g. synthetic weights of
+    a model whose checkpoint is not on this host's disk. Such an engine loads LoRA adapters from tensors only:
+    SGLang 0.5.14's LoRA manager reads adapter files with the load format the server started with."""
     host: str = "127.0.0.1"
     port: int | None = None
     log_dir: str = "runs/engines"
@@ -195,6 +200,8 @@ class Engine:
             cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.quantization:
             cmd += ["--quantization", self.quantization]
+        if self.load_format:
+            cmd += ["--load-format", self.load_format]
         if self.cpu_mode:
             cmd += cpu_mode.CPU_SERVER_ARGS
         else:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from mrl.config.schema import Dispatcher, DType, ParallelConfig
+from mrl.megatron import compat
 from mrl.megatron.model import build_gpt_model, transformer_config
 from mrl.megatron.parallel import Layout, init_parallel
 from mrl.megatron.weights import load_hf_into
 from mrl.models import ModelBridge, get_bridge
 from mrl.models.checkpoint import HFCheckpoint
+from mrl.models.synthetic import SyntheticWeights
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -25,6 +27,8 @@ def add_layout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pp-last", type=int, default=None, help="uneven PP: layers on the last stage")
     ap.add_argument("--dispatcher", default="alltoall", choices=[d.value for d in Dispatcher])
     ap.add_argument("--dtype", default="fp32", choices=[d.value for d in DType])
+    ap.add_argument("--synthetic-seed", type=int, default=None,
+                    help="weights drawn from this seed (mrl.models.synthetic), not read: --hf needs config.json only")
 
 
 @dataclass
@@ -34,7 +38,7 @@ class Loaded:
     cfg: TransformerConfig
     padded_vocab: int
     model: torch.nn.Module
-    ckpt: HFCheckpoint
+    ckpt: HFCheckpoint | SyntheticWeights
     params_loaded: int
 
 
@@ -47,6 +51,9 @@ def load_model(a: argparse.Namespace, **cfg_overrides) -> Loaded:
     cfg = transformer_config(bridge, pcfg, dtype=DType(a.dtype), **cfg_overrides)
     vp = bridge.padded_vocab(128, pcfg.tp)
     model = build_gpt_model(bridge, cfg, layout, vp)
-    ckpt = HFCheckpoint(a.hf)
+    seed = getattr(a, "synthetic_seed", None)
+    # drawn where the engine's pusher draws them: CUDA and CPU generators give different numbers
+    ckpt = HFCheckpoint(a.hf) if seed is None else SyntheticWeights(
+        a.hf, seed=seed, bridge=bridge, device="cuda" if compat.HAS_CUDA else "cpu")
     n = load_hf_into(model, layout, bridge, ckpt, vp)
     return Loaded(layout, bridge, cfg, vp, model, ckpt, n)

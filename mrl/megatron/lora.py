@@ -281,7 +281,17 @@ def apply_lora(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, lora
         hooked.attach(base, _Norm(base) if kind == "column_norm" else None)
         made.append(hooked)
     _check_every_site(set(sites), wrapped, bridge)
+    if cfg.recompute_granularity is not None and getattr(m, "embedding", None) is not None:
+        m.embedding.register_forward_hook(_output_requires_grad)
     return made
+
+
+def _output_requires_grad(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+    """Megatron's activation recompute is a reentrant autograd function over each layer's input: its backward,
+    where the layer runs again and the adapters get their grads, runs only if that input requires grad. With
+    the base frozen the embedding's output does not, and every adapter would train on zero grads; the first
+    stage's hidden states are made to (PP's later stages receive them so already)."""
+    return out if out.requires_grad else out.requires_grad_(True)
 
 
 def _parent(m: torch.nn.Module, name: str) -> torch.nn.Module:

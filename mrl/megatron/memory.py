@@ -177,6 +177,75 @@ def model_state_bytes(bridge: ModelBridge, parallel: ParallelConfig, *, dtype: D
     return out
 
 
+def lora_numels(bridge: ModelBridge, lora, parallel: ParallelConfig,
+                stage: int) -> tuple[dict[str, int], dict[str, int]]:
+    """({name: local elements}) of the dense and the routed-expert LoRA factors one rank of PP stage ``stage``
+    holds (``mrl.megatron.lora``'s sharding): a column site's ``A`` (every HF module's ``[r, in]``) whole and
+    its ``B`` split by rows over TP (ETP for experts), a row site's ``A`` split by columns and its ``B`` whole."""
+    from mrl.models.peft import lora_sites
+
+    per_rank = bridge.num_experts // parallel.ep if bridge.num_experts else 0
+    stages = parallel.stage_layers(bridge.num_layers)
+    dense: dict[str, int] = {}
+    expert: dict[str, int] = {}
+    for site in lora_sites(bridge, lora):
+        if stage_of(site.mcore_name, stages) != stage:
+            continue
+        e = _EXPERT.search(site.mcore_name)
+        if e and int(e.group(1)) >= per_rank:
+            continue
+        ws = parallel.expert_tp if site.is_expert else parallel.tp
+        r, cols, rows = site.rank, site.in_features, site.weight.shape[0]
+        a = len(site.hf_modules) * r * cols if site.kind == "column" else r * cols // ws
+        b = rows // ws * r if site.kind == "column" else rows * r
+        into = expert if site.is_expert else dense
+        into[f"{site.mcore_name}.lora_A"], into[f"{site.mcore_name}.lora_B"] = a, b
+    return dense, expert
+
+
+def lora_state_bytes(bridge: ModelBridge, parallel: ParallelConfig, lora, *, dtype: DType,
+                     optimizer_states_dtype: DType, padded_vocab: int, world_size: int | None = None,
+                     local_spec: bool = False) -> dict:
+    """A LoRA run's model states on its most loaded rank: the frozen base weights (no grads, no optimizer
+    states: megatron's DDP and the optimizer hold the adapters only, ``mrl.megatron.lora``) and the adapters
+    with their fp32 grads and Adam states. ``lora``: ``cfg.model.lora``.
+
+    Returns ``base_params``, ``adapter_params`` (elements), ``adapter_buffer`` (the DDP buffers' elements,
+    padded), ``adapter_optimizer``, and ``base``, ``adapters``, ``grads``, ``optimizer``, ``total`` as
+    ``*_bytes`` and ``*_gib``. The base is held outside the DDP buffers (frozen parameters are not put in
+    them), so it has no padding."""
+    world = world_size or parallel.local_world_size
+    parallel.check_world_size(world)
+    parallel.check_model(num_experts=bridge.num_experts, num_layers=bridge.num_layers,
+                         num_query_groups=bridge.num_query_groups)
+    weight_bytes = 2 if dtype == DType.bf16 else 4
+    dp = world // (parallel.tp * parallel.pp)
+    edp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
+    separate = parallel.ep > 1 or parallel.expert_tp != parallel.tp
+    per_elem = optimizer_bytes_per_element(dtype, optimizer_states_dtype)
+    best = None
+    for stage in range(parallel.pp):
+        base_dense, base_expert = local_numels(bridge, parallel, padded_vocab, stage, local_spec=local_spec)
+        dense, expert = lora_numels(bridge, lora, parallel, stage)
+        n_dense, n_expert = sum(dense.values()), sum(expert.values())
+        buf_dense = ddp_buffer_numel(list(dense.values()) + ([] if separate else list(expert.values())), dp)
+        buf_expert = ddp_buffer_numel(list(expert.values()), edp) if separate else 0
+        opt = min(n_dense + (0 if separate else n_expert), buf_dense // dp) + \
+            (min(n_expert, buf_expert // edp) if separate else 0)
+        base = sum(base_dense.values()) + sum(base_expert.values())
+        out = dict(pp_stage=stage, dp=dp, edp=edp, base_params=base, adapter_params=n_dense + n_expert,
+                   adapter_buffer=buf_dense + buf_expert, adapter_optimizer=opt,
+                   base_bytes=base * weight_bytes, adapters_bytes=(buf_dense + buf_expert) * weight_bytes,
+                   grads_bytes=(buf_dense + buf_expert) * 4, optimizer_bytes=opt * per_elem)
+        out["total_bytes"] = sum(out[f"{k}_bytes"] for k in ("base", "adapters", "grads", "optimizer"))
+        if best is None or out["total_bytes"] > best["total_bytes"]:
+            best = out
+    best.update({f"{k}_gib": best[f"{k}_bytes"] / GIB for k in ("base", "adapters", "grads", "optimizer", "total")})
+    best.update(world_size=world, dtype=dtype.value, optimizer_states_dtype=optimizer_states_dtype.value,
+                lora_rank=lora.rank, lora_targets=list(lora.targets))
+    return best
+
+
 def _size(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
 

@@ -26,7 +26,7 @@ from mrl.megatron.collectives import named
 from mrl.megatron.collector import StepCollector
 from mrl.megatron.export import check_model_keys
 from mrl.megatron.lora import apply_lora, export_peft, is_adapter_key, load_peft_dir_into
-from mrl.megatron.model import build_gpt_model, transformer_config, use_grouped_gemm
+from mrl.megatron.model import LOCAL_SPEC_ON_GPU, build_gpt_model, transformer_config, use_grouped_gemm
 from mrl.megatron.optim import build_optimizer, wrap_ddp
 from mrl.megatron.context_parallel import packed_rows, padded_len
 from mrl.megatron.packing import Packing, pack_micro_batches
@@ -47,12 +47,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 log = get_logger(__name__)
 
-LOCAL_SPEC_ON_GPU = (
-    "Transformer Engine is not installed: the trainer runs megatron-core's local spec on GPUs, which measured "
-    "2.1x slower than the TE spec on one H200 (a 490M MoE, forward+backward: 38.3k vs 80.7k tokens/s) and runs "
-    "out of memory where TE fits (it materialises the attention scores); install it (pip install -e '.[gpu]' "
-    "in the repository) or use the image in docker/")
-
 
 def _host(values, dtype) -> torch.Tensor:
     """A sample's Python list (or array) as a CPU tensor, through numpy: ``torch.tensor`` of a list reads
@@ -66,15 +60,18 @@ def _mean(values: list[float]) -> float:
 
 
 class Policy:
-    def __init__(self, cfg: Config, layout: Layout, hf_path: str):
+    def __init__(self, cfg: Config, layout: Layout, hf_path: str, *, weights=None, device_init: bool = False):
+        """``weights``: a reader with ``HFCheckpoint``'s interface (``SyntheticWeights``: drawn, no file); default
+        the checkpoint at ``hf_path``. ``device_init``: parameters allocated on the GPU, not first in host memory."""
         self.cfg, self.layout = cfg, layout
         self.bridge = get_bridge(hf_path)
-        self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype)
+        self.tcfg = transformer_config(self.bridge, cfg.parallel, dtype=cfg.model.dtype, recompute=cfg.train.recompute,
+                                       device_init=device_init)
         use_grouped_gemm(cfg.train.grouped_gemm)
         self.padded_vocab = self.bridge.padded_vocab(cfg.model.vocab_divisible_by, cfg.parallel.tp)
         model = build_gpt_model(self.bridge, self.tcfg, layout, self.padded_vocab,
                                 fused_router_replay=cfg.train.fused_router_replay)
-        load_hf_into(model, layout, self.bridge, HFCheckpoint(hf_path), self.padded_vocab)
+        load_hf_into(model, layout, self.bridge, weights or HFCheckpoint(hf_path), self.padded_vocab)
         self.lora = cfg.model.lora if cfg.model.lora.enabled else None
         """LoRA: the base weights are frozen and only the adapters train (DDP buckets and optimizer hold them)."""
         if self.lora is not None:

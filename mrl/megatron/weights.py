@@ -112,7 +112,7 @@ def read_shard(ckpt: HFCheckpoint, pm: ParamMap, group: GroupInfo | None, partit
         for part, r0, r1 in segment_rows(seg, lo, hi):
             if part.hf_name is None:
                 shape = (r1 - r0,) + ((pm.num_cols,) if pm.num_cols else ())
-                pieces.append(torch.zeros(shape, dtype=dtype))
+                pieces.append(torch.zeros(shape, dtype=dtype, device=getattr(ckpt, "device", "cpu")))
             else:
                 pieces.append(ckpt.read(part.hf_name, (r0, r1)).to(dtype))
     return torch.cat(pieces, 0)
@@ -120,7 +120,8 @@ def read_shard(ckpt: HFCheckpoint, pm: ParamMap, group: GroupInfo | None, partit
 
 def load_hf_into(model: torch.nn.Module, layout: Layout, bridge: ModelBridge, ckpt: HFCheckpoint,
                  padded_vocab: int) -> int:
-    """Fill every local param of ``model`` from the HF checkpoint; returns how many were loaded."""
+    """Fill every local param of ``model`` from the HF checkpoint (or any reader of its interface:
+    ``mrl.models.synthetic.SyntheticWeights``); returns how many were loaded."""
     skipped = bridge.skipped_hf_tensors(ckpt.shapes)
     if skipped:
         log.info("%s: %d tensors are not part of the trained model and are skipped: %s%s", ckpt.path, len(skipped),

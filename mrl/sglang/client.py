@@ -304,16 +304,31 @@ class EngineClient:
         return parse_success(data, (self.url, ep))
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       flush_cache: bool = True) -> str:
+                                       flush_cache: bool = True, load_format: str | None = None) -> str:
         """``flush_cache``: SGLang's default flushes the cache after the load, which fails an assert in the
-        scheduler (and kills it) while requests are held by a retract/in-place pause."""
+        scheduler (and kills it) while requests are held by a retract/in-place pause. ``load_format``: how to
+        read ``model_path`` (null: the server's own, the one it started with; an engine started with
+        ``load_format=dummy`` has no reader of files until one is named, e.g. ``auto``)."""
         ep = "/update_weights_from_disk"
         if flush_cache and self.paused in ("retract", "in_place"):
             raise EngineGuardError(self.url, ep, f"flush_cache=True while paused in {self.paused!r} mode")
         body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
+        if load_format is not None:
+            body["load_format"] = load_format
         _, data, _ = await self._call("POST", ep, json=body, timeout=self.timeouts.weight_update, admin=True,
                                       ok=(200, 400))
         return parse_success(data, (self.url, ep))
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """An engine started with ``engine.memory_saver``, idle: give the GPU memory of ``tags`` back
+        (``kv_cache``, ``weights``, ``cuda_graph``; None: all) until ``resume_memory_occupation``. Released
+        weights come back as whatever the memory then holds: push them again after resuming."""
+        await self._call("POST", "/release_memory_occupation", json={"tags": tags},
+                         timeout=self.timeouts.weight_update, admin=True)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._call("POST", "/resume_memory_occupation", json={"tags": tags},
+                         timeout=self.timeouts.weight_update, admin=True)
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
         """0.5.10's default aborts every request: mrl passes False unless asked."""

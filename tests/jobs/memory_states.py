@@ -69,6 +69,42 @@ def check_case(ckpt: str, layout_text: str, dtype: str) -> dict:
                 got=got, est=est)
 
 
+def check_lora_case(ckpt: str, layout_text: str, dtype: str, lora) -> dict:
+    """One LoRA case on this rank (``lora``: a ``LoraConfig``): the frozen base, the adapters in DDP's buffers
+    and the optimizer's states as built, beside ``lora_state_bytes``."""
+    from mrl.jobs.common import load_model
+    from mrl.megatron.lora import apply_lora
+    from mrl.megatron.memory import lora_state_bytes
+    from mrl.megatron.optim import build_optimizer, wrap_ddp
+    from tests.jobs.parity import parse_layout
+
+    a = parse_layout(layout_text, ckpt)
+    a.dtype = dtype
+    m = load_model(a)
+    apply_lora(m.model, m.layout, m.bridge, lora, seed=0)
+    ddp = wrap_ddp(m.model, m.cfg)
+    opt = build_optimizer([ddp], lr=1e-3, bf16=dtype == "bf16")
+    params = list(m.model.parameters())
+    buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]
+    got = dict(base_params=sum(p.numel() for p in params if not getattr(p, "lora_adapter", False)),
+               adapter_params=sum(p.numel() for p in params if getattr(p, "lora_adapter", False)),
+               adapter_buffer=sum(b.numel for b in buffers),
+               trainable=sum(p.numel() for p in params if p.requires_grad),
+               base_bytes=sum(p.nbytes for p in params if not getattr(p, "lora_adapter", False)),
+               adapters_bytes=sum(b.param_data.nbytes for b in buffers),
+               grads_bytes=sum(b.grad_data.nbytes for b in buffers), adapter_optimizer=0, optimizer_bytes=0)
+    for o in _optimizers(opt):
+        o.init_state_fn(o.optimizer, o.config)
+        got["adapter_optimizer"] += sum(s["exp_avg"].numel() for s in o.optimizer.state.values())
+        got["optimizer_bytes"] += sum(t.nbytes for s in o.optimizer.state.values() for t in s.values()
+                                      if torch.is_tensor(t)) + sum(t.nbytes for g in o.shard_fp32_from_float16_groups
+                                                                   for t in g)
+    pcfg = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, pp_first_layers=a.pp_first)
+    est = lora_state_bytes(m.bridge, pcfg, lora, dtype=DType(dtype), optimizer_states_dtype=DType.fp32,
+                           padded_vocab=m.padded_vocab, world_size=m.layout.world_size, local_spec=True)
+    return dict(rank=m.layout.world_rank, got=got, est=est)
+
+
 def main() -> None:
     from mrl.megatron.parallel import destroy
     from tests.conftest import write_every_ranks_rows

@@ -29,6 +29,12 @@ def test_gpu_command():
     assert "--device" not in cmd and "--enable-memory-saver" in cmd and cmd[cmd.index("--ep-size") + 1] == "8"
 
 
+def test_load_format_dummy_reads_no_weights():
+    cmd = Engine(model_path="/m", load_format="dummy", port=1).command()
+    assert cmd[cmd.index("--load-format") + 1] == "dummy"
+    assert "--load-format" not in Engine(model_path="/m", port=1).command()  # SGLang's own (auto)
+
+
 def test_gpu_decode_graphs_sized_to_the_running_requests():
     cmd = Engine(model_path="/m", cpu_mode=False, max_running_requests=96, port=1).command()
     assert cmd[cmd.index("--cuda-graph-max-bs-decode") + 1] == "96"

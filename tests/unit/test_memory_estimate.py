@@ -139,6 +139,43 @@ def test_one_rank_model_on_cpu_is_the_estimate(ckpt_dir, dtype):
     assert got["grad_dtypes"] == ["torch.float32"]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_rank_lora_model_on_cpu_is_the_estimate(ckpt_dir, dtype):
+    """LoRA on attention and every expert, TP1 on one rank: the frozen base outside DDP, the adapters alone in
+    its buffers and the optimizer (fp32 states), every figure equal to ``lora_state_bytes``."""
+    from mrl.config.schema import LoraConfig
+    from tests.jobs.memory_states import check_lora_case
+
+    with one_rank_gloo_world():
+        row = check_lora_case(ckpt_dir["tiny"], "tp=1", dtype, LoraConfig(rank=4, targets=["attention", "experts"]))
+    got, est = row["got"], row["est"]
+    keys = ("base_params", "adapter_params", "adapter_buffer", "base_bytes", "adapters_bytes", "grads_bytes",
+            "adapter_optimizer", "optimizer_bytes")
+    assert {k: got[k] for k in keys} == {k: est[k] for k in keys}
+    assert got["trainable"] == got["adapter_params"] > 0
+
+
+@pytest.mark.parametrize("rank,gib", [(8, (56.9, 0.8, 1.6, 4.7, 63.9)), (4, (56.9, 0.4, 0.8, 2.4, 60.4))])
+def test_qwen3_30b_a3b_lora_figures(rank, gib):
+    """The full model on one GPU with adapters on attention and every expert: bf16 base, fp32 Adam states. The
+    adapter elements counted by hand; the figures docs/memory.md quotes."""
+    from mrl.config.schema import LoraConfig
+    from mrl.megatron.memory import lora_state_bytes
+
+    b, c = _bridge_30b(), QWEN3_30B_A3B
+    est = lora_state_bytes(b, ParallelConfig(), LoraConfig(rank=rank, targets=["attention", "experts"]),
+                           dtype=DType.bf16, optimizer_states_dtype=DType.fp32, padded_vocab=b.padded_vocab(128, 1))
+    h, q, kv, i = c["hidden_size"], 32 * 128, 4 * 128, c["moe_intermediate_size"]
+    attention = (h + q) + 2 * (h + kv) + (q + h)  # q, k, v, o: A [r, in] + B [out, r] each
+    experts = c["num_experts"] * 3 * (h + i)
+    assert est["adapter_params"] == rank * c["num_hidden_layers"] * (attention + experts)
+    assert est["base_params"] == 30_532_122_624
+    got = tuple(round(est[f"{k}_gib"], 1) for k in ("base", "adapters", "grads", "optimizer", "total"))
+    assert got == gib
+    doc = open(os.path.join(REPO, "docs", "memory.md")).read()
+    assert f"| {rank} | {gib[0]} | {gib[1]} | {gib[2]} | {gib[3]} | **{gib[4]}** |" in doc
+
+
 def test_estimate_imports_no_torch():
     """What ``mrl check`` runs: the bridge over config.json and the estimate, with torch and transformers
     unimportable."""
