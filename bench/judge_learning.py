@@ -231,7 +231,7 @@ def main() -> int:
                                      "train_reward_first10": r["reward_first10"],
                                      "train_reward_last10": r["reward_last10"],
                                      "wall_seconds": r["wall_seconds"]} for r in runs},
-          "runs": runs}, out, name=name)
+          "runs": runs}, out, name=f"mrl_train_judge_copy_last_{slug(device_name())}")
     return 0
 
 
