@@ -96,6 +96,8 @@ def kind(d: dict, fname: str) -> str:
         return b
     if "overlap_over_sync" in d:
         return "async_vs_sync"
+    if "rows" in d and "requests" in d and "transport" in d and "summary" in d:
+        return "weight_sync_inflight"
     if "rows" in d and "scale" in d:
         return "weight_sync"
     if "parity" in fname:
@@ -504,6 +506,16 @@ def image_build(d):
     return out
 
 
+def weight_sync_inflight(d):
+    """``bench/weight_sync_inflight.py``: the generation pause per sync by pause mode, and the version tags."""
+    s = d["summary"]
+    modes = [m for m in ("abort", "retract", "in_place") if m in s]
+    errors = {m: sum(r.get("version_errors", 0) for r in d["rows"] if r.get("mode") == m) for m in modes}
+    return [f"{m}: generation pause **{s[m]['generation_pause_ms']['median']:.0f} ms** (p25-p75 "
+            f"{s[m]['generation_pause_ms']['p25']:.0f}-{s[m]['generation_pause_ms']['p75']:.0f}), push "
+            f"{s[m]['phase_ms']['push']:.0f} ms, tokens with a wrong version tag {errors[m]}" for m in modes]
+
+
 def old_logprob_pass(d):
     a = d["args"]
     return [f"pi_old's forward over {a['mini_batches'] - 1} of {a['mini_batches']} mini-batches: "
@@ -620,7 +632,7 @@ EXTRACTORS = {
     "rollout_throughput": rollout_throughput, "weight_sync": weight_sync, "lora_sync_cpu": lora_sync,
     "replay_overhead": replay_overhead, "routing_mismatch": routing_mismatch, "async_vs_sync": async_vs_sync,
     "micro_batches": micro_batches, "gc_pause": gc_pause, "batch_delivery": batch_delivery,
-    "old_logprob_pass": old_logprob_pass,
+    "old_logprob_pass": old_logprob_pass, "weight_sync_inflight": weight_sync_inflight,
     "mrl_train": mrl_train, "gpu_loop_learn": mrl_train, "mrl_train_summary": mrl_train_summary,
     "lookup_learning": lookup_learning, "default_run": default_run, "parity": parity,
     "gpu_mismatch_split": mismatch_split,
@@ -672,6 +684,15 @@ _KR = "keep_routing/2026-11-29_gpu_replay_overhead_2xH200_16reps_paired.json"
 _R9 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_2xH200_"
 _R1 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_1xH200_tp1_mbs2_fused_logprob_profile.json"
 GOALS = [  # (goal, comparison, threshold, report, value(report), what the figure is)
+    ("pi_old's forward pass / the RL step it precedes, 30B-A3B slice, 1 GPU", "<=", 0.25,
+     "rl_step/2026-12-07_old_logprob_pass_qwen3_30b_a3b_l3_1xH100.json", lambda d: d["old_logprob_pass_vs_step"],
+     "1x H100, 3-layer slice (no TE in the stack: local spec, fp32 Adam), 4 mini-batches of 8 x 2048 tokens, "
+     "median of 8 pairs (p25-p75 0.25-0.41)"),
+    ("generation pause per sync with pause_mode=in_place (ms)", "<=", 10,
+     "weight_sync/2026-12-07_weight_sync_inflight_qwen3_30b_a3b_l12_1xH100.json",
+     lambda d: d["summary"]["in_place"]["generation_pause_ms"]["median"],
+     "1x H100, 30B slice 12 layers, engine beside the trainer (CUDA IPC), 32 streamed requests, 8 reps; abort 352 "
+     "ms, retract 268 ms; the push is inside the pause in every mode; in_place tagged 288 tokens with a wrong version"),
     ("whole loop / its own ceiling", ">=", 0.9, "loop/2026-11-28_gpu_loop_e2e_qwen3_30b_a3b_l12_4xH200.json",
      lambda d: d["loop_vs_ceiling"], "2x H200, Qwen3-30B-A3B 12-layer slice"),
     ("seconds from launch to the first RL step", "<=", 180,
