@@ -18,12 +18,11 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 from _bench_common import REPORTS, device_name, dump, slug
-from recipe_run import plot, summarize
+from recipe_run import plot, run_logged, summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -158,13 +157,7 @@ def run(name: str, overrides: list[str], run_dir: str, timeout: float) -> dict:
     if os.path.exists(cached):
         return json.load(open(cached))
     cmd = [sys.executable, "-m", "mrl", "train", f"run_dir={run_dir}", "train.save_hf=false", *overrides]
-    t0 = time.monotonic()
-    with open(run_dir + ".log", "w") as log:
-        p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                           stderr=subprocess.STDOUT, timeout=timeout)
-    wall = time.monotonic() - t0
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{open(run_dir + '.log').read()[-3000:]}")
+    wall = run_logged(cmd, run_dir, timeout)
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     got = summarize(rows, "heldout")
     judge = {k: v for k, v in rows[-1].items() if k.startswith("rollout/scoring_")} if rows else {}

@@ -124,6 +124,18 @@ def summarize(rows: list[dict], set_name: str, target: float | None = None, wind
     }
 
 
+def run_logged(cmd: list[str], run_dir: str, timeout: float) -> float:
+    """Run ``cmd`` (an ``mrl train``) with its output in ``run_dir.log``; its wall seconds, or an error with the
+    log's tail."""
+    t0 = time.monotonic()
+    with open(run_dir + ".log", "w") as log:
+        p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
+                           stderr=subprocess.STDOUT, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{open(run_dir + '.log').read()[-3000:]}")
+    return time.monotonic() - t0
+
+
 def run_one(recipe: str, variant: tuple[str, list[str]], seed: int, sets: list[str], run_dir: str,
             set_name: str, timeout: float, delay: float = 0.0, target: float | None = None, window: int = 5,
             reuse: bool = False, save_hf: bool = False) -> dict:
@@ -137,14 +149,7 @@ def run_one(recipe: str, variant: tuple[str, list[str]], seed: int, sets: list[s
         print(f"[bench] {name} seed {seed}: the finished run in {run_dir} is read, not run again", file=sys.stderr)
     else:
         time.sleep(delay)
-        t0 = time.monotonic()
-        with open(run_dir + ".log", "w") as log:
-            p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                               stderr=subprocess.STDOUT, timeout=timeout)
-        wall = time.monotonic() - t0
-        if p.returncode:
-            tail = open(run_dir + ".log").read()[-3000:]
-            raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{tail}")
+        wall = run_logged(cmd, run_dir, timeout)
         with open(wall_file, "w") as f:
             f.write(str(wall))
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]

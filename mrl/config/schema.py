@@ -180,9 +180,8 @@ class Config:
                   "each token in the scheduler that ran it, and SGLang's data-parallel controller in front of "
                   "several schedulers was never tested with it; use abort, or more engines of dp=1")
         if mode == "in_place" and not self.engine.cpu_mode:
-            # measured on an H100: GPU engines tag some tokens around an in-place swap with the wrong version
-            # (the overlap scheduler runs the next forward before the pause lands), so the staleness bound and the
-            # off-policy correction would see wrong versions; retract tags them exactly there
+            # GPU engines tag some tokens around an in-place swap with the wrong version (docs/weight_sync.md), so
+            # the staleness bound and the off-policy correction would see wrong versions; retract tags them exactly
             _fail("weight_sync.pause_mode", "=in_place with GPU engines: tokens decoded around an in-place swap "
                   "are tagged with the wrong weight version on GPU engines (bench/reports/weight_sync/"
                   "*_weight_sync_inflight_*), so training would see wrong versions; use retract (requests keep "

@@ -109,10 +109,9 @@ def use_grouped_gemm(kind: GroupedGemm) -> None:
 
 
 LOCAL_SPEC_ON_GPU = (
-    "Transformer Engine is not installed: the trainer runs megatron-core's local spec on GPUs, which measured "
-    "2.1x slower than the TE spec on one H200 (a 490M MoE, forward+backward: 38.3k vs 80.7k tokens/s) and runs "
-    "out of memory where TE fits (it materialises the attention scores); install it (pip install -e '.[gpu]' "
-    "in the repository) or use the image in docker/")
+    "Transformer Engine is not installed: the trainer runs megatron-core's local spec on GPUs, which is slower "
+    "than the TE spec (docs/gpu.md) and runs out of memory where TE fits (it materialises the attention scores); "
+    "install it (pip install -e '.[gpu]' in the repository) or use the image in docker/")
 
 
 def recompute_kwargs(kind: Recompute) -> dict[str, Any]:
