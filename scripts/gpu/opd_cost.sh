@@ -8,15 +8,7 @@
 #            paired ratios of trained tokens/s; 2 x 4 = 8 by default).
 #   scripts/gpu/opd_cost.sh STACK WORK DEST
 set -uo pipefail
-STACK=${1:?stack}; WORK=${2:?work dir}; DEST=${3:?dest}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$WORK" "$DEST"
-cd "$ROOT"
-# shellcheck disable=SC1091
-source "$STACK/env.sh" ${TE:-}
-export PYTHONPATH=$ROOT:$PYTHONPATH PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$DEST/gpus.txt"
-say() { echo "$(date -u +%T) $*" >> "$DEST/status"; }
+source "$(dirname "$0")/prologue.sh" "$@"
 
 say "opd_cost start"
 # shellcheck disable=SC2086

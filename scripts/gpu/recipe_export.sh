@@ -6,15 +6,7 @@
 #   2. bench/export_time.py on the Qwen3-30B-A3B slice (EXPORT_ARGS, default 12 layers).
 #   scripts/gpu/recipe_export.sh STACK WORK DEST
 set -uo pipefail
-STACK=${1:?stack}; WORK=${2:?work dir}; DEST=${3:?dest}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$WORK" "$DEST"
-cd "$ROOT"
-# shellcheck disable=SC1091
-source "$STACK/env.sh" ${TE:-}
-export PYTHONPATH=$ROOT:$PYTHONPATH PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$DEST/gpus.txt"
-say() { echo "$(date -u +%T) $*" >> "$DEST/status"; }
+source "$(dirname "$0")/prologue.sh" "$@"
 
 say "recipe start"
 # shellcheck disable=SC2086
