@@ -12,16 +12,15 @@ scorer could not score at all, is dropped, counted, never trained on a made-up s
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any
 
 from mrl.config.scoring import ModelScorerConfig
-from mrl.scoring.base import GroupScores, Scorer, ScoringError, ScoringGroup
+from mrl.scoring.base import GroupScores, Scorer, ScoringGroup
+from mrl.scoring.failures import FailedGroups
 from mrl.scoring.pool import ScoringPool
 
 logger = logging.getLogger(__name__)
 
-ERROR_RATE_WINDOW = 64
 
 
 class ScorerTokenizer:
@@ -58,27 +57,23 @@ class PooledScorer(Scorer):
 
     def __init__(self, cfg: ModelScorerConfig, pool: ScoringPool):
         self.cfg, self.pool = cfg, pool
-        self._recent: deque[bool] = deque(maxlen=ERROR_RATE_WINDOW)
-        self.groups = self.failed = 0
+        self.failures = FailedGroups(cfg.node, cfg.max_error_rate)
+        self.groups = 0
+
+    @property
+    def failed(self) -> int:
+        return self.failures.failed
 
     def _scored(self) -> None:
-        self._recent.append(False)
+        self.failures.ok()
 
     def _failed(self, group: ScoringGroup, why: str) -> GroupScores:
         """A group that could not be scored: dropped, counted."""
-        self._count_failure(group, why)
-        return GroupScores(rewards=[None] * len(group), errors=[why] * len(group))
+        return self.failures.dropped(group, why)
 
     def _count_failure(self, group: ScoringGroup, why: str) -> None:
-        """Count a group that is dropped; past ``max_error_rate`` of the last 64 the run stops."""
-        self.failed += 1
-        self._recent.append(True)
-        bad = sum(self._recent)
-        if len(self._recent) == ERROR_RATE_WINDOW and bad > self.cfg.max_error_rate * ERROR_RATE_WINDOW:
-            raise ScoringError(f"{self.cfg.node}: {bad} of the last {ERROR_RATE_WINDOW} groups could not be scored, "
-                               f"more than {self.cfg.node}.max_error_rate={self.cfg.max_error_rate}; last: {why}")
-        if self.failed <= 5:
-            logger.warning("%s could not score prompt %r (group dropped): %s", self.name, group.prompt.id, why)
+        """Count a group that is dropped; past ``max_error_rate`` of the last groups the run stops."""
+        self.failures.dropped(group, why)
 
     def stats(self) -> dict[str, float]:
         return {"groups": float(self.groups), "groups_failed": float(self.failed), **self.pool.stats()}

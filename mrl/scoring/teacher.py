@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 
 from mrl.config.scoring import TeacherConfig
 from mrl.scoring.base import GroupScores, NoScoringEngine, Scorer, ScoringError, ScoringGroup
+from mrl.scoring.failures import FailedGroups
 from mrl.scoring.pool import ScoringPool
 from mrl.sglang.protocol import EngineHTTPError
 
 logger = logging.getLogger(__name__)
 
-ERROR_RATE_WINDOW = 64
 
 
 class TeacherScorer(Scorer):
@@ -37,8 +36,12 @@ class TeacherScorer(Scorer):
 
     def __init__(self, cfg: TeacherConfig, pool: ScoringPool):
         self.cfg, self.pool = cfg, pool
-        self._recent: deque[bool] = deque(maxlen=ERROR_RATE_WINDOW)
-        self.groups = self.failed = 0
+        self.failures = FailedGroups("scoring.teacher", cfg.max_error_rate)
+        self.groups = 0
+
+    @property
+    def failed(self) -> int:
+        return self.failures.failed
 
     async def score(self, group: ScoringGroup) -> GroupScores:
         self.groups += 1
@@ -50,7 +53,7 @@ class TeacherScorer(Scorer):
             raise
         except (ScoringError, EngineHTTPError) as e:
             return self._failed(group, f"{type(e).__name__}: {e}")
-        self._recent.append(False)
+        self.failures.ok()
         token = []
         for s, t_lp in zip(group.samples, teacher):
             mask = list(s.loss_mask) or [1] * len(s.response_ids)
@@ -59,15 +62,7 @@ class TeacherScorer(Scorer):
         return GroupScores(rewards=[0.0] * len(group), token_rewards=token)
 
     def _failed(self, group: ScoringGroup, why: str) -> GroupScores:
-        self.failed += 1
-        self._recent.append(True)
-        bad = sum(self._recent)
-        if len(self._recent) == ERROR_RATE_WINDOW and bad > self.cfg.max_error_rate * ERROR_RATE_WINDOW:
-            raise ScoringError(f"scoring.teacher: {bad} of the last {ERROR_RATE_WINDOW} groups could not be scored, "
-                               f"more than scoring.teacher.max_error_rate={self.cfg.max_error_rate}; last: {why}")
-        if self.failed <= 5:
-            logger.warning("teacher could not score prompt %r (group dropped): %s", group.prompt.id, why)
-        return GroupScores(rewards=[None] * len(group), errors=[why] * len(group))
+        return self.failures.dropped(group, why)
 
     def stats(self) -> dict[str, float]:
         return {"groups": float(self.groups), "groups_failed": float(self.failed), **self.pool.stats()}
