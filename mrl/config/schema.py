@@ -200,9 +200,7 @@ class Config:
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
         sc = self.scoring
-        pools = [("engine", e), ("scoring.teacher.engine", sc.teacher.engine), ("scoring.prm.engine", sc.prm.engine),
-                 ("scoring.reference.engine", sc.reference.engine)]
-        pools += [(f"scoring.{k}.engine", c.engine) for k, c in sc.model_scorers.items()]
+        pools = [("engine", e), *((f"{c.NODE}.engine", c.engine) for c in sc.pools.values())]
         for key, pool in pools:
             if pool.cpu_mode and pool.dtype not in (None, "float32"):
                 _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from mrl.config.scoring import ModelScorerConfig, TeacherConfig
+from mrl.config.scoring import EnginePoolConfig
 from mrl.scoring.base import NoScoringEngine, ScoringError
 from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients, liveness
 from mrl.sglang.protocol import EngineProtocolError, EngineUnavailable, GenerateOutput
@@ -60,7 +60,7 @@ class _Slot:
 
 
 class ScoringPool:
-    def __init__(self, cfg: TeacherConfig | ModelScorerConfig, engines: EngineSet | None = None, *,
+    def __init__(self, cfg: EnginePoolConfig, engines: EngineSet | None = None, *,
                  name: str = "teacher"):
         self.cfg, self.engines, self.name = cfg, engines, name
         if (engines is None) == (not cfg.engine.urls):

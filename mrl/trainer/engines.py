@@ -75,16 +75,10 @@ class RunEngines:
         """The servers of the scoring pools this run starts (teacher, PRM, reference, judge, reward model, unless
         given by URL), by pool name, not started: the rollout process, which calls them, starts them and owns their
         processes. Reward model servers start on SGLang's classification path (``--is-embedding``)."""
-        sc, logs = self.cfg.scoring, os.path.join(self.cfg.run_dir, "engines")
-        pools = {"teacher": (sc.teacher, sc.teacher.enabled, sc.teacher.hf_path),
-                 "prm": (sc.prm, sc.prm.enabled, sc.prm.hf_path),
-                 "reference": (sc.reference, sc.reference.enabled, sc.reference.hf_path or self.cfg.model.hf_path)}
-        pools.update({name: (c, c.enabled, c.hf_path) for name, c in sc.model_scorers.items()})
-        groups = {name: EngineGroup(p.engine, path, log_dir=logs, name=name, health_timeout_s=p.health_timeout_s)
-                  for name, (p, on, path) in pools.items() if on and not p.engine.urls}
-        for e in groups["reward_model"].engines if "reward_model" in groups else []:
-            e.server_args.setdefault("is_embedding", True)
-        return groups
+        logs = os.path.join(self.cfg.run_dir, "engines")
+        return {name: EngineGroup(p.engine, p.model_path(self.cfg.model.hf_path), log_dir=logs, name=name,
+                                  health_timeout_s=p.health_timeout_s, server_args=p.SERVER_ARGS)
+                for name, p in self.cfg.scoring.pools.items() if not p.engine.urls}
 
     def stop(self) -> None:
         for e in self.started:
