@@ -28,8 +28,8 @@ class ScorerSpec:
 @dataclass(kw_only=True)
 class EnginePoolConfig:
     """The keys every engine-served scorer pool has (``mrl.scoring.pool.ScoringPool``): the checkpoint, the
-    servers, the limits of a call. ``NODE`` is the pool's config path (in errors); ``SERVER_ARGS`` are SGLang
-    flags its servers always get."""
+    servers, the limits of a call, the nodes of its own. ``NODE`` is the pool's config path (in errors);
+    ``SERVER_ARGS`` are SGLang flags its servers always get."""
 
     NODE: ClassVar[str] = "scoring.pool"
     SERVER_ARGS: ClassVar[dict[str, Any]] = {}
@@ -39,7 +39,7 @@ class EnginePoolConfig:
     servers' checkpoint."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The servers: the same keys as the rollout pool's ``engine:`` (count, tp, cpus, server_args, urls,
-    max_restarts, ...); ``url_dir`` and LoRA keys do not apply."""
+    max_restarts, ...); LoRA keys do not apply, and ``url_dir`` is the Slurm job's (``nodes``)."""
     timeout_s: float = 120.0
     """Limit of one call; an engine that passes it and fails its liveness probe is replaced."""
     max_retries: int = 3
@@ -48,6 +48,10 @@ class EnginePoolConfig:
     """The run stops once more than this share of the last 64 groups could not be scored."""
     health_timeout_s: float = 600.0
     """How long an engine (or its replacement) may take to become healthy."""
+    nodes: int = 0
+    """``mrl launch`` only: Slurm nodes of the pool's own, after the rollout engine nodes, each running
+    ``engine.count / nodes`` of its servers (``mrl engine --pool <name>``); the run attaches to them as they
+    announce themselves. 0: the rollout process starts the servers on the trainer's node."""
 
     @property
     def name(self) -> str:
@@ -70,12 +74,27 @@ class EnginePoolConfig:
             fail(f"{n}.max_retries", f"must be >= 0, got {self.max_retries}")
         if not 0.0 <= self.max_error_rate <= 1.0:
             fail(f"{n}.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
-        if self.engine.url_dir is not None:
+        if self.engine.url_dir is not None and not self.nodes:
             fail(f"{n}.engine.url_dir", f"the pool's engines are started by the run or given by {n}.engine.urls; "
-                 "set url_dir to null")
+                 f"url_dir is set by the Slurm job for a pool on nodes of its own ({n}.nodes > 0)")
         if self.engine.urls and self.hf_path is None:
             fail(f"{n}.hf_path", f"must name the served checkpoint when its engines are attached ({n}.engine.urls): "
                  "its tokenizer is checked against the policy's or renders the model's input")
+        if self.nodes < 0:
+            fail(f"{n}.nodes", f"must be >= 0, got {self.nodes}")
+        if self.nodes:
+            if not self.enabled:
+                fail(f"{n}.nodes", f"={self.nodes} but {n} is off: nodes are for an engine-served scorer the run "
+                     f"uses (give it a checkpoint, {n}.hf_path, or set nodes=0)")
+            if self.engine.urls:
+                fail(f"{n}.nodes", f"={self.nodes} with {n}.engine.urls: those servers run elsewhere already; set "
+                     "nodes=0 or drop the URLs")
+            if self.nodes > self.engine.count:
+                fail(f"{n}.nodes", f"={self.nodes} is more nodes than {n}.engine.count={self.engine.count} engines "
+                     "can use (every node of the pool runs at least one)")
+            if self.engine.count % self.nodes:
+                fail(f"{n}.nodes", f"={self.nodes} does not divide {n}.engine.count={self.engine.count} (every node "
+                     "of the pool runs the same number of engines)")
 
 
 @dataclass(kw_only=True)

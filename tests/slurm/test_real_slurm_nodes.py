@@ -4,7 +4,9 @@ namespace, joined by a bridge): ``mrl launch`` submits mrl's batch script, which
 bridge, as an engine node and a trainer node of a cluster do: the trainer takes the engine node's
 announcements, samples from it, and every step pushes its weights through weight-update groups whose
 stores it hosts on its own address (an engine dialling loopback would reach itself). One engine is
-SIGKILLed on its node mid-run: it is dropped at the next sync and the other serves to the end.
+SIGKILLed on its node mid-run: it is dropped at the next sync and the other serves to the end. A teacher pool
+on a node of its own (``scoring.teacher.nodes=1``) scores every group of an on-policy distillation run whose
+trainer starts its rollout engine on the other node.
 
 Needs root (network namespaces); skipped, saying so, where they cannot be made."""
 
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from mrl.cluster import slurm
@@ -91,3 +94,34 @@ def test_engine_node_and_trainer_node_train_sync_and_survive_a_killed_engine(two
         message=f"engines_alive {alive}; engine logprobs == trainer's at every step "
                 f"(max {max(r['logprob_diff_replay_on'] for r in steps):.1e})",
         details={"sync_seconds_median": round(sorted(r["sync_seconds"] for r in steps)[2], 3)})
+
+
+def test_teacher_on_a_node_of_its_own_scores_every_group(two_nodes, tmp_path):
+    """``scoring=opd`` with ``scoring.teacher.nodes=1``: the teacher's engine on the first node (``mrl engine
+    --pool teacher``), the trainer and its rollout engine on the second; every trained group carries the teacher's
+    token rewards, fetched across the bridge, and nothing of the run outlives the job."""
+    run = tmp_path / "run"
+    model = make_tiny_model(str(tmp_path / "model"))
+    teacher = make_tiny_model(str(tmp_path / "teacher"), seed=7)  # other weights, the same tokenizer
+    p = mrl_launch(two_nodes, ["cluster=slurm_cpu", "model=tiny", "parallel=tp1", "engine=cpu",
+                               f"model.hf_path={model}", f"run_dir={run}", "train.steps=2", *QUICK, "scoring=opd",
+                               f"scoring.teacher.hf_path={teacher}", "scoring.teacher.nodes=1",
+                               "--wait", "--poll=1", "--timeout=600"], timeout=660)
+    job_id = p.stdout.split("submitted job ")[1].split(":")[0] if "submitted job " in p.stdout else "?"
+    text = (run / "logs" / f"slurm-{job_id}.out").read_text() if job_id != "?" else ""
+    assert p.returncode == 0, p.stdout + p.stderr + text + two_nodes.logs()
+    teacher_node, trainer_node = two_nodes.nodes
+    assert f"scoring pool teacher nodes: {teacher_node}" in text and f"trainer nodes: {trainer_node}" in text, text
+    node_log = (run / "logs" / "attempt_0" / f"teacher_{teacher_node}.log").read_text()
+    assert f"{teacher_node}-teacher0 ready at http://{two_nodes.addr[teacher_node]}:" in node_log, node_log
+
+    steps = _steps(run)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["token_reward"] != 0 for r in steps), steps  # distillation alone: the teacher's rewards only
+    last = steps[-1]
+    assert last["rollout/scoring_teacher_groups"] >= last["rollout/groups_buffered"] > 0
+    assert last["rollout/scoring_teacher_groups_failed"] == 0 and last["rollout/scoring_teacher_engines_healthy"] == 1
+    assert not list((run / "engines").glob("**/*.url"))  # withdrawn when the teacher's node stopped
+    left = [q.info["pid"] for q in psutil.process_iter(["pid", "cmdline"])
+            if str(run) in " ".join(q.info["cmdline"] or []) or str(teacher) in " ".join(q.info["cmdline"] or [])]
+    assert not left, left
