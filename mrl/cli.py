@@ -4,6 +4,7 @@
     mrl check [overrides...]              the preflight of train/launch alone: every input checked, nothing started
     mrl check-model [overrides...]        load the HF checkpoint into megatron, compare with transformers, export back
     mrl engine [overrides...]             start the SGLang engines of engine.* and serve until Ctrl-C
+    mrl engine --pool POOL [overrides...]  a scoring pool's share of scoring.POOL's engines on a node of its own
     mrl launch [overrides...] [--dry-run] [--wait]   write the run directory and submit it as a Slurm job
     mrl export CHECKPOINT OUT [--merge]   a trainer checkpoint (any layout) as a Hugging Face checkpoint
     mrl make-tiny-model DIR [--preset P]  write a tiny random Qwen3-MoE checkpoint + tokenizer.json
@@ -18,6 +19,7 @@ status 2 and one line per failed check, before the run directory is made or any 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -196,13 +198,11 @@ def make_tiny(argv: list[str]) -> int:
     return 0
 
 
-def engine(cfg: Config) -> int:
-    """Start the engines of ``cfg.engine`` and serve until interrupted."""
-    import signal
+def engine(cfg: Config, pool: str | None = None) -> int:
+    """Start the engines of ``cfg.engine`` (or, with ``pool``, this node's share of ``scoring.<pool>``'s:
+    ``engine.count / nodes``) and serve until interrupted."""
     import socket
-    import threading
 
-    from mrl.cluster.engines import announce, withdraw
     from mrl.console import route_library_output
     from mrl.engine.launcher import engines_from_config
 
@@ -210,7 +210,11 @@ def engine(cfg: Config) -> int:
     route_library_output(cfg.run_dir, f"engine_node_{socket.gethostname()}")  # health polls, library warnings
     cfg.model.hf_path = ensure_model(cfg)
     from mrl.engine.fp8_model import engine_model_path
+    from mrl.sglang.keys import ensure_run_secrets
 
+    ensure_run_secrets(cfg.run_dir)
+    if pool is not None:
+        return _serve_pool(cfg, pool)
     path = engine_model_path(cfg)  # engine.quantization=fp8: the run's block-FP8 export (shared run_dir: one)
     eng = cfg.engine
     # With engine.url_dir (cluster engine nodes) each healthy engine is announced to the trainer as
@@ -218,15 +222,47 @@ def engine(cfg: Config) -> int:
     # URL names it (MRL_ENGINE_HOST overrides it). Without, they stay on loopback.
     from mrl.sglang.endpoint import interface_address
     from mrl.config.lora_engine import lora_engine_spec
-    from mrl.sglang.keys import ensure_run_secrets
 
-    ensure_run_secrets(cfg.run_dir)
     url_dir = eng.url_dir
     host = socket.gethostname()
     bind = interface_address() if url_dir else "127.0.0.1"
     names = [f"{host}-engine{i}" for i in range(eng.count)] if url_dir else None
     engines = engines_from_config(eng, path, log_dir=os.path.join(cfg.run_dir, "engines"), names=names, host=bind,
                                   lora=lora_engine_spec(cfg))  # a LoRA run's trainer loads adapters into them
+    return _serve(engines, url_dir, bind)
+
+
+def _serve_pool(cfg: Config, name: str) -> int:
+    """A scoring pool's node (``scoring.<name>.nodes``): ``engine.count / nodes`` of its servers, announced in
+    its ``engine.url_dir`` as ``<host>-<name><i>``, with the run's keys, as rollout engine nodes serve."""
+    import socket
+
+    from mrl.engine.launcher import engines_from_config
+    from mrl.sglang.endpoint import interface_address
+
+    pools = cfg.scoring.pools
+    p = pools.get(name)
+    if p is None or not p.nodes or not p.engine.url_dir:
+        log.error("mrl engine --pool %s: not a scoring pool on nodes of its own (pools on nodes: %s)", name,
+                  [k for k, c in pools.items() if c.nodes])
+        return 2
+    bind, host = interface_address(), socket.gethostname()
+    per = p.engine.count // p.nodes
+    engines = engines_from_config(p.engine, p.model_path(cfg.model.hf_path), names=[f"{host}-{name}{i}" for i in
+                                  range(per)], log_dir=os.path.join(cfg.run_dir, "engines"), host=bind)
+    for e in engines:
+        e.return_routed_experts = False  # nothing replays a scorer's routes
+        e.server_args = {**p.SERVER_ARGS, **e.server_args}
+    return _serve(engines, p.engine.url_dir, bind)
+
+
+def _serve(engines: list, url_dir: str | None, bind: str) -> int:
+    """Start ``engines``, announce each healthy one in ``url_dir`` (when set), serve until TERM, stop them."""
+    import signal
+    import threading
+
+    from mrl.cluster.engines import announce, withdraw
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -284,6 +320,15 @@ def main() -> None:
         sys.exit(tune_moe(rest))
     if cmd == "launch":
         sys.exit(launch(rest))
+    if cmd == "engine" and "--pool" in rest:  # a scoring pool's node (mrl_node.sh scoring POOL)
+        at = rest.index("--pool")
+        if at + 1 >= len(rest):
+            print("mrl engine: --pool needs a pool name (scoring.<pool>)", file=sys.stderr)
+            sys.exit(2)
+        pool, rest = rest[at + 1], rest[:at] + rest[at + 2:]
+        sys.argv = [f"mrl {cmd}", *rest]
+        _hydra_app(functools.partial(engine, pool=pool))
+        return
     if cmd not in COMMANDS:
         others = ['export', 'export-fp8', 'launch', 'make-tiny-model', 'tune-moe']
         print(f"mrl: unknown command {cmd!r}; commands: {sorted(COMMANDS) + others}", file=sys.stderr)

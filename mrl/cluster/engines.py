@@ -112,3 +112,47 @@ def _check_private(path: str, what: str) -> None:
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UntrustedEngineURL(f"{what} {path}: owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
                                  f"only a file of uid {os.getuid()} that no one else can write is followed")
+
+
+class AnnouncedEngines:
+    """A scoring pool's servers on nodes of its own (``scoring.<pool>.nodes``), as the pool
+    (``mrl.scoring.pool.ScoringPool``, an ``EngineSet``) sees them: each one announced in ``url_dir`` by
+    ``mrl engine --pool`` joins once, healthy (announced only then); the pool waits for the first while fewer
+    than ``count`` have come and ``health_timeout_s`` has not passed. As with rollout engines on engine
+    nodes, none is restarted from here: a dead one is only dropped, and the pool goes on with the others."""
+
+    def __init__(self, url_dir: str, count: int, *, name: str, health_timeout_s: float):
+        self.url_dir, self.count, self.name, self.health_timeout_s = url_dir, count, name, health_timeout_s
+        self._seen: set[str] = set()
+
+    def start(self) -> "AnnouncedEngines":
+        import time
+
+        # in the process that calls the pool (the group crosses to it pickled)
+        self._allowed, self._deadline = job_addresses(), time.monotonic() + self.health_timeout_s
+        return self
+
+    def take_ready(self) -> list[str]:
+        new = {n: u for n, u in read_urls(self.url_dir, self._allowed).items() if n not in self._seen}
+        self._seen |= set(new)
+        return list(new.values())
+
+    @property
+    def booting(self) -> bool:
+        import time
+
+        return len(self._seen) < self.count and time.monotonic() < self._deadline
+
+    def replace(self, url: str) -> int:
+        return 0
+
+    @property
+    def failed_starts(self) -> int:
+        return 0
+
+    def describe_failures(self) -> list[str]:
+        missing = self.count - len(self._seen)
+        return [f"{missing} of {self.count} {self.name} engines never announced in {self.url_dir}"] if missing else []
+
+    def close(self) -> None:
+        """The servers are their nodes' (``mrl engine``): the job's end stops them."""

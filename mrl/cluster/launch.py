@@ -52,6 +52,9 @@ def compose(overrides: list[str]) -> Config:
         cfg.data.path = os.path.abspath(cfg.data.path)
     if cfg.engine.url_dir:
         cfg.engine.url_dir = os.path.abspath(cfg.engine.url_dir)
+    for pool in cfg.scoring.pools.values():  # read by the scoring nodes and the preflight
+        if pool.hf_path:
+            pool.hf_path = os.path.abspath(pool.hf_path)
     if cfg.cluster.python is None:  # a virtualenv on shared storage, or the image's interpreter
         cfg.cluster.python = sys.executable if cfg.cluster.container == ContainerKind.none else "python"
     return cfg

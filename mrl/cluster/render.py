@@ -23,17 +23,24 @@ NODE_ENTRY_NAME = "mrl_node.sh"
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Node split of one Slurm run: engine nodes first, then trainer nodes."""
+    """Node split of one Slurm run: rollout engine nodes first, then each scoring pool's nodes, then trainer
+    nodes."""
 
     num_rollout_nodes: int
     num_train_nodes: int
     engines_per_node: int
     """0 when there are no engine nodes (the trainer starts engine.count itself)."""
     nproc_per_node: int
+    scoring: tuple[tuple[str, int, int], ...] = ()
+    """``(pool, nodes, engines per node)`` of the scoring pools on nodes of their own (``scoring.<pool>.nodes``)."""
+
+    @property
+    def num_scoring_nodes(self) -> int:
+        return sum(n for _, n, _ in self.scoring)
 
     @property
     def num_nodes(self) -> int:
-        return self.num_rollout_nodes + self.num_train_nodes
+        return self.num_rollout_nodes + self.num_scoring_nodes + self.num_train_nodes
 
 
 def layout(cfg: Config) -> Layout:
@@ -64,7 +71,25 @@ def layout(cfg: Config) -> Layout:
             raise ValueError(f"{engines_per_node} engines per node x engine.tp={eng.tp} GPUs do not fit "
                              f"{gpus} GPUs per engine node (cluster.gpus_per_node / rollout_gpus_per_node)")
     return Layout(num_rollout_nodes=c.num_rollout_nodes, num_train_nodes=c.num_train_nodes,
-                  engines_per_node=engines_per_node, nproc_per_node=c.nproc_per_node)
+                  engines_per_node=engines_per_node, nproc_per_node=c.nproc_per_node, scoring=_scoring_nodes(cfg))
+
+
+def _scoring_nodes(cfg: Config) -> tuple[tuple[str, int, int], ...]:
+    """The scoring pools on nodes of their own; a ValueError naming the key where one cannot be placed (the
+    pool's own keys, ``nodes`` against ``engine.count``, are checked by its config)."""
+    c, out = cfg.cluster, []
+    for name, p in cfg.scoring.pools.items():
+        if not p.nodes:
+            continue
+        if c.hetjob:
+            raise ValueError(f"{p.NODE}.nodes={p.nodes} with cluster.hetjob=true: scoring nodes are placed in one "
+                             "allocation only; set cluster.hetjob=false or nodes=0")
+        per = p.engine.count // p.nodes
+        if not p.engine.cpu_mode and per * p.engine.tp > c.gpus_per_node:
+            raise ValueError(f"{per} {name} engines per node x {p.NODE}.engine.tp={p.engine.tp} GPUs do not fit "
+                             f"cluster.gpus_per_node={c.gpus_per_node} ({p.NODE}.nodes={p.nodes})")
+        out.append((name, p.nodes, per))
+    return tuple(out)
 
 
 def _component(c: ClusterConfig, *, nodes: int, partition: str | None, gpus: int, extra: list[str]) -> list[str]:
@@ -117,6 +142,7 @@ def variables(cfg: Config, lay: Layout) -> list[str]:
     out = [_export("RUN_DIR", cfg.run_dir),
            _export("NUM_ROLLOUT_NODES", lay.num_rollout_nodes),
            _export("ENGINES_PER_NODE", lay.engines_per_node),
+           *([_export("SCORING_POOLS", " ".join(f"{n}:{k}:{e}" for n, k, e in lay.scoring))] if lay.scoring else []),
            _export("NPROC_PER_NODE", lay.nproc_per_node),
            _export("GPUS_PER_NODE", c.gpus_per_node),
            _export("MRL_PYTHON", c.python or "python"),
@@ -148,6 +174,7 @@ def render_sbatch(cfg: Config, *, overrides: list[str] | tuple[str, ...] = ()) -
     lay = layout(cfg)
     split = (f"{lay.num_rollout_nodes} engine node(s) x {lay.engines_per_node} engine(s)"
              if lay.num_rollout_nodes else "no engine nodes (the trainer starts its engines)")
+    split += "".join(f" + {k} {n} node(s) x {e} engine(s)" for n, k, e in lay.scoring)
     lines = ["#!/bin/bash",
              f"# Rendered by `mrl launch` into {cfg.run_dir}; submit it again with: sbatch {cfg.run_dir}/{SCRIPT_NAME}",
              "# overrides: " + (" ".join(_shell_word(o) for o in overrides) or "(none)"),

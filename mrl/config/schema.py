@@ -200,9 +200,11 @@ class Config:
             _fail("logger", f"lists a logger twice: {list(self.logger)}")
         e = self.engine
         sc = self.scoring
-        pools = [("engine", e), ("scoring.teacher.engine", sc.teacher.engine), ("scoring.prm.engine", sc.prm.engine),
-                 ("scoring.reference.engine", sc.reference.engine)]
-        pools += [(f"scoring.{k}.engine", c.engine) for k, c in sc.model_scorers.items()]
+        pools = [("engine", e), *((f"{c.NODE}.engine", c.engine) for c in sc.pools.values())]
+        for c in sc.pools.values():
+            if c.nodes and self.cluster.kind != ClusterKind.slurm:
+                _fail(f"{c.NODE}.nodes", f"={c.nodes} places the pool's engines on Slurm nodes of their own "
+                      "(mrl launch, cluster.kind=slurm); a local run starts them on this machine: set nodes=0")
         for key, pool in pools:
             if pool.cpu_mode and pool.dtype not in (None, "float32"):
                 _fail(f"{key}.dtype", f"{pool.dtype!r}: SGLang's CPU mode runs float32 only (bf16 gives NaN)")

@@ -26,60 +26,20 @@ class ScorerSpec:
 
 
 @dataclass(kw_only=True)
-class TeacherConfig:
-    """On-policy distillation: teacher engines score the student's sampled tokens by prefill (no generation);
-    each token's reward is ``coef * (teacher logprob - student logprob)``, the per-token reverse KL's negative."""
-
-    hf_path: Optional[str] = None
-    """The teacher's Hugging Face checkpoint (null: no teacher). It must share the student's tokenizer (the
-    preflight compares them). With ``engine.urls`` it names the running teachers' checkpoint."""
-    coef: float = 1.0
-    """Weight of the per-token reverse KL in the advantage (slime's ``--opd-kl-coef``)."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """The teacher pool: the same keys as the rollout pool's ``engine:`` (count, cpus, server_args, urls,
-    max_restarts, ...); ``url_dir`` and LoRA keys do not apply."""
-    timeout_s: float = 120.0
-    """Limit of one scoring call; an engine that passes it and fails its liveness probe is replaced."""
-    max_retries: int = 3
-    """A group's scoring moves to another teacher engine at most this many times before it is dropped."""
-    max_error_rate: float = 0.5
-    """The run stops once more than this share of the last 64 groups could not be scored."""
-    health_timeout_s: float = 600.0
-    """How long a teacher engine (or its replacement) may take to become healthy."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.hf_path is not None
-
-    def __post_init__(self) -> None:
-        if self.coef <= 0.0:
-            fail("scoring.teacher.coef", f"must be > 0, got {self.coef}")
-        if not self.timeout_s > 0:
-            fail("scoring.teacher.timeout_s", f"must be > 0, got {self.timeout_s}")
-        if self.max_retries < 0:
-            fail("scoring.teacher.max_retries", f"must be >= 0, got {self.max_retries}")
-        if not 0.0 <= self.max_error_rate <= 1.0:
-            fail("scoring.teacher.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
-        if self.engine.url_dir is not None:
-            fail("scoring.teacher.engine.url_dir", "teacher engines are started by the run or given by "
-                 "scoring.teacher.engine.urls; set url_dir to null")
-        if self.engine.urls and not self.enabled:
-            fail("scoring.teacher.hf_path", "must name the teacher's checkpoint when scoring.teacher.engine.urls is "
-                 "set (its tokenizer is checked against the student's)")
-
-
-@dataclass(kw_only=True)
 class EnginePoolConfig:
-    """A scoring engine pool's keys (``mrl.scoring.pool.ScoringPool``): the checkpoint, the servers, the limits
-    of a call. ``NODE`` names the node in errors."""
+    """The keys every engine-served scorer pool has (``mrl.scoring.pool.ScoringPool``): the checkpoint, the
+    servers, the limits of a call, the nodes of its own. ``NODE`` is the pool's config path (in errors);
+    ``SERVER_ARGS`` are SGLang flags its servers always get."""
 
     NODE: ClassVar[str] = "scoring.pool"
+    SERVER_ARGS: ClassVar[dict[str, Any]] = {}
+
     hf_path: Optional[str] = None
-    """The pool's Hugging Face checkpoint. It must share the policy's tokenizer (the preflight compares them).
-    With ``engine.urls`` it names the running servers' checkpoint."""
+    """The pool's Hugging Face checkpoint (null: the pool is off). With ``engine.urls`` it names the running
+    servers' checkpoint."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The servers: the same keys as the rollout pool's ``engine:`` (count, cpus, server_args, urls,
-    max_restarts, ...); ``url_dir`` and LoRA keys do not apply."""
+    """The servers: the same keys as the rollout pool's ``engine:`` (count, tp, cpus, server_args, urls,
+    max_restarts, ...); LoRA keys do not apply, and ``url_dir`` is the Slurm job's (``nodes``)."""
     timeout_s: float = 120.0
     """Limit of one call; an engine that passes it and fails its liveness probe is replaced."""
     max_retries: int = 3
@@ -88,6 +48,23 @@ class EnginePoolConfig:
     """The run stops once more than this share of the last 64 groups could not be scored."""
     health_timeout_s: float = 600.0
     """How long an engine (or its replacement) may take to become healthy."""
+    nodes: int = 0
+    """``mrl launch`` only: Slurm nodes of the pool's own, after the rollout engine nodes, each running
+    ``engine.count / nodes`` of its servers (``mrl engine --pool <name>``); the run attaches to them as they
+    announce themselves. 0: the rollout process starts the servers on the trainer's node."""
+
+    @property
+    def name(self) -> str:
+        """The pool's name: its key under ``scoring:``."""
+        return self.NODE.rpartition(".")[2]
+
+    @property
+    def enabled(self) -> bool:
+        return self.hf_path is not None
+
+    def model_path(self, policy_path: str) -> Optional[str]:
+        """The checkpoint the servers load (``policy_path``: the run's ``model.hf_path``)."""
+        return self.hf_path
 
     def __post_init__(self) -> None:
         n = self.NODE
@@ -97,9 +74,45 @@ class EnginePoolConfig:
             fail(f"{n}.max_retries", f"must be >= 0, got {self.max_retries}")
         if not 0.0 <= self.max_error_rate <= 1.0:
             fail(f"{n}.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
-        if self.engine.url_dir is not None:
+        if self.engine.url_dir is not None and not self.nodes:
             fail(f"{n}.engine.url_dir", f"the pool's engines are started by the run or given by {n}.engine.urls; "
-                 "set url_dir to null")
+                 f"url_dir is set by the Slurm job for a pool on nodes of its own ({n}.nodes > 0)")
+        if self.engine.urls and self.hf_path is None:
+            fail(f"{n}.hf_path", f"must name the served checkpoint when its engines are attached ({n}.engine.urls): "
+                 "its tokenizer is checked against the policy's or renders the model's input")
+        if self.nodes < 0:
+            fail(f"{n}.nodes", f"must be >= 0, got {self.nodes}")
+        if self.nodes:
+            if not self.enabled:
+                fail(f"{n}.nodes", f"={self.nodes} but {n} is off: nodes are for an engine-served scorer the run "
+                     f"uses (give it a checkpoint, {n}.hf_path, or set nodes=0)")
+            if self.engine.urls:
+                fail(f"{n}.nodes", f"={self.nodes} with {n}.engine.urls: those servers run elsewhere already; set "
+                     "nodes=0 or drop the URLs")
+            if self.nodes > self.engine.count:
+                fail(f"{n}.nodes", f"={self.nodes} is more nodes than {n}.engine.count={self.engine.count} engines "
+                     "can use (every node of the pool runs at least one)")
+            if self.engine.count % self.nodes:
+                fail(f"{n}.nodes", f"={self.nodes} does not divide {n}.engine.count={self.engine.count} (every node "
+                     "of the pool runs the same number of engines)")
+
+
+@dataclass(kw_only=True)
+class TeacherConfig(EnginePoolConfig):
+    """On-policy distillation: teacher engines score the student's sampled tokens by prefill (no generation);
+    each token's reward is ``coef * (teacher logprob - student logprob)``, the per-token reverse KL's negative."""
+
+    NODE: ClassVar[str] = "scoring.teacher"
+    hf_path: Optional[str] = None
+    """The teacher's Hugging Face checkpoint (null: no teacher). It must share the student's tokenizer (the
+    preflight compares them). With ``engine.urls`` it names the running teachers' checkpoint."""
+    coef: float = 1.0
+    """Weight of the per-token reverse KL in the advantage (slime's ``--opd-kl-coef``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.coef <= 0.0:
+            fail("scoring.teacher.coef", f"must be > 0, got {self.coef}")
 
 
 @dataclass(kw_only=True)
@@ -136,8 +149,6 @@ class PRMConfig(EnginePoolConfig):
         if not self.good_token or not self.bad_token or self.good_token == self.bad_token:
             fail("scoring.prm.good_token", f"good_token={self.good_token!r} and bad_token={self.bad_token!r} must be "
                  "two different non-empty tokens")
-        if self.engine.urls and not self.enabled:
-            fail("scoring.prm.hf_path", "must name the PRM's checkpoint when scoring.prm.engine.urls is set")
 
 
 @dataclass(kw_only=True)
@@ -153,58 +164,19 @@ class ReferenceConfig(EnginePoolConfig):
     """The reference checkpoint; null = ``model.hf_path``, the weights RL starts from (as the trainer's own
     reference, unless a warm start or a LoRA ``init_from`` changed them first: then name it)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.engine.urls and self.hf_path is None:
-            fail("scoring.reference.hf_path", "must name the reference's checkpoint when "
-                 "scoring.reference.engine.urls is set")
-
+    def model_path(self, policy_path: str) -> Optional[str]:
+        return self.hf_path or policy_path
 
 
 @dataclass(kw_only=True)
-class ModelScorerConfig:
-    """A model scorer's engine pool, configured like the teacher's: the checkpoint, its SGLang servers (started,
-    health-checked, keyed and replaced by the run, or given by ``engine.urls``), call limits and its weight."""
+class ModelScorerConfig(EnginePoolConfig):
+    """A model scorer whose reward is weighted into the sum (a judge, a reward model): its pool, its weight."""
 
-    node = "scoring.model"  # the config path in messages; each subclass names its own
-
-    hf_path: Optional[str] = None
-    """The model's Hugging Face checkpoint (null: this scorer is off). With ``engine.urls`` it names the running
-    servers' checkpoint, whose tokenizer renders the model's input."""
+    NODE: ClassVar[str] = "scoring.model"
     weight: float = 1.0
     """Its weight in the sum of the scorers' rewards."""
     gated: bool = False
     """Count it only for samples whose ``reward.fn`` reward reaches ``scoring.gate_threshold`` (0 elsewhere)."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """Its pool: the same keys as the rollout pool's ``engine:`` (count, cpus, server_args, urls, max_restarts,
-    ...); ``url_dir`` and LoRA keys do not apply."""
-    timeout_s: float = 120.0
-    """Limit of one call; an engine that passes it and fails its liveness probe is replaced."""
-    max_retries: int = 3
-    """A call moves to another engine at most this many times before its group is dropped."""
-    max_error_rate: float = 0.5
-    """The run stops once more than this share of the last 64 groups could not be scored."""
-    health_timeout_s: float = 600.0
-    """How long an engine (or its replacement) may take to become healthy."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.hf_path is not None
-
-    def __post_init__(self) -> None:
-        n = self.node
-        if not self.timeout_s > 0:
-            fail(f"{n}.timeout_s", f"must be > 0, got {self.timeout_s}")
-        if self.max_retries < 0:
-            fail(f"{n}.max_retries", f"must be >= 0, got {self.max_retries}")
-        if not 0.0 <= self.max_error_rate <= 1.0:
-            fail(f"{n}.max_error_rate", f"must be in [0, 1], got {self.max_error_rate}")
-        if self.engine.url_dir is not None:
-            fail(f"{n}.engine.url_dir", f"its engines are started by the run or given by {n}.engine.urls; set "
-                 "url_dir to null")
-        if self.engine.urls and not self.enabled:
-            fail(f"{n}.hf_path", f"must name the served checkpoint when {n}.engine.urls is set (its tokenizer "
-                 "renders the model's input)")
 
 
 JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"
@@ -216,7 +188,7 @@ class JudgeConfig(ModelScorerConfig):
     """A generative judge (``mrl.scoring.judge``): each sample is put into ``template``, the judge engine writes a
     verdict, ``verdict_regex`` finds it and it becomes the sample's reward."""
 
-    node = "scoring.judge"
+    NODE: ClassVar[str] = "scoring.judge"
 
     template: str = JUDGE_TEMPLATE
     """The judge's prompt: ``{prompt}`` (the prompt's text), ``{response}`` (the sample's text) and ``{answer}``
@@ -266,7 +238,8 @@ class RewardModelConfig(ModelScorerConfig):
     checkpoint served by SGLang's classification path (``/classify``); its score of prompt + response is the
     sample's reward."""
 
-    node = "scoring.reward_model"
+    NODE: ClassVar[str] = "scoring.reward_model"
+    SERVER_ARGS: ClassVar[dict[str, Any]] = {"is_embedding": True}  # SGLang's classification path
 
     chat_template: bool = True
     """Render prompt and response as a user and an assistant message with the reward model tokenizer's chat
@@ -302,13 +275,18 @@ class ScoringConfig:
     @property
     def default(self) -> bool:
         """``reward.fn`` alone, weight 1: the rewards of a run without scorers."""
-        return (self.reward_weight == 1.0 and not self.scorers and not self.teacher.enabled and not self.prm.enabled
-                and not self.reference.enabled and not self.model_scorers)
+        return self.reward_weight == 1.0 and not self.scorers and not self.pools
+
+    @property
+    def pools(self) -> dict[str, EnginePoolConfig]:
+        """The enabled engine-served scorer pools, by name (their key here)."""
+        every = (self.teacher, self.prm, self.reference, self.judge, self.reward_model)
+        return {p.name: p for p in every if p.enabled}
 
     @property
     def model_scorers(self) -> dict[str, ModelScorerConfig]:
         """The enabled model scorers whose reward is weighted into the sum (judge, reward model), by pool name."""
-        return {k: c for k, c in (("judge", self.judge), ("reward_model", self.reward_model)) if c.enabled}
+        return {k: c for k, c in self.pools.items() if isinstance(c, ModelScorerConfig)}
 
     def __post_init__(self) -> None:
         if self.reward_weight < 0.0:

@@ -22,12 +22,16 @@ from mrl.engine.restart import EngineRestarter
 
 
 class EngineGroup:
-    def __init__(self, eng, model_path: str, *, log_dir: str, name: str, health_timeout_s: float = 600.0):
+    def __init__(self, eng, model_path: str, *, log_dir: str, name: str, health_timeout_s: float = 600.0,
+                 server_args: dict | None = None):
+        """``server_args``: flags the pool's servers always get (a reward model's ``is_embedding``), under the
+        ones of ``eng.server_args``."""
         self.name, self.max_restarts, self.health_timeout_s = name, eng.max_restarts, health_timeout_s
         self.engines: list[Engine] = engines_from_config(eng, model_path, log_dir=log_dir,
                                                          names=[f"{name}{i}" for i in range(eng.count)])
         for e in self.engines:
             e.return_routed_experts = False
+            e.server_args = {**(server_args or {}), **e.server_args}
         self.errors: list[str] = []  # first starts that failed
         self._started = False
 

@@ -8,6 +8,7 @@ holds: ``reward.fn`` on each response (``RuleScorer``) and a multi-turn environm
 from __future__ import annotations
 
 from mrl.config.schema import Config
+from mrl.config.scoring import EnginePoolConfig, ModelScorerConfig
 from mrl.reward.scorer import RewardScorer
 from mrl.scoring.base import GroupScores, Scorer, ScoringGroup, load_scorer
 from mrl.scoring.compose import Gate, WeightedSum
@@ -44,8 +45,8 @@ def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_
     """``reward_weight * (reward.fn, or the environment's reward for episodes)`` + each user scorer by its
     weight (gated ones behind ``reward.fn``'s check) + the teacher's per-token reverse KL + the PRM's step rewards
     + the judge's and the reward model's rewards by their weights; the reference pool (``scoring.reference``) adds
-    no reward and fills ``Sample.ref_logprobs``. The default config
-    gives the ``reward.fn`` scorer alone. ``side_engines``: the unstarted server groups of the pools the run
+    no reward and fills ``Sample.ref_logprobs``. The default config gives the ``reward.fn`` scorer alone.
+    ``side_engines``: the unstarted server groups of the pools the run
     starts, by pool name; they begin booting here."""
     sc = cfg.scoring
     base: Scorer = EnvScorer() if episodes else RuleScorer(rewards)
@@ -57,61 +58,47 @@ def build_scorer(cfg: Config, rewards: RewardScorer, *, episodes: bool, student_
         if spec.gated:
             scorer = Gate(RuleScorer(rewards), scorer, sc.gate_threshold)
         parts.append((scorer, spec.weight))
-    if sc.teacher.enabled:
-        from mrl.scoring.pool import ScoringPool
+    pools = {name: _side_pool(p, student_path, side_engines) for name, p in sc.pools.items()}
+    if "teacher" in pools:
         from mrl.scoring.teacher import TeacherScorer
-        from mrl.scoring.tokenizer import tokenizer_mismatch
 
-        if why := tokenizer_mismatch(student_path, sc.teacher.hf_path):
-            raise ValueError(f"scoring.teacher.hf_path={sc.teacher.hf_path}: the teacher must share the student's "
-                             f"tokenizer ({student_path}): {why}")
-        group = (side_engines or {}).get("teacher")
-        if group is None and not sc.teacher.engine.urls:
-            raise ValueError("scoring.teacher: no engines to score on (the run starts them: "
-                             "mrl.trainer.engines.RunEngines.side_groups)")
-        pool = ScoringPool(sc.teacher, group, name="teacher")
-        parts.append((TeacherScorer(sc.teacher, pool.start()), 1.0))  # coef is applied per token by the scorer
-    if sc.prm.enabled:
+        parts.append((TeacherScorer(sc.teacher, pools["teacher"]), 1.0))  # coef is applied per token by the scorer
+    if "prm" in pools:
         from mrl.scoring.process_reward import ProcessRewardScorer
 
-        pool = _side_pool("prm", sc.prm, sc.prm.hf_path, student_path, side_engines)
-        parts.append((ProcessRewardScorer(sc.prm, pool.start()), 1.0))  # weight is applied per step by the scorer
-    if sc.reference.enabled:
+        parts.append((ProcessRewardScorer(sc.prm, pools["prm"]), 1.0))  # weight is applied per step by the scorer
+    if "reference" in pools:
         from mrl.scoring.reference import ReferenceScorer
 
-        pool = _side_pool("reference", sc.reference, sc.reference.hf_path or student_path, student_path, side_engines)
-        parts.append((ReferenceScorer(sc.reference, pool.start()), 0.0))  # no reward: fills Sample.ref_logprobs
+        parts.append((ReferenceScorer(sc.reference, pools["reference"]), 0.0))  # no reward: fills ref_logprobs
     for name, mcfg in sc.model_scorers.items():
-        scorer = _model_scorer(name, mcfg, (side_engines or {}).get(name))
+        scorer = _model_scorer(name, mcfg, pools[name])
         if mcfg.gated:
             scorer = Gate(RuleScorer(rewards), scorer, sc.gate_threshold)
         parts.append((scorer, mcfg.weight))
     return WeightedSum(parts)
 
 
-def _side_pool(name: str, cfg, model_path: str, student_path: str, side_engines: dict | None):
-    """The ``scoring.<name>`` pool: its checkpoint shares the policy's tokenizer; its servers are the run's
-    (``side_engines[name]``) or ``engine.urls``."""
+def _side_pool(cfg: EnginePoolConfig, student_path: str, side_engines: dict | None):
+    """The started pool of ``scoring.<name>``: its servers are the run's (``side_engines[name]``) or
+    ``engine.urls``. The checkpoint of a pool that reads the policy's tokens (teacher, PRM, reference) must share
+    the policy's tokenizer; a judge or reward model renders its own input."""
     from mrl.scoring.pool import ScoringPool
     from mrl.scoring.tokenizer import tokenizer_mismatch
 
-    if why := tokenizer_mismatch(student_path, model_path):
-        raise ValueError(f"scoring.{name}: {model_path} must share the policy's tokenizer ({student_path}): {why}")
-    group = (side_engines or {}).get(name)
+    path = cfg.model_path(student_path)
+    if not isinstance(cfg, ModelScorerConfig) and (why := tokenizer_mismatch(student_path, path)):
+        raise ValueError(f"{cfg.NODE}.hf_path={path}: it must share the policy's tokenizer ({student_path}): {why}")
+    group = (side_engines or {}).get(cfg.name)
     if group is None and not cfg.engine.urls:
-        raise ValueError(f"scoring.{name}: no engines to score on (the run starts them: "
+        raise ValueError(f"{cfg.NODE}: no engines to score on (the run starts them: "
                          "mrl.trainer.engines.RunEngines.side_groups)")
-    return ScoringPool(cfg, group, name=name)
+    return ScoringPool(cfg, group, name=cfg.name).start()
 
 
-def _model_scorer(name: str, mcfg, group) -> Scorer:
-    """The judge or reward model scorer on its pool (``group``: the servers the run starts; None: by URL)."""
+def _model_scorer(name: str, mcfg: ModelScorerConfig, pool) -> Scorer:
+    """The judge or reward model scorer on its started pool."""
     from mrl.scoring.judge import JudgeScorer
-    from mrl.scoring.pool import ScoringPool
     from mrl.scoring.reward_model import RewardModelScorer
 
-    if group is None and not mcfg.engine.urls:
-        raise ValueError(f"{mcfg.node}: no engines to score on (the run starts them: "
-                         "mrl.trainer.engines.RunEngines.side_groups)")
-    pool = ScoringPool(mcfg, group, name=name).start()
     return JudgeScorer(mcfg, pool) if name == "judge" else RewardModelScorer(mcfg, pool)

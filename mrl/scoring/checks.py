@@ -14,14 +14,15 @@ import re
 import string
 
 from mrl.config.schema import Config
+from mrl.config.scoring import ModelScorerConfig
 from mrl.scoring.base import Scorer
 from mrl.scoring.tokenizer import tokenizer_mismatch
 
 
 def scoring_problem(cfg: Config) -> str | None:
-    """``scoring.scorers`` import as ``mrl.scoring.Scorer`` classes; a teacher's checkpoint has a config and a
-    tokenizer, the student's tokenizer (when the student exists already; a tiny one made at start is checked
-    then)."""
+    """``scoring.scorers`` import as ``mrl.scoring.Scorer`` classes; each enabled pool's checkpoint passes its
+    pool's checks (the policy's tokenizer is compared when the policy exists already; a tiny one made at start is
+    checked then)."""
     sc = cfg.scoring
     for i, spec in enumerate(sc.scorers):
         module_name, _, attr = spec.cls.rpartition(".")
@@ -31,39 +32,29 @@ def scoring_problem(cfg: Config) -> str | None:
             return f"scoring.scorers[{i}].cls={spec.cls!r}: cannot import it ({type(e).__name__}: {e})"
         if inspect.isclass(obj) and not issubclass(obj, Scorer):
             return f"scoring.scorers[{i}].cls={spec.cls!r}: {obj.__name__} is not a subclass of mrl.scoring.Scorer"
-    if sc.prm.enabled and (why := _pool_checkpoint_problem(cfg, "prm", sc.prm.hf_path) or _verdict_problem(sc.prm)):
-        return why
-    if sc.reference.enabled and (why := _pool_checkpoint_problem(cfg, "reference",
-                                                                 sc.reference.hf_path or cfg.model.hf_path)):
-        return why
-    for name, mcfg in sc.model_scorers.items():
-        if why := model_scorer_problem(name, mcfg):
+    for name, pool in sc.pools.items():
+        if isinstance(pool, ModelScorerConfig):
+            why = model_scorer_problem(name, pool)
+        else:
+            why = _pool_checkpoint_problem(cfg, pool) or (_verdict_problem(pool) if name == "prm" else None)
+        if why:
             return why
-    t = sc.teacher
-    if not t.enabled:
-        return None
-    for name in ("config.json", "tokenizer.json"):
-        if not os.path.isfile(os.path.join(t.hf_path, name)):
-            return (f"scoring.teacher.hf_path={t.hf_path}: no {name} there (a Hugging Face checkpoint with "
-                    "tokenizers' tokenizer.json, as the student's)")
-    if os.path.isfile(os.path.join(cfg.model.hf_path, "tokenizer.json")):
-        if why := tokenizer_mismatch(cfg.model.hf_path, t.hf_path):
-            return (f"scoring.teacher.hf_path={t.hf_path}: the teacher must share the student's tokenizer "
-                    f"(model.hf_path={cfg.model.hf_path}): {why}")
     return None
 
 
-def _pool_checkpoint_problem(cfg: Config, name: str, path: str) -> str | None:
-    """A scoring pool's checkpoint has a config and a tokenizer, the policy's (when the policy exists already)."""
+def _pool_checkpoint_problem(cfg: Config, pool) -> str | None:
+    """A pool's checkpoint that reads the policy's tokens (teacher, PRM, reference) has a config and a tokenizer,
+    the policy's (when the policy exists already)."""
+    path = pool.model_path(cfg.model.hf_path)
     if path == cfg.model.hf_path:
         return None  # the policy's own checkpoint (made at start when it is the tiny one)
     for f in ("config.json", "tokenizer.json"):
         if not os.path.isfile(os.path.join(path, f)):
-            return (f"scoring.{name}.hf_path={path}: no {f} there (a Hugging Face checkpoint with tokenizers' "
+            return (f"{pool.NODE}.hf_path={path}: no {f} there (a Hugging Face checkpoint with tokenizers' "
                     "tokenizer.json, as the policy's)")
     if os.path.isfile(os.path.join(cfg.model.hf_path, "tokenizer.json")):
         if why := tokenizer_mismatch(cfg.model.hf_path, path):
-            return (f"scoring.{name}.hf_path={path}: it must share the policy's tokenizer "
+            return (f"{pool.NODE}.hf_path={path}: it must share the policy's tokenizer "
                     f"(model.hf_path={cfg.model.hf_path}): {why}")
     return None
 
@@ -124,7 +115,7 @@ def model_scorer_problem(name: str, mcfg) -> str | None:
     """A judge's or reward model's checkpoint has a config and a tokenizer (tokenizer.json), and is a generative
     model (judge) or a classifier SGLang serves on its classification path (reward model); a judge's template
     and verdict pattern are usable."""
-    node = mcfg.node
+    node = mcfg.NODE
     if name == "judge":
         if why := template_problem(mcfg.template):
             return f"{node}.template={mcfg.template!r}: {why}"

@@ -57,7 +57,7 @@ class PooledScorer(Scorer):
 
     def __init__(self, cfg: ModelScorerConfig, pool: ScoringPool):
         self.cfg, self.pool = cfg, pool
-        self.failures = FailedGroups(cfg.node, cfg.max_error_rate)
+        self.failures = FailedGroups(cfg.NODE, cfg.max_error_rate)
         self.groups = 0
 
     @property

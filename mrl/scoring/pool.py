@@ -13,7 +13,8 @@ side with the run's keys and the same flags and health check as rollout engines)
 calls wait for the first healthy one. A call that fails on an engine (refused, reset, a 5xx, its limit
 passed) probes it (``mrl.sglang.client.liveness``); a dead or hung engine is taken out of rotation, killed
 and replaced by the set (up to its ``max_restarts`` in all), and the call goes to another engine, or waits
-for the replacement. Engines given by URL are never restarted. With no engine left and none booting,
+for the replacement. Engines given by URL, or on Slurm nodes of the pool's own
+(``mrl.cluster.engines.AnnouncedEngines``), are never restarted. With no engine left and none booting,
 ``NoScoringEngine`` stops the run; a call that failed ``max_retries + 1`` times raises ``ScoringError`` (its
 group is dropped).
 """
@@ -25,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from mrl.config.scoring import ModelScorerConfig, TeacherConfig
+from mrl.config.scoring import EnginePoolConfig
 from mrl.scoring.base import NoScoringEngine, ScoringError
 from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients, liveness
 from mrl.sglang.protocol import EngineProtocolError, EngineUnavailable, GenerateOutput
@@ -60,7 +61,7 @@ class _Slot:
 
 
 class ScoringPool:
-    def __init__(self, cfg: TeacherConfig | ModelScorerConfig, engines: EngineSet | None = None, *,
+    def __init__(self, cfg: EnginePoolConfig, engines: EngineSet | None = None, *,
                  name: str = "teacher"):
         self.cfg, self.engines, self.name = cfg, engines, name
         if (engines is None) == (not cfg.engine.urls):

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 from mrl.config.schema import Config
 from mrl.engine.group import EngineGroup
 from mrl.engine.launcher import Engine, start_job_engines
 from mrl.sglang.endpoint import EngineEndpoint
+
+if TYPE_CHECKING:
+    from mrl.cluster.engines import AnnouncedEngines
 
 DISCOVERY_TIMEOUT_S = 900.0
 
@@ -71,20 +75,22 @@ class RunEngines:
         raise TimeoutError(f"engine.url_dir={eng.url_dir}: fewer than {eng.count} engines "
                            "announced themselves within 15 min")
 
-    def side_groups(self) -> dict[str, EngineGroup]:
-        """The servers of the scoring pools this run starts (teacher, PRM, reference, judge, reward model, unless
-        given by URL), by pool name, not started: the rollout process, which calls them, starts them and owns their
-        processes. Reward model servers start on SGLang's classification path (``--is-embedding``)."""
-        sc, logs = self.cfg.scoring, os.path.join(self.cfg.run_dir, "engines")
-        pools = {"teacher": (sc.teacher, sc.teacher.enabled, sc.teacher.hf_path),
-                 "prm": (sc.prm, sc.prm.enabled, sc.prm.hf_path),
-                 "reference": (sc.reference, sc.reference.enabled, sc.reference.hf_path or self.cfg.model.hf_path)}
-        pools.update({name: (c, c.enabled, c.hf_path) for name, c in sc.model_scorers.items()})
-        groups = {name: EngineGroup(p.engine, path, log_dir=logs, name=name, health_timeout_s=p.health_timeout_s)
-                  for name, (p, on, path) in pools.items() if on and not p.engine.urls}
-        for e in groups["reward_model"].engines if "reward_model" in groups else []:
-            e.server_args.setdefault("is_embedding", True)
-        return groups
+    def side_groups(self) -> dict[str, EngineGroup | AnnouncedEngines]:
+        """The servers of the scoring pools (teacher, PRM, reference, judge, reward model, unless given by URL),
+        by pool name, not started: the rollout process, which calls them, starts them and owns their processes.
+        Reward model servers start on SGLang's classification path (``--is-embedding``). A pool on Slurm nodes
+        of its own (``nodes``) gets the servers its nodes announce in its ``engine.url_dir`` instead."""
+        from mrl.cluster.engines import AnnouncedEngines
+
+        logs, out = os.path.join(self.cfg.run_dir, "engines"), {}
+        for name, p in self.cfg.scoring.pools.items():
+            if p.engine.url_dir:
+                out[name] = AnnouncedEngines(p.engine.url_dir, p.engine.count, name=name,
+                                             health_timeout_s=p.health_timeout_s)
+            elif not p.engine.urls:
+                out[name] = EngineGroup(p.engine, p.model_path(self.cfg.model.hf_path), log_dir=logs, name=name,
+                                        health_timeout_s=p.health_timeout_s, server_args=p.SERVER_ARGS)
+        return out
 
     def stop(self) -> None:
         for e in self.started:

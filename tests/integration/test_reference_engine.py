@@ -7,12 +7,18 @@ and real megatron-core (one gloo rank, in process):
   engine-vs-trainer tolerance (1e-3);
 - the same batch trained by ``Policy.rl_step`` twice from the same policy weights: with the trainer's swapped
   reference, and with the engines' logprobs carried by the batch (``RLBatch.ref_logp``; the policy then holds
-  no reference weights): the KL term of the loss is the same, and so is the policy-gradient term.
+  no reference weights): the KL term of the loss is the same, and so is the policy-gradient term;
+- the reference engine SIGKILLed between two scorings: replaced, the group's reference logprobs come back the
+  same; the replacement killed with no restart left: scoring stops the run (``NoScoringEngine``), the group keeps
+  no reference logprobs, and a batch of it is refused (no sample trained without its reference).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -24,7 +30,7 @@ from mrl.reward import RewardScorer
 from mrl.rollout.buffer import Group
 from mrl.rollout.sample import Sample
 from mrl.rollout.scorers import build_scorer
-from mrl.scoring import ScoringGroup
+from mrl.scoring import NoScoringEngine, ScoringGroup
 from mrl.trainer.batch import build_batch
 from mrl.trainer.engines import RunEngines
 from tests.conftest import one_rank_gloo_world
@@ -45,14 +51,20 @@ def _samples(vocab: int) -> list[Sample]:
     return out
 
 
-def test_engine_reference_logprobs_and_kl_equal_the_trainers(tmp_path):
+def _kill(engine) -> None:
+    os.killpg(os.getpgid(engine.proc.pid), signal.SIGKILL)
+
+
+@pytest.mark.reliability
+def test_engine_reference_logprobs_and_kl_equal_the_trainers_and_a_killed_reference_is_replaced(tmp_path,
+                                                                                               reliability):
     policy_dir = make_tiny_model(str(tmp_path / "policy"))
     ref_dir = make_tiny_model(str(tmp_path / "reference"), seed=7)  # other weights, the same tokenizer
     common = [f"run_dir={tmp_path / 'run'}", f"model.hf_path={policy_dir}", "algo.kl_coef=0.5",
               "train.sft_warmup_steps=0", f"rollout.n_samples_per_prompt={N}", "train.micro_batch_size=2",
               "algo.lr=1e-2"]
     cfg = compose(common + ["scoring=reference", f"scoring.reference.hf_path={ref_dir}",
-                            "scoring.reference.timeout_s=60"])
+                            "scoring.reference.timeout_s=60", "scoring.reference.engine.max_restarts=1"])
     engines = RunEngines(cfg).side_groups()["reference"]
     assert engines.engines[0].model_path == ref_dir
     samples = _samples(vocab=500)
@@ -62,6 +74,33 @@ def test_engine_reference_logprobs_and_kl_equal_the_trainers(tmp_path):
                               side_engines={"reference": engines})
         try:
             scores = asyncio.run(scorer.score(group)).check(group, "test")
+
+            def rescored(fresh: list[Sample]) -> ScoringGroup:  # the group's samples, no reference logprobs yet
+                for s in fresh:
+                    s.ref_logprobs = []
+                return ScoringGroup(group.prompt, fresh, group.texts)
+
+            pool = scorer.parts[1][0].pool
+            _kill(engines.engines[0])
+            again = rescored(copy.deepcopy(samples))
+            asyncio.run(scorer.score(again)).check(again, "test")
+            for a, b in zip(again.samples, samples):
+                assert a.ref_logprobs == pytest.approx(b.ref_logprobs, abs=1e-5)
+            st = pool.stats()
+            assert st["engines_lost"] == 1 and st["engines_restarted"] == 1 and st["engines_healthy"] == 1, st
+            assert len(engines.engines) == 2 and not engines.engines[0].pids()  # the dead one's processes are gone
+
+            _kill(engines.engines[1])
+            lost = rescored(copy.deepcopy(samples))
+            with pytest.raises(NoScoringEngine, match="no engine left"):
+                asyncio.run(scorer.score(lost))
+            assert not any(s.ref_logprobs for s in lost.samples)
+            with pytest.raises(ValueError, match="scoring.reference: sample 0 of group 0 has 0"):
+                build_batch([Group(group.prompt, lost.samples, [0.0] * N, group.texts)], cfg, with_routes=False)
+            reliability.record(category="fault", name="reference engine SIGKILLed", injected="SIGKILL of the "
+                               "reference's process group between two scorings", expected="replaced, the reference "
+                               "logprobs come back the same; none left: the run stops, nothing trained without them",
+                               survived=True, message="", details={"stats": st})
         finally:
             asyncio.run(scorer.aclose())
             scorer.close()

@@ -23,6 +23,11 @@ PRESETS: dict[str, list[str]] = {
                     "cluster.container_mounts=[/shared/models:/shared/models:ro]"],
     "slurm_apptainer": ["cluster=slurm_apptainer", *GPU_RUN, f"cluster.image={IMAGE}.sif", "cluster.partition=batch",
                         "cluster.container_mounts=[/shared/models:/shared/models]"],
+    # a teacher pool on a node of its own (2 TP4 engines) between the engine node and the trainer node
+    "slurm_scoring": ["cluster=slurm", *GPU_RUN, "cluster.python=/shared/venvs/mrl/bin/python", "scoring=opd",
+                      "scoring.teacher.hf_path=/shared/models/Qwen3-30B-A3B-teacher", "scoring.teacher.nodes=1",
+                      "scoring.teacher.engine.count=2", "scoring.teacher.engine.tp=4",
+                      "scoring.teacher.engine.cpu_mode=false"],
     # engines on an inference partition, trainer on the training partition
     "slurm_hetjob": ["cluster=slurm_hetjob", *GPU_RUN, "cluster.partition=train", "cluster.rollout_partition=infer",
                      "cluster.num_train_nodes=2", "cluster.python=/shared/venvs/mrl/bin/python"],

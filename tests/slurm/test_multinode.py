@@ -59,6 +59,45 @@ def test_two_engine_nodes_two_trainer_nodes(tmp_path):
     assert "announced n1-engine0" in engine_log and "TERM, withdrawn" in engine_log
 
 
+def test_a_scoring_pool_on_a_node_of_its_own(tmp_path):
+    """scoring.teacher.nodes=1: the teacher's step on the node after the engine node, its servers announced in
+    engines/teacher, where the trainer finds them; stopped with TERM after the trainer, as the engine step."""
+    wait_teacher = ('for _ in $(seq 100); do ls "$RUN_DIR"/engines/teacher/*.url >/dev/null 2>&1 && break; '
+                    'sleep 0.1; done; cat "$RUN_DIR"/engines/teacher/*.url > "$RUN_DIR/seen_teacher"')
+    p, run, fake, steps = run_job(tmp_path, ["cluster=slurm", *GPU_RUN, "scoring=opd", "scoring.teacher.hf_path=/t",
+                                             "scoring.teacher.nodes=1", "scoring.teacher.engine.count=2",
+                                             "scoring.teacher.engine.cpu_mode=false"],
+                                  slurm_env={"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_NUM_NODES": "3"},
+                                  env={"MRL_SCORING_CMD": f"bash {HERE}/stand_in_engine.sh",
+                                       "MRL_TRAIN_CMD": TRAINER + wait_teacher})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert steps["mrl-engine"]["hosts"] == ["n1"] and steps["mrl-score-teacher"]["hosts"] == ["n2"]
+    assert steps["mrl-train"]["hosts"] == ["n3"] and "scoring pool teacher nodes: n2" in out
+    assert "bash" in steps["mrl-score-teacher"]["argv"] and steps["mrl-score-teacher"]["argv"][-2:] == [
+        "scoring", "teacher"]
+    assert (run / "seen_urls").read_text() == "http://n1:30000\n"
+    assert (run / "seen_teacher").read_text() == "http://n2:31000\nhttp://n2:31001\n"
+    assert sorted((fake / "scancel.log").read_text().splitlines()) == ["TERM 4242.0 mrl-engine",
+                                                                       "TERM 4242.1 mrl-score-teacher"]
+    assert not list((run / "engines").glob("**/*.url"))
+    assert "announced n2-teacher0 n2-teacher1" in (run / "logs" / "attempt_0" / "teacher_n2.log").read_text()
+
+
+def test_node_commands_attach_to_the_scoring_pools(tmp_path):
+    """mrl_node.sh: the scoring node runs `mrl engine --pool`, and every role attaches the pool's url_dir."""
+    env = {**os.environ, "RUN_DIR": str(tmp_path), "MRL_PYTHON": "echo", "SCORING_POOLS": "teacher:1:2 judge:2:1",
+           "NUM_ROLLOUT_NODES": "1"}
+    node = os.path.join(os.path.dirname(HERE), "..", "scripts", "mrl_node.sh")
+    attach = (f"engine.url_dir={tmp_path}/engines scoring.teacher.engine.url_dir={tmp_path}/engines/teacher "
+              f"scoring.judge.engine.url_dir={tmp_path}/engines/judge")
+    job = f"--config-path {tmp_path} --config-name job"
+    for role, want in ((["scoring", "teacher"], f"-m mrl engine --pool teacher {job} {attach}"),
+                       (["train"], f"-m mrl train {job} {attach}")):
+        p = subprocess.run(["bash", node, *role], capture_output=True, text=True, env=env, timeout=30)
+        assert p.returncode == 0 and p.stdout.splitlines()[-1] == want, p.stdout + p.stderr
+
+
 def test_hetjob_places_steps_by_component(tmp_path):
     p, run, _, steps = run_job(tmp_path, ["cluster=slurm_hetjob", *GPU_RUN, "cluster.num_train_nodes=2"],
                                slurm_env={"SLURM_JOB_NODELIST": "e1,t1,t2", "SLURM_JOB_NUM_NODES": "3",

@@ -99,7 +99,38 @@ def test_layout_errors_name_the_fields(extra, match):
         render.layout(cfg)
 
 
+def test_scoring_pool_nodes_between_engine_and_trainer_nodes():
+    text = rendered("slurm_scoring")
+    assert "#SBATCH --nodes=3" in header(text)  # 1 engine node + 1 teacher node + 1 trainer node
+    assert "export ENGINES_PER_NODE=1\nexport SCORING_POOLS=teacher:1:2\n" in text
+    assert "# layout: 1 engine node(s) x 1 engine(s) + 1 teacher node(s) x 2 engine(s) + 1 trainer node(s)" in text
+    assert "export SCORING_POOLS=" not in rendered("slurm_2x2").split("# ---- body")[0]
+
+
+TEACHER = ["scoring=opd", "scoring.teacher.hf_path=/t", "scoring.teacher.engine.cpu_mode=false"]
+
+
 @pytest.mark.parametrize("extra,match", [
+    (["scoring.teacher.nodes=1", "scoring.teacher.engine.tp=16"],
+     r"1 teacher engines per node x scoring\.teacher\.engine\.tp=16 GPUs do not fit cluster\.gpus_per_node=8"),
+    (["cluster=slurm_hetjob", "scoring.teacher.nodes=1"], r"scoring\.teacher\.nodes=1 with cluster\.hetjob=true"),
+])
+def test_scoring_layout_errors_name_the_keys(extra, match):
+    cfg = launch.compose([*overrides("slurm"), *TEACHER, *extra])
+    with pytest.raises(ValueError, match=match):
+        render.layout(cfg)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["scoring.judge.nodes=1"], r"scoring\.judge\.nodes: =1 but scoring\.judge is off"),
+    ([*TEACHER, "scoring.teacher.nodes=2"], r"scoring\.teacher\.nodes: =2 is more nodes than "
+                                            r"scoring\.teacher\.engine\.count=1"),
+    ([*TEACHER, "scoring.teacher.nodes=2", "scoring.teacher.engine.count=3"], r"=2 does not divide"),
+    ([*TEACHER, "scoring.teacher.nodes=1", "scoring.teacher.engine.urls=[http://h:1]"],
+     r"scoring\.teacher\.nodes: =1 with scoring\.teacher\.engine\.urls"),
+    ([*TEACHER, "scoring.teacher.nodes=1", "cluster.kind=local"], r"scoring\.teacher\.nodes: =1 places the pool's "
+                                                                  r"engines on Slurm nodes"),
+    ([*TEACHER, "scoring.teacher.engine.url_dir=/x"], r"scoring\.teacher\.engine\.url_dir"),
     (["cluster.container=pyxis"], r"cluster\.image: must be set for cluster\.container=pyxis"),
     (["cluster.hetjob=true", "cluster.num_rollout_nodes=0"], r"cluster\.hetjob: needs cluster\.num_rollout_nodes"),
     (["cluster.rollout_partition=infer"], r"cluster\.rollout_partition: applies to heterogeneous jobs only"),

@@ -80,7 +80,7 @@ def test_preflight_refuses_missing_or_wrong_checkpoints_bad_templates_and_patter
     assert "is no reward model" in msg and "Qwen3ForCausalLM" in msg
     (tmp_path / "rm" / "tokenizer.json").unlink()
     assert "no tokenizer.json there" in model_scorer_problem(
-        "reward_model", types.SimpleNamespace(node="scoring.reward_model", hf_path=rm))
+        "reward_model", types.SimpleNamespace(NODE="scoring.reward_model", hf_path=rm))
 
 
 def test_configs_and_presets():

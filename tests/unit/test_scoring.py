@@ -216,7 +216,7 @@ def test_preflight_refuses_a_teacher_with_another_tokenizer(ckpt_dir, tmp_path):
 
     assert check(_teacher_copy(student, tmp_path / "same")) is None
     msg = check(_teacher_copy(student, tmp_path / "extra", extra_token="<think>"))
-    assert "must share the student's tokenizer" in msg and "1 only in the teacher's" in msg and "<think>" in msg
+    assert "must share the policy's tokenizer" in msg and "1 only in the teacher's" in msg and "<think>" in msg
     assert "special token ids differ" in check(_teacher_copy(student, tmp_path / "eos", eos=3))
     assert "no config.json there" in check(tmp_path / "nowhere")
     bad = compose(["scoring.scorers=[{cls: tests.unit.scorers.NotAScorer}]"])
