@@ -179,6 +179,8 @@ class Config:
             _fail("weight_sync.pause_mode", f"={mode} with engine.dp={self.engine.dp}: an in-flight update tags "
                   "each token in the scheduler that ran it, and SGLang's data-parallel controller in front of "
                   "several schedulers was never tested with it; use abort, or more engines of dp=1")
+        if mode == "staged":
+            self._check_staged()
         if mode == "in_place" and not self.engine.cpu_mode:
             # GPU engines tag some tokens around an in-place swap with the wrong version (docs/weight_sync.md), so
             # the staleness bound and the off-policy correction would see wrong versions; retract tags them exactly
@@ -186,6 +188,19 @@ class Config:
                   "are tagged with the wrong weight version on GPU engines (bench/reports/weight_sync/"
                   "*_weight_sync_inflight_*), so training would see wrong versions; use retract (requests keep "
                   "running, their KV recomputed) or abort")
+
+    def _check_staged(self) -> None:
+        """``weight_sync.pause_mode=staged``: the transports and engines a staged update serves."""
+        t = self.weight_sync.transport
+        if t == WeightTransport.distributed and not self.engine.cpu_mode:
+            _fail("weight_sync.pause_mode", "=staged with weight_sync.transport=distributed on GPU engines: the "
+                  "engine would receive the NCCL broadcasts on a thread beside its own forward passes' NCCL "
+                  "collectives, which no GPU run has checked yet; use transport=tensor (engines beside the "
+                  "trainer) or disk, or pause_mode=retract")
+        if self.engine.quantization is not None:
+            _fail("weight_sync.pause_mode", f"=staged with engine.quantization={self.engine.quantization}: a "
+                  "quantized engine processes its weights after each load (new tensors, scales), which the staged "
+                  "copy of the parameters does not follow; use pause_mode=retract or abort")
 
     @property
     def samples_per_step(self) -> int:
