@@ -192,11 +192,11 @@ class Config:
     def _check_staged(self) -> None:
         """``weight_sync.pause_mode=staged``: the transports and engines a staged update serves."""
         t = self.weight_sync.transport
-        if t == WeightTransport.distributed and not self.engine.cpu_mode:
-            _fail("weight_sync.pause_mode", "=staged with weight_sync.transport=distributed on GPU engines: the "
-                  "engine would receive the NCCL broadcasts on a thread beside its own forward passes' NCCL "
-                  "collectives, which no GPU run has checked yet; use transport=tensor (engines beside the "
-                  "trainer) or disk, or pause_mode=retract")
+        if t == WeightTransport.distributed:
+            _fail("weight_sync.pause_mode", "=staged with weight_sync.transport=distributed: the engine would "
+                  "receive the broadcasts on a thread beside its own forward passes (on GPUs, NCCL collectives of "
+                  "two communicators at once), which no run has checked yet; use weight_sync=tensor (engines "
+                  "beside the trainer) or weight_sync=disk, or pause_mode=retract")
         if self.engine.quantization is not None:
             _fail("weight_sync.pause_mode", f"=staged with engine.quantization={self.engine.quantization}: a "
                   "quantized engine processes its weights after each load (new tensors, scales), which the staged "

@@ -220,8 +220,8 @@ class StagedPush(Transport):
 
         self.used["start"] = run(used())
         async def load(c):
-            self.answers[c.url] = await c.update_weights_from_disk(self.path, weight_version=version,
-                                                                   flush_cache=False, load_format=self.load_format(None))
+            self.answers[c.url] = await c.update_weights_from_disk(
+                self.path, weight_version=version, flush_cache=False, load_format=self.load_format(None))
 
         failed = run_on(engines or self.engines, load)
         self.used["loaded"] = run(used())
