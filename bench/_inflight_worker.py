@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", required=True, help="url@tp")
     ap.add_argument("--transport", default="distributed", choices=[t.value for t in WeightTransport])
     ap.add_argument("--bucket-mb", type=float, default=512)
-    ap.add_argument("--modes", default="abort,in_place,retract")
+    ap.add_argument("--modes", default="abort,in_place,retract,staged")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)

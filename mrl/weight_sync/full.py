@@ -64,11 +64,10 @@ class FullWeightChannel(WeightChannel):
         one died mid-sync (its weight-update groups are broken for every member); None = fail instead.
         ``model``: checked for non-finite weights before every sync (``check_finite_weights``).
         ``probe_timeout_s``: ``weight_sync.probe_timeout_s``, the liveness probe's limit."""
-        if pause_mode not in SYNC_MODES:
-            raise ValueError(f"pause_mode must be one of {SYNC_MODES}, got {pause_mode!r}")
         super().__init__(layout, engines, probe_timeout_s=probe_timeout_s)
-        self.pause_mode, self.rebuild, self.model = pause_mode, rebuild, model
-        self._use(transport, disk)
+        self.rebuild, self.model = rebuild, model
+        self.transport, self.disk = transport, disk
+        self.pause_mode = pause_mode
         # controller: the pause/stamp/continue clients and their loop, kept from one sync to the next (no new
         # event loop, session and connection per call; connections live as long as keep-alive allows)
         self._io: LoopThread | None = None
@@ -190,9 +189,21 @@ class FullWeightChannel(WeightChannel):
 
     def _use(self, transport: Transport, disk: Transport | None) -> None:
         self.transport, self.disk = transport, disk
-        for t in (transport, disk):
+        self.pause_mode = self.pause_mode
+
+    @property
+    def pause_mode(self) -> str:
+        return self._pause_mode
+
+    @pause_mode.setter
+    def pause_mode(self, mode: str) -> None:
+        """Also tells the transports whether their pushes are staged (a benchmark switches modes between syncs)."""
+        if mode not in SYNC_MODES:
+            raise ValueError(f"pause_mode must be one of {SYNC_MODES}, got {mode!r}")
+        self._pause_mode = mode
+        for t in (self.transport, self.disk):
             if t is not None:
-                t.staged = self.pause_mode == "staged"
+                t.staged = mode == "staged"
 
     async def _pause(self, c: EngineClient) -> None:
         await self.watch(c, c.pause(self.pause_mode), "/pause_generation")
