@@ -30,7 +30,8 @@ from _bench_common import HERE, device_name, dump, make_model, slug, spread
 def summarize(rows: list[dict]) -> dict:
     rows = [r for r in rows if not r["warmup"]]
     modes = sorted({r["mode"] for r in rows})
-    out = {"version_errors": sum(r["version_errors"] for r in rows)}
+    out = {"version_errors": sum(r["version_errors"] for r in rows),
+           "version_errors_past_launched": sum(r.get("version_errors_past_launched", 0) for r in rows)}
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         out[mode] = {"generation_pause_ms": spread([r["generation_pause_ms"] for r in mine]),
