@@ -38,8 +38,8 @@ class WeightSyncConfig:
     keep generating during the push (received into a second copy of their weights) and pause only for the swap
     between two forward passes; transports disk and tensor, engines started by mrl, not FP8, memory for a second
     copy of the weights per engine GPU (GPU engines are refused until a GPU run confirms the version tags). Every
-    token is tagged with the version
-    of the weights whose forward pass produced it in every mode (docs/weight_sync.md#pause-modes)."""
+    token is tagged with the version of the weights whose forward pass produced it in every mode
+    (docs/weight_sync.md#pause-modes)."""
     bucket_mb: float = 512
     """Upper bound of one streamed bucket (a single larger tensor gets a bucket of its own)."""
     every_n_steps: int = 1
