@@ -1,4 +1,4 @@
-"""Generation pause per weight sync, by ``weight_sync.pause_mode``: abort against retract and in_place.
+"""Generation pause per weight sync, by ``weight_sync.pause_mode``: abort against retract, in_place and staged.
 
     python bench/weight_sync_inflight.py --out DIR                 # one GPU: engine beside the trainer (CUDA IPC)
     python bench/weight_sync_inflight.py --cpu --out DIR           # the same flow on CPU, tiny model (gloo)
@@ -9,7 +9,9 @@ Every sync runs with ``--requests`` greedy requests decoding; the generation pau
 longest wait for a token around the sync, less one decode step (the worker's docstring says how each mode is
 measured). Modes alternate within each repetition, so ``in_place_vs_abort`` is the median of paired ratios.
 The report (``bench/reports/weight_sync/<date>_weight_sync_inflight_<hardware>.json``) holds every sync;
-``inplace_pause_ms`` is in_place's median over the repetitions with its spread.
+``inplace_pause_ms`` is in_place's median over the repetitions with its spread, ``staged_pause_ms`` staged's (the
+engine keeps decoding through the push and stops only for the swap; its log's ``mrl: staged weight update`` lines
+give each load's seconds and the forward passes it ran meanwhile).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from _bench_common import HERE, device_name, dump, make_model, slug, spread
 def summarize(rows: list[dict]) -> dict:
     rows = [r for r in rows if not r["warmup"]]
     modes = sorted({r["mode"] for r in rows})
-    out = {"version_errors": sum(r["version_errors"] for r in rows)}
+    out = {"version_errors": sum(r["version_errors"] for r in rows),
+           "version_errors_past_launched": sum(r.get("version_errors_past_launched", 0) for r in rows)}
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         out[mode] = {"generation_pause_ms": spread([r["generation_pause_ms"] for r in mine]),
@@ -36,10 +39,12 @@ def summarize(rows: list[dict]) -> dict:
                      "phase_ms": {k: statistics.median(r["phase_ms"][k] for r in mine) for k in mine[0]["phase_ms"]}}
     if "in_place" in out:
         out["inplace_pause_ms"] = out["in_place"]["generation_pause_ms"]
+    if "staged" in out:
+        out["staged_pause_ms"] = out["staged"]["generation_pause_ms"]
     by_rep: dict[int, dict] = {}
     for i, r in enumerate(rows):
         by_rep.setdefault(i // len(modes), {})[r["mode"]] = r["generation_pause_ms"]
-    for mode in ("in_place", "retract"):
+    for mode in ("in_place", "retract", "staged"):
         ratios = [d[mode] / d["abort"] for d in by_rep.values() if mode in d and "abort" in d and d["abort"] > 0]
         if ratios:
             out[f"{mode}_vs_abort_pause"] = spread(ratios) | {"pairs": len(ratios)}
@@ -55,7 +60,8 @@ def main() -> int:
     ap.add_argument("--gpu", default="0", help="the GPU the trainer and the engine share")
     ap.add_argument("--transport", default=None, help="null: tensor on GPU, distributed on CPU")
     ap.add_argument("--mem-fraction", type=float, default=0.45, help="the engine's share of the GPU")
-    ap.add_argument("--modes", default="abort,in_place,retract")
+    ap.add_argument("--modes", default=None, help="null: abort,in_place,retract,staged (CPU, whose transport is "
+                    "distributed, which staged does not serve: abort,in_place,retract)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -71,6 +77,7 @@ def main() -> int:
     preset = "tiny" if a.cpu else a.model
     hf = make_model(os.path.join(a.ckpt_root or a.out, preset), preset)
     transport = a.transport or ("distributed" if a.cpu else "tensor")
+    modes = a.modes or ("abort,in_place,retract" + (",staged" if transport != "distributed" else ""))
     engine = Engine(model_path=hf, cpu_mode=a.cpu, tp=1, log_dir=os.path.join(a.out, "engines"), name="inflight",
                     max_running_requests=a.requests, max_total_tokens=8192 if a.cpu else None,
                     base_gpu_id=int(a.gpu), mem_fraction_static=None if a.cpu else a.mem_fraction,
@@ -86,7 +93,7 @@ def main() -> int:
             env["CUDA_VISIBLE_DEVICES"] = a.gpu
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                os.path.join(HERE, "_inflight_worker.py"), "--hf", hf, "--dtype", "fp32" if a.cpu else "bf16",
-               "--engine", f"{engine.url}@1", "--transport", transport, "--modes", a.modes, "--reps", str(a.reps),
+               "--engine", f"{engine.url}@1", "--transport", transport, "--modes", modes, "--reps", str(a.reps),
                "--requests", str(a.requests), "--prompt-len", str(a.prompt_len), "--before", str(a.before),
                "--new", str(a.new or (200 if a.cpu else 1024)),
                "--after", str(a.after), "--out", path]

@@ -179,13 +179,29 @@ class Config:
             _fail("weight_sync.pause_mode", f"={mode} with engine.dp={self.engine.dp}: an in-flight update tags "
                   "each token in the scheduler that ran it, and SGLang's data-parallel controller in front of "
                   "several schedulers was never tested with it; use abort, or more engines of dp=1")
-        if mode == "in_place" and not self.engine.cpu_mode:
-            # GPU engines tag some tokens around an in-place swap with the wrong version (docs/weight_sync.md), so
-            # the staleness bound and the off-policy correction would see wrong versions; retract tags them exactly
-            _fail("weight_sync.pause_mode", "=in_place with GPU engines: tokens decoded around an in-place swap "
-                  "are tagged with the wrong weight version on GPU engines (bench/reports/weight_sync/"
-                  "*_weight_sync_inflight_*), so training would see wrong versions; use retract (requests keep "
-                  "running, their KV recomputed) or abort")
+        if mode == "staged":
+            self._check_staged()
+        if mode in ("in_place", "staged") and not self.engine.cpu_mode:
+            # the GPU bench flagged one token per request around an in-place swap (docs/weight_sync.md): until a GPU
+            # run shows its tags exact, the staleness bound and the off-policy correction could see wrong versions
+            _fail("weight_sync.pause_mode", f"={mode} with GPU engines: the versions of tokens decoded around an "
+                  "in-place swap on GPU engines (SGLang's overlap scheduler) are not yet confirmed exact "
+                  "(bench/reports/weight_sync/*_weight_sync_inflight_*, docs/weight_sync.md#pause-modes), so "
+                  "training could see wrong versions; use retract (requests keep running, their KV recomputed) "
+                  "or abort")
+
+    def _check_staged(self) -> None:
+        """``weight_sync.pause_mode=staged``: the transports and engines a staged update serves."""
+        t = self.weight_sync.transport
+        if t == WeightTransport.distributed:
+            _fail("weight_sync.pause_mode", "=staged with weight_sync.transport=distributed: the engine would "
+                  "receive the broadcasts on a thread beside its own forward passes (on GPUs, NCCL collectives of "
+                  "two communicators at once), which no run has checked yet; use weight_sync=tensor (engines "
+                  "beside the trainer) or weight_sync=disk, or pause_mode=retract")
+        if self.engine.quantization is not None:
+            _fail("weight_sync.pause_mode", f"=staged with engine.quantization={self.engine.quantization}: a "
+                  "quantized engine processes its weights after each load (new tensors, scales), which the staged "
+                  "copy of the parameters does not follow; use pause_mode=retract or abort")
 
     @property
     def samples_per_step(self) -> int:

@@ -21,6 +21,7 @@ class PauseMode(str, enum.Enum):
     abort = "abort"  # requests in flight return their partial output and resume afterwards as new requests
     retract = "retract"  # requests stay open; their KV cache is dropped and recomputed with the new weights
     in_place = "in_place"  # requests stay open and keep their KV cache, computed with the older weights
+    staged = "staged"  # no pause: the engines load the push while generating, then swap it in between two forwards
 
 
 @dataclass(kw_only=True)
@@ -33,8 +34,12 @@ class WeightSyncConfig:
     each sample resumes as prompt + partial output, re-prefilled with the new weights. ``retract``: they stay
     in the engine, their KV cache is dropped and recomputed with the new weights when generation continues
     (no abort round trip, no resubmission). ``in_place``: they stay in the engine with their KV cache, computed
-    with the older weights; the next forward pass uses the new weights. Every token is tagged with the version
-    of the weights whose forward pass produced it in every mode (docs/weight_sync.md#pause-modes)."""
+    with the older weights; the next forward pass uses the new weights. ``staged``: as ``in_place``, but the engines
+    keep generating during the push (received into a second copy of their weights) and pause only for the swap
+    between two forward passes; transports disk and tensor, engines started by mrl, not FP8, memory for a second
+    copy of the weights per engine GPU (GPU engines are refused until a GPU run confirms the version tags). Every
+    token is tagged with the version of the weights whose forward pass produced it in every mode
+    (docs/weight_sync.md#pause-modes)."""
     bucket_mb: float = 512
     """Upper bound of one streamed bucket (a single larger tensor gets a bucket of its own)."""
     every_n_steps: int = 1
@@ -62,7 +67,7 @@ class WeightSyncConfig:
 
     @property
     def keeps_requests(self) -> bool:
-        """A sync leaves the requests in flight in the engines (retract / in_place): no drain around it, and
+        """A sync leaves the requests in flight in the engines (retract / in_place / staged): no drain around it, and
         one request's tokens may come from several versions."""
         return self.pause_mode != PauseMode.abort
 

@@ -25,9 +25,9 @@ from mrl.megatron.forward import forward_logits, token_logprobs
 from mrl.jobs.common import add_layout_args, load_model
 from mrl.megatron.parallel import destroy
 from mrl.config.schema import WeightTransport
-from mrl.sglang.client import PAUSE_MODES, EngineClient
+from mrl.sglang.client import EngineClient
 from mrl.weight_sync.factory import make_transport
-from mrl.weight_sync.full import FullWeightChannel
+from mrl.weight_sync.full import SYNC_MODES, FullWeightChannel
 from mrl.sglang.endpoint import EngineEndpoint
 
 
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=0.25)
     ap.add_argument("--transport", default="distributed", choices=[t.value for t in WeightTransport])
     ap.add_argument("--repair-dir", default=None, help="where the disk-path repair writes the checkpoint")
-    ap.add_argument("--pause-mode", default="abort", choices=list(PAUSE_MODES),
-                    help="how the engines pause (weight_sync.pause_mode): retract / in_place keep their requests")
+    ap.add_argument("--pause-mode", default="abort", choices=list(SYNC_MODES),
+                    help="how the engines pause (weight_sync.pause_mode): retract / in_place keep their requests, "
+                    "staged does not pause them")
     ap.add_argument("--no-probe-before", action="store_true",
                     help="skip the probe before the sync (engines the caller holds paused answer none)")
     ap.add_argument("--out", required=True)

@@ -37,6 +37,13 @@ copies from the second sync of a layout on) and answers once its copies are done
 refill the buffer. Only engines whose answers to ``/update_weights_from_tensor`` carry ``FLAT_TENSOR_MARK``
 (this patch) get it: SGLang itself fails on an unknown ``load_format``."""
 FLAT_TENSOR_MARK = "[mrl: flat tensor buckets]"
+STAGED_FORMAT = "mrl_staged:"
+"""``load_format`` prefix of a disk, tensor or distributed update that the engine loads while it keeps generating
+and swaps in at the next ``/continue_generation`` (``mrl.engine.server.staged``); the engine's own
+``load_format`` follows it (nothing: the default). Only engines mrl starts understand it."""
+STAGED_MARK = "mrl: staged weight update"
+"""Begins the engine's log line of each staged load (its seconds and the forward passes the engine ran meanwhile);
+its answer carries the count as ``[mrl: staged, N forward passes during the load]``."""
 TOKEN_VERSIONS_KEY = "mrl_token_versions"
 """``meta_info`` key of a ``/generate`` reply from an engine with the in-flight patch
 (``mrl.engine.server.inflight``): per output token, the weight version whose forward pass produced it (an int

@@ -69,7 +69,8 @@ class DiskTransport(Transport):
             # no flush after the load: a sync that aborts flushed at its pause, and one that keeps requests in
             # the engine (retract / in_place) must not flush at all (SGLang's scheduler asserts it succeeded)
             failed = run_on(engines or self.engines,
-                             lambda c: c.update_weights_from_disk(path, weight_version=version, flush_cache=False))
+                             lambda c: c.update_weights_from_disk(path, weight_version=version, flush_cache=False,
+                                                                  load_format=self.load_format(None)))
         box = [failed]
         dist.broadcast_object_list(box, src=0)
         return PushStats(seconds=time.perf_counter() - t0, bytes_sent=nbytes, buckets_sent=1,

@@ -14,6 +14,15 @@ class DistributedTransport(Transport):
     def __init__(self, executor: BucketExecutor):
         self.executor = executor
 
+    @property
+    def staged(self) -> bool:
+        return self.executor.staged
+
+    @staged.setter
+    def staged(self, on: bool) -> None:
+        if on != self.executor.staged:  # the request bodies are encoded once, with the mark or without
+            self.executor.staged, self.executor._bodies, self.executor._batched = on, None, None
+
     def connect(self) -> None:
         self.executor.connect()
 

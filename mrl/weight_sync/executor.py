@@ -42,7 +42,7 @@ from mrl.megatron.weights import maps_by_name, gather_full_many, local_params
 from mrl.models.bridge import ModelBridge
 from mrl.sglang.client import EngineClient, close_clients
 from mrl.sglang.endpoint import free_port, route_address
-from mrl.sglang.wire import BATCHED_BUCKETS_FORMAT, LAYOUT_KEPT_MARK
+from mrl.sglang.wire import BATCHED_BUCKETS_FORMAT, LAYOUT_KEPT_MARK, STAGED_FORMAT
 from mrl.sglang.protocol import (EngineGuardError, EngineHTTPError, EngineProtocolError,
                                   EngineUnavailable, error_message, parse_success)
 from mrl.weight_sync.copy_plan import BucketStep, build_steps, placement
@@ -111,6 +111,7 @@ class BucketExecutor:
         """The controller's, one per engine: an engine whose client holds ``batched_groups`` takes every bucket
         of a sync in one request."""
         self.watch = PushWatch()
+        self.staged = False  # the requests' load_format marked STAGED_FORMAT (``Transport.staged``)
 
     def _replan(self, plan: SyncPlan) -> None:
         self.plan = plan
@@ -370,8 +371,11 @@ class BucketExecutor:
                 self._bodies.append(json.dumps(dict(
                     names=[t.name for t in m], dtypes=[t.dtype for t in m], shapes=[list(t.shape) for t in m],
                     group_name=b.group, flush_cache=False, weight_version=None,
-                    load_format="flattened_bucket")).encode())
+                    load_format=self._format("flattened_bucket"))).encode())
         return self._bodies
+
+    def _format(self, fmt: str) -> str:
+        return STAGED_FORMAT + fmt if self.staged else fmt
 
     def _batched_body(self, version: str | None, form: str = "keep") -> bytes:
         """Every bucket in one request, in the global order (``mrl.sglang.wire.BATCHED_BUCKETS_FORMAT``), with the
@@ -392,7 +396,8 @@ class BucketExecutor:
             specs = {"plain": (lists, layout), "keep": (lists, {"key": self.layout_key, "layout": layout}),
                      "kept": (empty, {"key": self.layout_key})}
             self._batched = {f: json.dumps(dict(**body, group_name=self._global[0].group, flush_cache=False,
-                                                load_format=BATCHED_BUCKETS_FORMAT + json.dumps(spec)))[:-1].encode()
+                                                load_format=self._format(BATCHED_BUCKETS_FORMAT + json.dumps(spec))
+                                                ))[:-1].encode()
                              for f, (body, spec) in specs.items()}
         return self._batched
 

@@ -22,6 +22,10 @@ from mrl.weight_sync.channel import SyncReport, WeightChannel
 from mrl.weight_sync.checks import check_finite_weights
 from mrl.weight_sync.transport import LoopThread, Transport, run_on
 
+SYNC_MODES = (*PAUSE_MODES, "staged")
+"""``weight_sync.pause_mode``: SGLang's pause modes, and ``staged`` (no pause: the engines load the push while they
+generate and swap it in between two forward passes, ``mrl.engine.server.staged``)."""
+
 
 class _Phases:
     """Seconds between consecutive ``mark`` calls, by the name of the phase each call closes."""
@@ -39,6 +43,8 @@ class _Phases:
 class FullWeightChannel(WeightChannel):
     """The sequence for one weight version, whatever the transport:
     pause (``pause_mode``; abort: + flush) -> push -> engines that failed are reloaded from disk -> stamp -> continue.
+    ``staged`` pauses nothing: the engines load the push (and a repair) while they generate, and ``continue`` swaps
+    it in between two forward passes.
 
     Partial rollouts survive: requests aborted by the pause come back to the rollout manager, which
     resumes them on the new weights (per-token versions tell the trainer which tokens are stale). A retract or
@@ -53,16 +59,15 @@ class FullWeightChannel(WeightChannel):
     def __init__(self, transport: Transport, disk: Transport, layout: Layout,
                  engines: list[EngineEndpoint], *, pause_mode: str = "abort", rebuild=None,
                  model: torch.nn.Module | None = None, probe_timeout_s: float = 15.0):
-        """``pause_mode``: ``weight_sync.pause_mode`` (abort, retract, in_place).
+        """``pause_mode``: ``weight_sync.pause_mode`` (abort, retract, in_place, staged).
         ``rebuild(engines) -> (transport, disk)``: new channels for the engines still alive after
         one died mid-sync (its weight-update groups are broken for every member); None = fail instead.
         ``model``: checked for non-finite weights before every sync (``check_finite_weights``).
         ``probe_timeout_s``: ``weight_sync.probe_timeout_s``, the liveness probe's limit."""
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         super().__init__(layout, engines, probe_timeout_s=probe_timeout_s)
+        self.rebuild, self.model = rebuild, model
         self.transport, self.disk = transport, disk
-        self.pause_mode, self.rebuild, self.model = pause_mode, rebuild, model
+        self.pause_mode = pause_mode
         # controller: the pause/stamp/continue clients and their loop, kept from one sync to the next (no new
         # event loop, session and connection per call; connections live as long as keep-alive allows)
         self._io: LoopThread | None = None
@@ -106,7 +111,7 @@ class FullWeightChannel(WeightChannel):
             check_finite_weights(self.model, f"weight sync v{version}")
         phases.mark("check")
         controller = self.layout.world_rank == 0
-        errs = self._on_engines(self._pause) if controller else {}
+        errs = self._on_engines(self._pause) if controller and self.pause_mode != "staged" else {}
         reasons = self.verdict(errs)  # collective: every rank learns which engines are gone
         dead = list(reasons)
         if controller and set(errs) - set(dead):
@@ -179,8 +184,26 @@ class FullWeightChannel(WeightChannel):
         """Tear the channels down and build them again for ``engines`` (per-run group names: never reused)."""
         self.transport.close()
         self.engines = engines
-        self.transport, self.disk = self.rebuild(engines)
+        self._use(*self.rebuild(engines))
         self.connect()
+
+    def _use(self, transport: Transport, disk: Transport | None) -> None:
+        self.transport, self.disk = transport, disk
+        self.pause_mode = self.pause_mode
+
+    @property
+    def pause_mode(self) -> str:
+        return self._pause_mode
+
+    @pause_mode.setter
+    def pause_mode(self, mode: str) -> None:
+        """Also tells the transports whether their pushes are staged (a benchmark switches modes between syncs)."""
+        if mode not in SYNC_MODES:
+            raise ValueError(f"pause_mode must be one of {SYNC_MODES}, got {mode!r}")
+        self._pause_mode = mode
+        for t in (self.transport, self.disk):
+            if t is not None:
+                t.staged = mode == "staged"
 
     async def _pause(self, c: EngineClient) -> None:
         await self.watch(c, c.pause(self.pause_mode), "/pause_generation")
@@ -190,4 +213,4 @@ class FullWeightChannel(WeightChannel):
     async def _finish(self, c: EngineClient, version: str, stamped: bool = False) -> None:
         if not stamped:  # else the push's own request set it
             await self.watch(c, c.update_weight_version(version, abort_all_requests=False), "/update_weight_version")
-        await self.watch(c, c.resume(), "/continue_generation")
+        await self.watch(c, c.resume(), "/continue_generation")  # staged: the swap, between two forward passes

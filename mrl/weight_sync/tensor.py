@@ -98,7 +98,7 @@ class TensorTransport(Transport):
 
         async def call(c: EngineClient) -> None:
             tp = next(e.tp for e in ex.engines if e.url == c.url)
-            message = await c.update_weights_from_tensor([payload] * tp, load_format=load_format)
+            message = await c.update_weights_from_tensor([payload] * tp, load_format=self.load_format(load_format))
             if FLAT_TENSOR_MARK in (message or ""):
                 self.flat_engines.add(c.url)
 

@@ -31,6 +31,7 @@ from mrl.sglang.endpoint import EngineEndpoint
 from mrl.megatron import compat
 from mrl.megatron.parallel import Layout
 from mrl.sglang.client import ClientTimeouts, EngineClient, liveness
+from mrl.sglang.wire import STAGED_FORMAT
 
 
 @dataclass
@@ -57,6 +58,13 @@ class Transport(abc.ABC):
     """One way of moving the trainer's weights into the engines. All methods are collective."""
 
     name: str
+    staged: bool = False
+    """The engines load each push while they generate and swap it in at the sync's ``/continue_generation``
+    (``weight_sync.pause_mode=staged``, ``mrl.engine.server.staged``); set by the channel."""
+
+    def load_format(self, fmt: str | None) -> str | None:
+        """An update request's ``load_format``: marked ``STAGED_FORMAT`` when the push is staged."""
+        return STAGED_FORMAT + (fmt or "") if self.staged else fmt
 
     def connect(self) -> None:
         """Set up channels (process groups) once; re-called after an engine restart."""

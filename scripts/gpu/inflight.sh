@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # On a one-GPU host with the stack installed (install_stack.sh): issue 58's in-flight weight-update runs, meant
 # to run detached (setsid) while short calls read DEST/status and collect DEST's files. About 5 minutes.
-#   1. bench/weight_sync_inflight.py: the generation pause per sync with weight_sync.pause_mode=in_place and
-#      retract against abort (paired, INFLIGHT_REPS repetitions, default 8), on the Qwen3-30B-A3B 12-layer slice
-#      (INFLIGHT_MODEL), engine beside the trainer on the one GPU (CUDA IPC) -> inplace_pause_ms;
+#   1. bench/weight_sync_inflight.py: the generation pause per sync with weight_sync.pause_mode=in_place,
+#      retract and staged against abort (paired, INFLIGHT_REPS repetitions, default 8), on the Qwen3-30B-A3B
+#      12-layer slice (INFLIGHT_MODEL), engine beside the trainer on the one GPU (CUDA IPC) -> inplace_pause_ms,
+#      staged_pause_ms (the engine log's "mrl: staged weight update" lines: each staged load's seconds and the
+#      forward passes run meanwhile). Staged holds a second copy of the engine's weights outside its
+#      mem_fraction_static: if the engine runs out of memory at the first staged sync, lower it (INFLIGHT_ARGS=
+#      "--mem-fraction 0.35");
 #   2. with LOOP=1 only (does not fit the 6 minutes): bench/loop_e2e.py on the same GPU, abort then in_place
 #      (LOOP_ARGS), for inplace_vs_abort_loop.
 #   scripts/gpu/inflight.sh STACK WORK DEST

@@ -195,6 +195,89 @@ def test_tokens_after_the_swap_come_from_the_new_weights(tp1, hf, new_weights, c
             assert np.abs(np.asarray(s.response_logprobs[k:]) - fresh[k:]).max() > 1e-2
 
 
+class StagedPush(Transport):
+    """A staged ``update_weights_from_disk`` of a checkpoint on disk, then, before the push returns (and the channel
+    commits), a wait until the engines have decoded ``progress`` more tokens: a push that lasts while the engine
+    generates, by the engine's own count, never by a sleep. Records the engine's KV tokens of running requests at
+    the push's start and when the load was answered."""
+
+    name = "disk"
+
+    def __init__(self, path, engines, clients, progress: int):
+        self.path, self.engines, self.clients, self.progress = path, list(engines), clients, progress
+        self.used: dict[str, int] = {}
+        self.answers: dict[str, str] = {}
+
+    def push(self, version, engines=None):
+        async def used(wait_for: int = 0):
+            if wait_for:
+                await _running(self.clients, wait_for, timeout=120)
+            n = 0
+            for c in self.clients:
+                n += sum(x.get("num_used_tokens", 0) for x in (await c.loads()).get("loads", []))
+                await c.close()
+            return n
+
+        self.used["start"] = run(used())
+        async def load(c):
+            self.answers[c.url] = await c.update_weights_from_disk(
+                self.path, weight_version=version, flush_cache=False, load_format=self.load_format(None))
+
+        failed = run_on(engines or self.engines, load)
+        self.used["loaded"] = run(used())
+        self.used["returned"] = run(used(self.used["loaded"] + self.progress))
+        return PushStats(seconds=0.0, bytes_sent=0, buckets_sent=1, failed_engines=failed)
+
+
+STAGED_N = 96
+"""Tokens per sample in the staged test: enough that the samples outlast the load and the wait after it."""
+STAGED_PROGRESS = 8
+"""Tokens the engine decodes after the staged load before the push returns."""
+
+
+def test_staged_update_swaps_in_between_two_forward_passes(tp1, hf, new_weights, codec, world):
+    """``pause_mode=staged``: the samples keep decoding while the engine loads the new weights into its staged copy
+    (the push waits for more tokens before it returns), then the weights are swapped in between two forward passes
+    at ``/continue_generation``. Tokens before the swap are the old weights', those after it the new weights' on the
+    kept KV cache (the in-place reference), tagged exactly, and no request is aborted or paused."""
+    client = EngineClient(tp1.url)
+    transport = StagedPush(new_weights, [tp1.endpoint], [EngineClient(tp1.url)], STAGED_PROGRESS)
+    channel = FullWeightChannel(transport, None, world, [tp1.endpoint], pause_mode="staged")
+    assert transport.staged
+
+    async def go():
+        mgr = RolloutManager([client], sampling=SamplingSpec(max_new_tokens=STAGED_N, temperature=0.0,
+                                                             ignore_eos=True), codec=codec, inflight_updates=True)
+        tasks = [asyncio.create_task(mgr.run_sample(s)) for s in _samples(STAGED_N)]
+        await _running([client], sum(map(len, PROMPTS)) + len(PROMPTS) * BEFORE_SWAP)
+        rep = await asyncio.to_thread(channel.sync, "1")
+        samples = await asyncio.gather(*tasks)
+        await client.close()
+        return rep, samples
+
+    t0 = time.perf_counter()
+    rep, samples = run(go())
+    channel.close()
+    assert not rep.dropped_engines and not rep.failed_engines
+    at_swap = 0
+    for s in samples:
+        assert s.error is None and len(s.response_ids) == STAGED_N
+        assert s.num_segments == 1 and s.num_aborts == 0  # one request, never aborted or resubmitted
+        k = s.versions.index(1)
+        assert BEFORE_SWAP <= k < STAGED_N and s.versions == [0] * k + [1] * (STAGED_N - k), s.versions
+        lps, routes = _reference(hf, s, k, "in_place")
+        assert np.abs(np.asarray(s.response_logprobs) - lps).max() <= 1e-3
+        assert np.array_equal(np.sort(routes, -1), np.sort(s.routes.astype(np.int64), -1))
+        at_swap += len(s.prompt_ids) + k
+    # the engine's KV tokens of running requests when the push began, and the tokens before the swap: the samples
+    # decoded through the push (a paused engine would have added none and the push would have timed out waiting)
+    during = at_swap - transport.used["start"]
+    print(f"staged: {during} tokens decoded between the push's start and the swap "
+          f"({transport.used['loaded'] - transport.used['start']} during the load itself); {transport.answers}; "
+          f"{time.perf_counter() - t0:.1f} s")
+    assert during >= STAGED_PROGRESS, (at_swap, transport.used)
+
+
 def test_distributed_and_disk_transports_push_while_a_request_is_held(tp1, new_weights, ckpt_dir, tmp_path):
     """A request held by an in-place pause mid-generation; the sync job (megatron, gloo) pushes the new weights
     over the distributed transport in in-place mode; held again, the old ones go back over the disk transport in

@@ -24,7 +24,9 @@ def test_default_is_abort_and_every_mode_composes():
     cfg = compose([])
     assert cfg.weight_sync.pause_mode == PauseMode.abort and not cfg.weight_sync.keeps_requests
     for transport in ("distributed", "disk", "tensor"):
-        for mode in ("retract", "in_place"):
+        for mode in ("retract", "in_place", "staged"):
+            if (transport, mode) == ("distributed", "staged"):
+                continue
             ws = compose([f"weight_sync={transport}", f"weight_sync.pause_mode={mode}"]).weight_sync
             assert ws.pause_mode == PauseMode(mode) and ws.keeps_requests
 
@@ -40,11 +42,18 @@ def test_an_unknown_mode_names_the_key_and_the_choices():
 
 @pytest.mark.parametrize("overrides,message", [
     (["engine=gpu", "model.dtype=bf16", "weight_sync.pause_mode=in_place"],
-     r"^weight_sync\.pause_mode: =in_place with GPU engines: tokens decoded around an in-place swap"),
+     r"^weight_sync\.pause_mode: =in_place with GPU engines: the versions of tokens decoded around"),
+    (["engine=gpu", "model.dtype=bf16", "weight_sync=tensor", "weight_sync.pause_mode=staged"],
+     r"^weight_sync\.pause_mode: =staged with GPU engines: the versions of tokens decoded around"),
     (["+experiment=lora_tiny", "weight_sync.pause_mode=in_place"],
      r"^weight_sync\.pause_mode: =in_place with model\.lora: a LoRA run never pauses"),
     (["engine.dp=2", "+engine.server_args.enable_dp_attention=true", "weight_sync.pause_mode=retract"],
      r"^weight_sync\.pause_mode: =retract with engine\.dp=2"),
+    (["weight_sync=distributed", "weight_sync.pause_mode=staged"],
+     r"^weight_sync\.pause_mode: =staged with weight_sync\.transport=distributed"),
+    (["engine=gpu", "model.dtype=bf16", "weight_sync=tensor", "engine.quantization=fp8",
+      "weight_sync.pause_mode=staged"],
+     r"^weight_sync\.pause_mode: =staged with engine\.quantization=fp8"),
 ])
 def test_modes_the_run_cannot_honour_are_refused_at_config_load(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -56,6 +65,7 @@ def test_keeping_requests_on_engines_attached_by_url_is_refused(tmp_path):
         compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]", "weight_sync.pause_mode=in_place"])
     assert compose([f"run_dir={tmp_path}/r", "engine.urls=[http://10.0.0.5:30000]"]).engine.urls
     assert compose(["engine=gpu", "model.dtype=bf16", "weight_sync.pause_mode=retract"]).weight_sync.keeps_requests
+    assert compose(["weight_sync=disk", "weight_sync.pause_mode=staged"]).weight_sync.keeps_requests
     cfg = compose([f"run_dir={tmp_path}/r", "weight_sync.pause_mode=retract"])
     assert cfg.weight_sync.pause_mode.value == "retract"
 

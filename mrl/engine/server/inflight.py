@@ -17,6 +17,8 @@ engine is paused, and a reply carries one ``weight_version``: the engine's when 
 - Caches: at ``/continue_generation`` after a retract or in-place pause, every radix-cache node that no request
   holds is evicted. After a retract no request holds any, so every request is prefilled again from scratch with
   the new weights; after an in-place pause only the prefixes of the requests still running survive.
+- Staged updates (``mrl.engine.server.staged``): the engine is not paused; ``/continue_generation`` swaps the
+  staged weights in and moves the tag to the new version at the same step boundary.
 - On CUDA, an in-place pause first waits for the forward pass already launched (the overlap scheduler runs one
   ahead), so the weight update that follows never copies into weights a running forward pass reads.
 """
@@ -147,10 +149,13 @@ def pause_and_continue(module) -> None:
 
     @functools.wraps(cont)
     def continue_generation(self, recv_req):
+        st = self.__dict__.get("_mrl_staging")
+        pending = st is not None and st.busy
+        swapped = pending and st.commit()  # a staged update's weights, between two forward passes
         version = getattr(recv_req, VERSION_ATTR, None)
-        if version is not None:
+        if version is not None and (swapped or not pending):  # a failed staged load left the weights as they were
             _tag[0] = version_tag(version)
-        if getattr(self, "_mrl_pause_mode", None) in KEEPS_KV:
+        if swapped or getattr(self, "_mrl_pause_mode", None) in KEEPS_KV:
             evict_unheld(getattr(self, "tree_cache", None))
         self._mrl_pause_mode = None
         return cont(self, recv_req)

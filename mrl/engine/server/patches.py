@@ -31,6 +31,8 @@ CUDA IPC updates (``update_weights_from_tensor``) get the same loads for a bucke
 
 In-flight updates (``mrl.engine.server.inflight``): every output token carries the version of the weights that
 produced it, and a retract or in-place pause leaves no KV cache of older weights to later requests.
+Staged updates (``mrl.engine.server.staged``): weights received into a copy of the parameters while the engine
+generates, swapped in between two forward passes.
 Classifier score bias: SGLang's ``Qwen2ForSequenceClassification`` and ``Qwen3ForSequenceClassification`` give
 their score head a bias (``nn.Linear``'s default) that Hugging Face's classes do not have, so a reward model
 checkpoint has no ``score.bias`` and the bias kept its random init: every score off by one random constant.
@@ -48,7 +50,7 @@ import json
 import os
 import sys
 
-from mrl.engine.server import inflight
+from mrl.engine.server import inflight, staged
 from mrl.sglang.wire import (BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK, COMPACT_ROUTES_MARK, FLAT_TENSOR_FORMAT,
                              FLAT_TENSOR_MARK, KEEPS_LAYOUTS_MARK, LAYOUT_KEPT_MARK, REPLAYED_LOAD_MARK)
 
@@ -383,6 +385,16 @@ def _runner(module) -> None:
     inflight.tag_forwards(module)
 
 
+def _scheduler(module) -> None:
+    inflight.pause_and_continue(module)
+    staged.stage_loads(module)
+
+
+def _tokenizer_manager(module) -> None:
+    inflight.send_version(module)
+    staged.unlocked_updates(module)
+
+
 CLASSIFIER_MODULES = ("sglang.srt.models.qwen2_classification", "sglang.srt.models.qwen3_classification")
 CLASSIFIER_CLASSES = ("Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
@@ -422,6 +434,6 @@ def install() -> None:
         sys.meta_path.insert(0, PatchOnImport(target, zero_missing_score_bias))
     sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
     sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, _runner))
-    sys.meta_path.insert(0, PatchOnImport(inflight.SCHEDULER_MODULE, inflight.pause_and_continue))
-    sys.meta_path.insert(0, PatchOnImport(inflight.TOKENIZER_MODULE, inflight.send_version))
+    sys.meta_path.insert(0, PatchOnImport(inflight.SCHEDULER_MODULE, _scheduler))
+    sys.meta_path.insert(0, PatchOnImport(inflight.TOKENIZER_MODULE, _tokenizer_manager))
     sys.meta_path.insert(0, PatchOnImport(inflight.BATCH_MODULE, inflight.start_untagged))
