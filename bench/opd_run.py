@@ -131,6 +131,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--keep", default=None, help="a folder to keep the run directories and logs in (a finished run "
                     "found there is read back, not run again)")
+    ap.add_argument("--note", default=None, help="recorded in the report as is (the box's load, what changed)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     tmp = a.keep or tempfile.mkdtemp(prefix="mrl-opd-")
@@ -182,6 +183,7 @@ def main() -> int:
                          "wall_seconds": [r["wall_seconds"] for r in mine]}
     opd, grpo = summary["opd"]["steps_to_target_median"], summary["grpo"]["steps_to_target_median"]
     result = {
+        **({"note": a.note} if a.note else {}),
         "bench": "opd_learning", "recipe": a.recipe, "sets": a.set, "eval_set": a.eval_set,
         "statistic": "held-out sampled pass@1; per seed, target = the GRPO run's final evaluation, steps to target "
                      "= a run's first evaluation step at or above it; an arm's figure: median over seeds (a run "

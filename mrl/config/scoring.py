@@ -35,6 +35,11 @@ class TeacherConfig:
     preflight compares them). With ``engine.urls`` it names the running teachers' checkpoint."""
     coef: float = 1.0
     """Weight of the per-token reverse KL in the advantage (slime's ``--opd-kl-coef``)."""
+    clip: Optional[float] = None
+    """Bound on each token's ``|teacher logprob - student logprob|`` before ``coef`` (null: none). Where the
+    student samples a token the teacher all but rules out, the log ratio runs to -10 or below while most tokens
+    sit near 0; a few such tokens then set the direction of a whole step, and a bound keeps every sampled token's
+    say in the update."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The teacher pool: the same keys as the rollout pool's ``engine:`` (count, cpus, server_args, urls,
     max_restarts, ...); ``url_dir`` and LoRA keys do not apply."""
@@ -54,6 +59,8 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         if self.coef <= 0.0:
             fail("scoring.teacher.coef", f"must be > 0, got {self.coef}")
+        if self.clip is not None and not self.clip > 0.0:
+            fail("scoring.teacher.clip", f"must be > 0 or null, got {self.clip}")
         if not self.timeout_s > 0:
             fail("scoring.teacher.timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.max_retries < 0:
