@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from _bench_common import REPORTS, device_name, dump, slug
-from recipe_run import REPO, make_models, mrl_command, pass_at_1, run_one, summarize
+from recipe_run import REPO, eval_rows, make_models, mrl_command, pass_at_1, run_one, summarize
 
 
 def steps_to(run: dict, target: float) -> int | None:
@@ -83,6 +83,21 @@ def run_or_reuse(recipe: str, arm: tuple[str, list[str]], seed: int, sets: list[
     return run_one(recipe, arm, seed, sets, run_dir, set_name, timeout)
 
 
+def extra_run(spec: str, set_name: str) -> dict:
+    """A run outside the statistic (``--extra NAME=RUN_DIR``): its seed, learning rate and teacher, and what it
+    logged."""
+    name, _, run_dir = spec.partition("=")
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "step_seconds" in r]
+    import yaml
+
+    cfg = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
+    return {"variant": name, "run_dir": run_dir, "seed": cfg["seed"], "algo_lr": cfg["algo"]["lr"],
+            "teacher": cfg["scoring"]["teacher"]["hf_path"], "steps_planned": cfg["train"]["steps"],
+            "steps_done": len(steps),
+            "rewards": [r.get("reward") for r in steps], "evaluations": eval_rows(rows, set_name)}
+
+
 def plot(runs: list[dict], targets: dict[int, float], path: str, title: str) -> None:
     import matplotlib
 
@@ -131,6 +146,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--keep", default=None, help="a folder to keep the run directories and logs in (a finished run "
                     "found there is read back, not run again)")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=RUN_DIR",
+                    help="a run outside the statistic (a control, possibly stopped early), reported as 'extra_runs': "
+                         "its overrides, evaluations and steps done")
+    ap.add_argument("--note", default=None, help="recorded in the report as is (the box's load, what changed)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     tmp = a.keep or tempfile.mkdtemp(prefix="mrl-opd-")
@@ -182,6 +201,7 @@ def main() -> int:
                          "wall_seconds": [r["wall_seconds"] for r in mine]}
     opd, grpo = summary["opd"]["steps_to_target_median"], summary["grpo"]["steps_to_target_median"]
     result = {
+        **({"note": a.note} if a.note else {}),
         "bench": "opd_learning", "recipe": a.recipe, "sets": a.set, "eval_set": a.eval_set,
         "statistic": "held-out sampled pass@1; per seed, target = the GRPO run's final evaluation, steps to target "
                      "= a run's first evaluation step at or above it; an arm's figure: median over seeds (a run "
@@ -192,7 +212,7 @@ def main() -> int:
         "opd_steps_to_target": opd, "grpo_steps_to_target": grpo,
         "opd_over_grpo_steps": None if opd is None or not grpo else opd / grpo,
         "goal_met": opd is not None and grpo is not None and opd <= grpo / 2,
-        "summary": summary, "runs": runs,
+        "summary": summary, "runs": runs, "extra_runs": [extra_run(x, a.eval_set) for x in a.extra],
     }
     name = f"mrl_train_opd_{a.recipe}_{slug(device_name())}"
     out = a.out or os.path.join(REPORTS, "learning", f"{time.strftime('%Y-%m-%d', time.gmtime())}_{name}.json")

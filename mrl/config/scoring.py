@@ -108,11 +108,18 @@ class TeacherConfig(EnginePoolConfig):
     preflight compares them). With ``engine.urls`` it names the running teachers' checkpoint."""
     coef: float = 1.0
     """Weight of the per-token reverse KL in the advantage (slime's ``--opd-kl-coef``)."""
+    clip: Optional[float] = None
+    """Bound on each token's ``|teacher logprob - student logprob|`` before ``coef`` (null: none). Where the
+    student samples a token the teacher all but rules out, the log ratio runs to -10 or below while most tokens
+    sit near 0; a few such tokens then set the direction of a whole step, and a bound keeps every sampled token's
+    say in the update."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.coef <= 0.0:
             fail("scoring.teacher.coef", f"must be > 0, got {self.coef}")
+        if self.clip is not None and not self.clip > 0.0:
+            fail("scoring.teacher.clip", f"must be > 0 or null, got {self.clip}")
 
 
 @dataclass(kw_only=True)

@@ -3,10 +3,11 @@
 For each sample, the teacher prefills prompt + response (``max_new_tokens=0``, input logprobs from the first
 response token on) and each response token t the model generated gets the token reward
 
-    r[t] = coef * (log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t))
+    r[t] = coef * clip(log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t), -c, c)
 
 the negative of the per-token reverse KL estimate KL(student || teacher) at the sampled token; the student's
-logprob is the engine's that sampled it (``Sample.response_logprobs``). An observation of a multi-turn
+logprob is the engine's that sampled it (``Sample.response_logprobs``). ``c`` is ``scoring.teacher.clip``
+(null: no bound). An observation of a multi-turn
 episode (loss mask 0) gets 0. The scalar reward is 0: the token rewards reach the advantage through
 ``mrl.algo.token_advantages`` (``algo.token_reward_discount=0``: each token's own).
 
@@ -27,6 +28,17 @@ from mrl.sglang.protocol import EngineHTTPError
 
 logger = logging.getLogger(__name__)
 
+
+def opd_token_rewards(teacher: list[float], student: list[float], mask: list[int], *, coef: float,
+                      clip: float | None = None) -> list[float]:
+    """One sample's token rewards (the module docstring's formula): 0 where ``mask`` is 0."""
+    out = []
+    for t, b, m in zip(teacher, student, mask):
+        d = t - b
+        if clip is not None:
+            d = min(max(d, -clip), clip)
+        out.append(coef * d if m else 0.0)
+    return out
 
 
 class TeacherScorer(Scorer):
@@ -57,8 +69,7 @@ class TeacherScorer(Scorer):
         token = []
         for s, t_lp in zip(group.samples, teacher):
             mask = list(s.loss_mask) or [1] * len(s.response_ids)
-            token.append([self.cfg.coef * (t - b) if m else 0.0
-                          for t, b, m in zip(t_lp, s.response_logprobs, mask)])
+            token.append(opd_token_rewards(t_lp, s.response_logprobs, mask, coef=self.cfg.coef, clip=self.cfg.clip))
         return GroupScores(rewards=[0.0] * len(group), token_rewards=token)
 
     def _failed(self, group: ScoringGroup, why: str) -> GroupScores:

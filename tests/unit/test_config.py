@@ -155,6 +155,16 @@ def test_lookup_experiment_is_the_multi_turn_recipe():
     assert compose(["+experiment=lookup", "algo.lr=1e-4"]).algo.lr == 1e-4  # the command line still wins
 
 
+def test_countdown_opd_experiment_is_the_countdown_recipe_distilled():
+    """The countdown recipe's data, warm start and evaluation, distillation alone at its own learning rate."""
+    base = compose(["+experiment=countdown"])
+    cfg = compose(["+experiment=countdown_opd", "scoring.teacher.hf_path=/teacher"])
+    assert (cfg.data, cfg.train.sft_warmup_steps, cfg.train.eval_sets) == (base.data, base.train.sft_warmup_steps,
+                                                                           base.train.eval_sets)
+    assert cfg.scoring.reward_weight == 0.0 and cfg.scoring.teacher.hf_path == "/teacher"
+    assert (cfg.algo.lr, base.algo.lr, cfg.run_dir) == (1e-3, 3e-4, "runs/countdown_opd")
+
+
 @pytest.mark.parametrize("override, env", [(None, "1"), ("cublas", None), ("cutlass", "1")])
 def test_grouped_gemm_kernel_is_the_configs(monkeypatch, override, env):
     """TE reads NVTE_USE_CUTLASS_GROUPED_GEMM at every grouped GEMM; the trainer sets it from

@@ -163,6 +163,28 @@ def test_build_batch_carries_per_token_advantages_by_hand():
     assert plain.token_advantages is None
 
 
+def test_teacher_clip_bounds_each_token_reward_and_reaches_the_advantage():
+    """scoring.teacher.clip c: r[t] = coef * clip(teacher - student, -c, c), by hand, through build_batch."""
+    from mrl.scoring.teacher import opd_token_rewards
+
+    teacher, student, mask = [-10.3, -0.5, -0.02, -4.0], [-0.7, -3.5, -0.01, -1.0], [1, 1, 1, 0]
+    # log ratios -9.6, 3.0, -0.01 and an observation (mask 0); coef 0.5
+    assert opd_token_rewards(teacher, student, mask, coef=0.5) == pytest.approx([-4.8, 1.5, -0.005, 0.0])
+    got = opd_token_rewards(teacher, student, mask, coef=0.5, clip=2.0)
+    assert got == pytest.approx([-1.0, 1.0, -0.005, 0.0])
+    cfg = compose(["rollout.n_samples_per_prompt=2", "scoring=opd", "scoring.teacher.hf_path=-",
+                   "scoring.teacher.clip=2.0"])
+    assert cfg.scoring.teacher.clip == 2.0
+    s = [_sample(0, [10, 11, 12, 13], mask=mask), _sample(1, [14])]
+    g = Group(P, s, [0.0, 0.0], ["", ""], token_rewards=[got, [0.25]])
+    batch, _, _ = build_batch([g], cfg, with_routes=False)
+    # reward_weight 0: the group advantage is 0, so each token's advantage is its clipped reward alone
+    assert batch.token_advantages[0] == pytest.approx([-1.0, 1.0, -0.005, 0.0])
+    assert batch.token_advantages[1] == pytest.approx([0.25])
+    with pytest.raises(ValueError, match="scoring.teacher.clip"):
+        compose(["scoring.teacher.clip=0"])
+
+
 def test_token_advantages_reach_the_loss_micro_batch_and_its_gradient():
     """The micro-batch the policy builds puts each token's advantage at the position that predicts the token,
     and the loss's gradient at ratio 1 is -A[t] / (trained tokens) there (token_mean, no correction)."""
