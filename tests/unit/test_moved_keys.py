@@ -84,9 +84,18 @@ def test_a_run_directory_of_old_keys_names_the_new_ones(tmp_path):
         load_resolved(str(tmp_path / "config.yaml"))
 
 
+NEEDS = {"countdown_opd": "scoring.teacher.hf_path"}
+"""Experiments that need a path of the user's (a teacher): refused without it, naming the key."""
+
+
 @pytest.mark.parametrize("experiment", sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "conf", "experiment"))))
-def test_shipped_experiments_compose(experiment):
-    compose([f"+experiment={experiment}"])
+def test_shipped_experiments_compose(experiment, tmp_path):
+    if need := NEEDS.get(experiment):
+        with pytest.raises(ValueError, match=need):
+            compose([f"+experiment={experiment}"])
+        compose([f"+experiment={experiment}", f"{need}={tmp_path}"])
+    else:
+        compose([f"+experiment={experiment}"])
 
 
 def _mrl(*args):
