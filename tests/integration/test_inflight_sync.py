@@ -329,6 +329,11 @@ async def _start_held(client, rid):
     return task
 
 
+KILLED_N = 160
+"""Tokens per sample in the kill test: enough that the samples on the survivor are still running when the sync
+pauses it (with a few dozen, they could finish between the wait for running requests and the pause)."""
+
+
 @pytest.fixture
 def doomed(ckpt_dir, tmp_path):
     """A second TP1 engine, killed by the test."""
@@ -357,9 +362,9 @@ def test_an_engine_killed_during_an_in_place_update_loses_nothing(tp1, doomed, n
 
     async def go():
         clients = [EngineClient(u) for u in urls]
-        mgr = RolloutManager(clients, sampling=SamplingSpec(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+        mgr = RolloutManager(clients, sampling=SamplingSpec(max_new_tokens=KILLED_N, temperature=0.0, ignore_eos=True),
                              codec=codec, inflight_updates=True)
-        samples = [Sample(prompt_ids=list(p), group_id=g, index=i, max_new_tokens=24)
+        samples = [Sample(prompt_ids=list(p), group_id=g, index=i, max_new_tokens=KILLED_N)
                    for g, p in enumerate(PROMPTS) for i in range(2)]
         tasks = [asyncio.create_task(mgr.run_sample(s)) for s in samples]
         await _running(clients, 2 * sum(map(len, PROMPTS)) + len(samples) * 2)
@@ -376,8 +381,8 @@ def test_an_engine_killed_during_an_in_place_update_loses_nothing(tp1, doomed, n
     moved = [s for s in samples if s.num_retries]
     assert moved, "no sample was running on the killed engine"
     for s in samples:
-        assert s.error is None and len(s.response_ids) == 24 and s.versions == sorted(s.versions)
+        assert s.error is None and len(s.response_ids) == KILLED_N and s.versions == sorted(s.versions)
         assert s.routes.shape[0] == len(s.tokens) - 1
     for s in moved:  # started over on the survivor after the sync: every token from the new weights
-        assert s.versions == [1] * 24
+        assert s.versions == [1] * KILLED_N
     assert any(0 in s.versions and 1 in s.versions for s in samples), "no sample ran across the swap"
