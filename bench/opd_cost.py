@@ -31,13 +31,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from _bench_common import REPORTS, device_name, dump, slug, spread
-from recipe_run import REPO, make_models, mrl_command
+from recipe_run import REPO, make_models, mrl_command, run_logged
 
 
 def model_path(sets: list[str]) -> str:
@@ -124,15 +123,10 @@ def engines_section(a, sets: list[str], tmp: str) -> dict:
 def loop_run(overrides: list[str], steps: int, run_dir: str, timeout: float) -> dict:
     cmd = [*mrl_command(), "train", f"run_dir={run_dir}", f"train.steps={steps}", "train.eval_every=0",
            "train.save_hf=false", *overrides]
-    t0 = time.monotonic()
-    with open(run_dir + ".log", "w") as log:
-        p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                           stderr=subprocess.STDOUT, timeout=timeout)
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{open(run_dir + '.log').read()[-3000:]}")
+    wall = run_logged(cmd, run_dir, timeout)
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps_rows = [r for r in rows if "step_seconds" in r]
-    return {"wall_seconds": time.monotonic() - t0, "batch_tokens": [r["batch_tokens"] for r in steps_rows],
+    return {"wall_seconds": wall, "batch_tokens": [r["batch_tokens"] for r in steps_rows],
             "step_seconds": [r["step_seconds"] for r in steps_rows],
             "token_reward": [r.get("token_reward") for r in steps_rows],
             "teacher_groups_failed": steps_rows[-1].get("rollout/scoring_teacher_groups_failed")}
