@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import sys
 
+from mrl.engine.server.hook import target
 from mrl.sglang.wire import TOKEN_VERSIONS_KEY, TOKEN_VERSIONS_MARK
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
@@ -48,19 +49,20 @@ def version_tag(version) -> int | str:
     return int(s) if s.isdigit() else s
 
 
+UNTAGGED = "tokens carry no per-token weight version"
+"""What an engine whose SGLang lacks a patched method does: said in its log."""
+
+
 def _unpatched(module, what: str) -> None:
-    print(f"mrl: {module.__name__} has no {what}: tokens carry no per-token weight version", file=sys.stderr,
-          flush=True)
+    print(f"mrl: {module.__name__} has no {what}: {UNTAGGED}", file=sys.stderr, flush=True)
 
 
 def tag_forwards(module) -> None:
     """``ModelRunner.forward`` tags each request of its batch with the version of the weights it ran with."""
-    runner = getattr(module, "ModelRunner", None)
-    forward = getattr(runner, "forward", None)
-    if forward is None:
-        return _unpatched(module, "ModelRunner.forward")
-    if getattr(forward, "_mrl_tagged", False):
+    found = target(module, "ModelRunner", "forward", "_mrl_tagged", UNTAGGED)
+    if found is None:
         return
+    runner, forward = found
 
     @functools.wraps(forward)
     def tagged_forward(self, forward_batch, *args, **kwargs):
@@ -99,12 +101,10 @@ def start_untagged(module) -> None:
 
 def send_version(module) -> None:
     """The tokenizer manager's ``continue_generation`` hands the scheduler the weight version now in force."""
-    tm = getattr(module, "TokenizerManager", None)
-    cont = getattr(tm, "continue_generation", None)
-    if cont is None:
-        return _unpatched(module, "TokenizerManager.continue_generation")
-    if getattr(cont, "_mrl_tagged", False):
+    found = target(module, "TokenizerManager", "continue_generation", "_mrl_tagged", UNTAGGED)
+    if found is None:
         return
+    tm, cont = found
 
     @functools.wraps(cont)
     async def continue_generation(self, obj, *args, **kwargs):

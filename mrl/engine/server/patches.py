@@ -51,6 +51,7 @@ import os
 import sys
 
 from mrl.engine.server import inflight, staged
+from mrl.engine.server.hook import target
 from mrl.sglang.wire import (BATCHED_BUCKETS_FORMAT, BATCHED_BUCKETS_MARK, COMPACT_ROUTES_MARK, FLAT_TENSOR_FORMAT,
                              FLAT_TENSOR_MARK, KEEPS_LAYOUTS_MARK, LAYOUT_KEPT_MARK, REPLAYED_LOAD_MARK)
 
@@ -123,14 +124,10 @@ def compact_ids(ids):
 
 
 def compact_routes(module) -> None:
-    cls = getattr(module, "RoutedExpertsCapturer", None)
-    get_topk = getattr(cls, "get_topk", None)
-    if get_topk is None:
-        print(f"mrl: {module.__name__} has no RoutedExpertsCapturer.get_topk: routes stay int32",
-              file=sys.stderr, flush=True)
+    found = target(module, "RoutedExpertsCapturer", "get_topk", "_mrl_compact", "routes stay int32")
+    if found is None:
         return
-    if getattr(get_topk, "_mrl_compact", False):
-        return
+    cls, get_topk = found
 
     @functools.wraps(get_topk)
     def compact_get_topk(self, *args, **kwargs):
@@ -430,8 +427,8 @@ def zero_missing_score_bias(module) -> None:
 
 def install() -> None:
     """Register the patches (called from the engines' ``sitecustomize``)."""
-    for target in CLASSIFIER_MODULES:
-        sys.meta_path.insert(0, PatchOnImport(target, zero_missing_score_bias))
+    for name in CLASSIFIER_MODULES:
+        sys.meta_path.insert(0, PatchOnImport(name, zero_missing_score_bias))
     sys.meta_path.insert(0, PatchOnImport(ROUTES_MODULE, compact_routes))
     sys.meta_path.insert(0, PatchOnImport(RUNNER_MODULE, _runner))
     sys.meta_path.insert(0, PatchOnImport(inflight.SCHEDULER_MODULE, _scheduler))

@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 
+from mrl.engine.server.hook import target
 from mrl.sglang.wire import STAGED_FORMAT, STAGED_MARK
 
 STAGED_ATTR = "_mrl_staged"
@@ -282,14 +283,10 @@ def staging(scheduler) -> Staging:
 def stage_loads(module) -> None:
     """``Scheduler.process_input_requests`` starts marked updates in the loader thread and answers them when
     every rank's load is done."""
-    sched = getattr(module, "Scheduler", None)
-    process = getattr(sched, "process_input_requests", None)
-    if process is None:
-        print(f"mrl: {module.__name__} has no Scheduler.process_input_requests: no staged updates",
-              file=sys.stderr, flush=True)
+    found = target(module, "Scheduler", "process_input_requests", "_mrl_staged", "no staged updates")
+    if found is None:
         return
-    if getattr(process, "_mrl_staged", False):
-        return
+    sched, process = found
 
     @functools.wraps(process)
     def process_input_requests(self, recv_reqs):
