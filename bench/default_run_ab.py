@@ -4,7 +4,8 @@ time goes and what a setting buys, on a box whose speed drifts.
     .venv/bin/python bench/default_run_ab.py --steps 30 --rounds 3 --a engine.cpu_threads=2 --b ''
     .venv/bin/python bench/default_run_ab.py --steps 150 --rounds 3 --a '' --only-a   # the whole default run
 
-(without --out the report goes to bench/reports/learning/<date>_mrl_train_default_ab_cpu.json)
+(``--set`` adds overrides to both sides: a GPU run's, ``scripts/gpu/recipe_export.sh`` with ``EVAL=1``; without
+--out the report goes to bench/reports/learning/<date>_mrl_train_default_ab_cpu.json)
 
 Per run: the whole process's wall and CPU time (its processes' user + system seconds: on a shared box the
 figure other jobs move least), the loop's (first RL step to the last), the median (p25-p75) of the step
@@ -33,10 +34,10 @@ import tempfile
 import time
 
 from _bench_common import dump
+from recipe_run import mrl_command
 from mrl.trainer.phases import PHASES as LOOP_PHASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MRL = os.path.join(os.path.dirname(sys.executable), "mrl")
 PHASES = ("step_seconds", *(f"{p}_seconds" for p in LOOP_PHASES))
 
 
@@ -48,7 +49,7 @@ def quartiles(xs: list[float]) -> dict:
 
 def run(overrides: list[str], steps: int, run_dir: str) -> dict:
     t0, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.run([MRL, "train", f"run_dir={run_dir}", f"train.steps={steps}", *overrides], cwd=REPO,
+    p = subprocess.run([*mrl_command(), "train", f"run_dir={run_dir}", f"train.steps={steps}", *overrides], cwd=REPO,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes that were waited for
@@ -79,11 +80,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--a", default="", help="overrides of A, one shell-quoted string ('' = the default run)")
     ap.add_argument("--b", default="", help="overrides of B")
+    ap.add_argument("--set", default="", help="overrides of both sides, before each side's own (a GPU run's engine "
+                    "and model keys, say)")
     ap.add_argument("--only-a", action="store_true", help="run A alone, --rounds times")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="default_ab_cpu", help="the report's file name: <date>_mrl_train_<name>.json")
     a = ap.parse_args()
-    sides = {"A": shlex.split(a.a)} | ({} if a.only_a else {"B": shlex.split(a.b)})
+    common = shlex.split(a.set)
+    sides = {"A": common + shlex.split(a.a)} | ({} if a.only_a else {"B": common + shlex.split(a.b)})
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.rounds):
