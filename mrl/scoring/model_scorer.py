@@ -1,5 +1,7 @@
-"""What the scorers that call a model of their own (a judge, a reward model) share: the model's tokenizer, which
-turns the text they build into the engine's token ids, and the failure accounting of a pool.
+"""What the scorers that call a model on engines of their own share: the failure accounting of their pool
+(``PooledScorer``: the teacher, the KL reference, the PRM, the judge, the reward model) and, for those that
+build a text for the model (the judge, the reward model), its tokenizer, which turns the text into the
+engine's token ids.
 
     tok = ScorerTokenizer(cfg.hf_path, chat_template=cfg.chat_template)
     ids = tok.encode_messages([{"role": "user", "content": text}], generation_prompt=True)
@@ -14,13 +16,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mrl.config.scoring import ModelScorerConfig
+from mrl.config.scoring import EnginePoolConfig
 from mrl.scoring.base import GroupScores, Scorer, ScoringGroup
 from mrl.scoring.failures import FailedGroups
 from mrl.scoring.pool import ScoringPool
 
 logger = logging.getLogger(__name__)
-
 
 
 class ScorerTokenizer:
@@ -55,7 +56,7 @@ class PooledScorer(Scorer):
     """A scorer whose model runs on a ``ScoringPool``: counts its groups, drops the failed ones and stops the run
     past ``cfg.max_error_rate``; closes the pool."""
 
-    def __init__(self, cfg: ModelScorerConfig, pool: ScoringPool):
+    def __init__(self, cfg: EnginePoolConfig, pool: ScoringPool):
         self.cfg, self.pool = cfg, pool
         self.failures = FailedGroups(cfg.NODE, cfg.max_error_rate)
         self.groups = 0

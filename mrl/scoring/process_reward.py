@@ -25,8 +25,8 @@ import os
 from typing import Callable
 
 from mrl.config.scoring import PRMConfig
-from mrl.scoring.base import GroupScores, NoScoringEngine, Scorer, ScoringError, ScoringGroup
-from mrl.scoring.failures import FailedGroups
+from mrl.scoring.base import GroupScores, NoScoringEngine, ScoringError, ScoringGroup
+from mrl.scoring.model_scorer import PooledScorer
 from mrl.scoring.pool import ScoringPool
 from mrl.sglang.protocol import EngineHTTPError
 
@@ -75,7 +75,7 @@ def one_token(tokenizer, text: str, key: str) -> int:
     return ids[0]
 
 
-class ProcessRewardScorer(Scorer):
+class ProcessRewardScorer(PooledScorer):
     """Step rewards of a generative PRM as token rewards (see the module docstring)."""
 
     name = "prm"
@@ -85,13 +85,14 @@ class ProcessRewardScorer(Scorer):
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(os.path.join(cfg.hf_path, "tokenizer.json"))
-        self.cfg, self.pool, self.tok = cfg, pool, tokenizer
+        super().__init__(cfg, pool)
+        self.cfg: PRMConfig = cfg
+        self.tok = tokenizer
         self.good, self.bad = one_token(tokenizer, cfg.good_token, "good_token"), one_token(tokenizer, cfg.bad_token,
                                                                                             "bad_token")
         self.tag = tokenizer.encode(cfg.step_tag, add_special_tokens=False).ids if cfg.step_tag else []
         self._pieces: dict[int, str] = {}
-        self.failures = FailedGroups("scoring.prm", cfg.max_error_rate)
-        self.groups = self.steps = 0
+        self.steps = 0
         self.score_sum = 0.0
 
     def piece(self, token: int) -> str:
@@ -126,8 +127,8 @@ class ProcessRewardScorer(Scorer):
         except NoScoringEngine:
             raise
         except (ScoringError, EngineHTTPError) as e:
-            return self.failures.dropped(group, f"{type(e).__name__}: {e}")
-        self.failures.ok()
+            return self._failed(group, f"{type(e).__name__}: {e}")
+        self._scored()
         token = []
         for s, e, ps in zip(group.samples, ends, scores):
             tr = [0.0] * len(s.response_ids)
@@ -139,12 +140,4 @@ class ProcessRewardScorer(Scorer):
         return GroupScores(rewards=[0.0] * len(group), token_rewards=token)
 
     def stats(self) -> dict[str, float]:
-        return {"groups": float(self.groups), "groups_failed": float(self.failures.failed),
-                "steps": float(self.steps), "step_score_mean": self.score_sum / max(self.steps, 1),
-                **self.pool.stats()}
-
-    async def aclose(self) -> None:
-        await self.pool.aclose()
-
-    def close(self) -> None:
-        self.pool.close()
+        return {**super().stats(), "steps": float(self.steps), "step_score_mean": self.score_sum / max(self.steps, 1)}

@@ -15,21 +15,20 @@ from __future__ import annotations
 import asyncio
 
 from mrl.config.scoring import ReferenceConfig
-from mrl.scoring.base import GroupScores, NoScoringEngine, Scorer, ScoringError, ScoringGroup
-from mrl.scoring.failures import FailedGroups
+from mrl.scoring.base import GroupScores, NoScoringEngine, ScoringError, ScoringGroup
+from mrl.scoring.model_scorer import PooledScorer
 from mrl.scoring.pool import ScoringPool
 from mrl.sglang.protocol import EngineHTTPError
 
 
-class ReferenceScorer(Scorer):
+class ReferenceScorer(PooledScorer):
     """Fills each sample's ``ref_logprobs`` from the reference pool; rewards 0 (see the module docstring)."""
 
     name = "reference"
 
     def __init__(self, cfg: ReferenceConfig, pool: ScoringPool):
-        self.cfg, self.pool = cfg, pool
-        self.failures = FailedGroups("scoring.reference", cfg.max_error_rate)
-        self.groups = 0
+        super().__init__(cfg, pool)
+        self.cfg: ReferenceConfig = cfg
 
     async def _one(self, s) -> list[float]:
         if not s.response_ids:
@@ -43,17 +42,8 @@ class ReferenceScorer(Scorer):
         except NoScoringEngine:
             raise
         except (ScoringError, EngineHTTPError) as e:
-            return self.failures.dropped(group, f"{type(e).__name__}: {e}")
-        self.failures.ok()
+            return self._failed(group, f"{type(e).__name__}: {e}")
+        self._scored()
         for s, lp in zip(group.samples, ref):
             s.ref_logprobs = lp
         return GroupScores(rewards=[0.0] * len(group))
-
-    def stats(self) -> dict[str, float]:
-        return {"groups": float(self.groups), "groups_failed": float(self.failures.failed), **self.pool.stats()}
-
-    async def aclose(self) -> None:
-        await self.pool.aclose()
-
-    def close(self) -> None:
-        self.pool.close()

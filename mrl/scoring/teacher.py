@@ -21,8 +21,8 @@ import asyncio
 import logging
 
 from mrl.config.scoring import TeacherConfig
-from mrl.scoring.base import GroupScores, NoScoringEngine, Scorer, ScoringError, ScoringGroup
-from mrl.scoring.failures import FailedGroups
+from mrl.scoring.base import GroupScores, NoScoringEngine, ScoringError, ScoringGroup
+from mrl.scoring.model_scorer import PooledScorer
 from mrl.scoring.pool import ScoringPool
 from mrl.sglang.protocol import EngineHTTPError
 
@@ -41,19 +41,14 @@ def opd_token_rewards(teacher: list[float], student: list[float], mask: list[int
     return out
 
 
-class TeacherScorer(Scorer):
+class TeacherScorer(PooledScorer):
     """Per-token reverse KL to a teacher (see the module docstring); scores every sample of a group at once."""
 
     name = "teacher"
 
     def __init__(self, cfg: TeacherConfig, pool: ScoringPool):
-        self.cfg, self.pool = cfg, pool
-        self.failures = FailedGroups("scoring.teacher", cfg.max_error_rate)
-        self.groups = 0
-
-    @property
-    def failed(self) -> int:
-        return self.failures.failed
+        super().__init__(cfg, pool)
+        self.cfg: TeacherConfig = cfg
 
     async def score(self, group: ScoringGroup) -> GroupScores:
         self.groups += 1
@@ -65,21 +60,9 @@ class TeacherScorer(Scorer):
             raise
         except (ScoringError, EngineHTTPError) as e:
             return self._failed(group, f"{type(e).__name__}: {e}")
-        self.failures.ok()
+        self._scored()
         token = []
         for s, t_lp in zip(group.samples, teacher):
             mask = list(s.loss_mask) or [1] * len(s.response_ids)
             token.append(opd_token_rewards(t_lp, s.response_logprobs, mask, coef=self.cfg.coef, clip=self.cfg.clip))
         return GroupScores(rewards=[0.0] * len(group), token_rewards=token)
-
-    def _failed(self, group: ScoringGroup, why: str) -> GroupScores:
-        return self.failures.dropped(group, why)
-
-    def stats(self) -> dict[str, float]:
-        return {"groups": float(self.groups), "groups_failed": float(self.failed), **self.pool.stats()}
-
-    async def aclose(self) -> None:
-        await self.pool.aclose()
-
-    def close(self) -> None:
-        self.pool.close()
