@@ -8,6 +8,10 @@ mini-batches, micro-batches, replayed routes and optimizer steps otherwise, in o
     python bench/old_logprob_pass.py --shape qwen3_30b_a3b --layers 8 --samples 32 --seq 2048 \\
         --micro-batch-size 1 --pairs 8 --model-dir /tmp/models
 
+``--old-micro-batch-size N`` adds a third side to every pair: the pass in micro-batches of N
+(``algo.old_logprob_micro_batch_size``; a forward keeps no activations for a backward, so it can take larger
+ones than training), reported as ``old_logprob_pass_vs_step_own``.
+
 Paired A/B: each pair runs both sides back to back on the same batch (the order alternates), so the box's
 drift hits both; the figure is the median over the pairs of recompute / engine - 1 (``old_logprob_pass_vs_step``:
 the pass's time as a share of the RL step without it). Both sides take ``--mini-batches`` optimizer steps with
@@ -90,6 +94,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=96, help="tokens per sample (a quarter prompt)")
     ap.add_argument("--mini-batches", type=int, default=4)
     ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--old-micro-batch-size", type=int, default=None,
+                    help="also time the pass in micro-batches of this size (algo.old_logprob_micro_batch_size) in "
+                         "every pair: a third side, reported as old_logprob_pass_vs_step_own")
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None)
@@ -147,8 +154,10 @@ def main() -> None:
                                 .reshape(a.seq - 1, len(c.moe_layers), c.top_k).astype(np.uint8)
                                 for _ in range(a.samples)])
 
-        def step(side: OldLogprobs) -> float:
-            policy.cfg.algo.old_logprobs = side
+        own = a.old_micro_batch_size
+
+        def step(side: OldLogprobs, size: int | None = None) -> float:
+            policy.cfg.algo.old_logprobs, policy.cfg.algo.old_logprob_micro_batch_size = side, size
             if gpu:
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -157,22 +166,31 @@ def main() -> None:
                 torch.cuda.synchronize()
             return time.perf_counter() - t
 
+        sides = {"engine": (OldLogprobs.engine, None), "recompute": (OldLogprobs.recompute, None),
+                 **({"recompute_own": (OldLogprobs.recompute, own)} if own else {})}
         for _ in range(a.warmup):
-            step(OldLogprobs.engine), step(OldLogprobs.recompute)
+            for side in sides.values():
+                step(*side)
         pairs = []
         for k in range(a.pairs):
-            order = (OldLogprobs.engine, OldLogprobs.recompute) if k % 2 == 0 else \
-                (OldLogprobs.recompute, OldLogprobs.engine)
-            got = {side: step(side) for side in order}
-            pairs.append({"engine_s": got[OldLogprobs.engine], "recompute_s": got[OldLogprobs.recompute],
-                          "first": order[0].value})
+            order = list(sides) if k % 2 == 0 else list(reversed(sides))
+            got = {name: step(*sides[name]) for name in order}
+            pairs.append({f"{name}_s": got[name] for name in sides} | {"first": order[0]})
         torch.distributed.barrier()
     ratios = [p["recompute_s"] / p["engine_s"] - 1.0 for p in pairs]
     q = statistics.quantiles(ratios, n=4)
+    own_figures = {}
+    if own:
+        r_own = [p["recompute_own_s"] / p["engine_s"] - 1.0 for p in pairs]
+        q_own = statistics.quantiles(r_own, n=4)
+        own_figures = {"old_logprob_pass_vs_step_own": statistics.median(r_own), "ratio_own_p25": q_own[0],
+                       "ratio_own_p75": q_own[2], "own_over_recompute": statistics.median(
+                           p["recompute_own_s"] / p["recompute_s"] for p in pairs),
+                       "recompute_own_median_s": statistics.median(p["recompute_own_s"] for p in pairs)}
     result = {"bench": "old_logprob_pass", "args": vars(a), "pairs": pairs,
               "old_logprob_pass_vs_step": statistics.median(ratios), "ratio_p25": q[0], "ratio_p75": q[2],
               "engine_median_s": statistics.median(p["engine_s"] for p in pairs),
-              "recompute_median_s": statistics.median(p["recompute_s"] for p in pairs),
+              "recompute_median_s": statistics.median(p["recompute_s"] for p in pairs), **own_figures,
               "pass_covers": (a.mini_batches - 1) / a.mini_batches,
               "tokens_per_step": a.samples * a.seq,
               "model": {"shape": a.shape, "layers": a.layers} if a.shape else {"preset": a.preset},
@@ -182,6 +200,9 @@ def main() -> None:
     print(f"pi_old's pass over {a.mini_batches - 1} of {a.mini_batches} mini-batches: "
           f"{100 * result['old_logprob_pass_vs_step']:.1f}% of the RL step without it "
           f"(median of {a.pairs} pairs, p25-p75 {100 * q[0]:.1f}-{100 * q[2]:.1f}%)")
+    if own:
+        print(f"pi_old's pass in micro-batches of {own}: {100 * own_figures['old_logprob_pass_vs_step_own']:.1f}% "
+              f"(p25-p75 {100 * own_figures['ratio_own_p25']:.1f}-{100 * own_figures['ratio_own_p75']:.1f}%)")
     what = f"_{a.shape}_l{a.layers}" if a.shape else ""
     dump(result, a.json, name=f"old_logprob_pass{what}{'_' + slug(device_name()) if gpu else ''}")
 

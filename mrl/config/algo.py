@@ -105,6 +105,11 @@ class AlgoConfig:
     """pi_old of the PPO ratio: ``recompute`` (one forward of the batch before its first optimizer step; the
     correction then weighs pi_old / pi_behav: AReaL's decoupled PPO) or ``engine`` (pi_old = pi_behav; no
     correction to make, ``correction`` must be none)."""
+    old_logprob_micro_batch_size: Optional[int] = None
+    """Samples per micro-batch per DP rank (packed: rows) of the pi_old pass (``old_logprobs=recompute``, over
+    every mini-batch after the first, or all of them with ``correction=mis``); null: ``train.micro_batch_size``.
+    A forward-only pass keeps no activations for a backward, so it can take larger micro-batches than training
+    and run faster (verl's ``log_prob_micro_batch_size_per_gpu``)."""
     correction: Correction = Correction.tis
     """Off-policy correction against the engine's (behaviour) logprobs."""
     correction_level: CorrectionLevel = CorrectionLevel.token
@@ -169,6 +174,13 @@ class AlgoConfig:
         for name in ("mini_batches", "ppo_epochs"):
             if getattr(self, name) < 1:
                 fail(f"algo.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.old_logprob_micro_batch_size is not None:
+            if self.old_logprob_micro_batch_size < 1:
+                fail("algo.old_logprob_micro_batch_size",
+                     f"must be >= 1 or null, got {self.old_logprob_micro_batch_size}")
+            if self.old_logprobs is OldLogprobs.engine:
+                fail("algo.old_logprob_micro_batch_size", "sizes the pi_old pass, which algo.old_logprobs=engine does "
+                     "not run: leave it null, or set algo.old_logprobs=recompute")
         if self.old_logprobs is OldLogprobs.engine and self.correction is not Correction.none:
             fail("algo.correction", f"{self.correction.value} weighs pi_old / pi_engine, which is 1 when "
                  "algo.old_logprobs=engine (pi_old is the engine's policy): set algo.correction=none, or "

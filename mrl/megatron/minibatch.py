@@ -10,7 +10,7 @@ samples ``mrl.megatron.batch_scatter`` delivered to it, and every rank knows eve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,11 +47,14 @@ def trained_count(batch: RLBatch, i: int, aggregation: Aggregation) -> int:
     return tokens if aggregation is Aggregation.token_mean else int(tokens > 0)
 
 
-def old_logprobs(policy, plans: list[list[MicroBatch]], passes: dict) -> list[list[dict[str, Any]] | None]:
+def old_logprobs(policy, plans: list[list[MicroBatch]], passes: dict,
+                 cut: Callable[[int, int], list[MicroBatch]] | None = None) -> list[list[dict[str, Any]] | None]:
     """pi_old into each micro-batch's ``data["old"]`` before ``policy``'s first optimizer step; returns each
-    mini-batch's forward outputs under the weights before it (None: its own first training forward will be,
-    as for the first mini-batch, unless masked IS must know its rejections before the loss). ``passes``:
-    ``forward_backward``'s arguments for this step's forwards."""
+    mini-batch's forward outputs under the weights before it, one per micro-batch of ``plans`` (None: its own
+    first training forward will be, as for the first mini-batch, unless masked IS must know its rejections
+    before the loss). ``passes``: ``forward_backward``'s arguments for this step's forwards. ``cut(k, size)``:
+    mini-batch k in micro-batches of ``size``, for a pass whose micro-batches are not the training's
+    (``algo.old_logprob_micro_batch_size``; its outputs are then re-cut to ``plans``' rows)."""
     algo = policy.cfg.algo
     if algo.old_logprobs is OldLogprobs.engine:
         for mb in (mb for plan in plans for mb in plan):
@@ -64,15 +67,43 @@ def old_logprobs(policy, plans: list[list[MicroBatch]], passes: dict) -> list[li
         counted = importance_correction(lp, d["behav"], d["mask"], algo).counted
         return lp.sum() * 0.0, {"rejected": (d["mask"] > 0).any(-1) & ~counted.any(-1)}
 
+    size = algo.old_logprob_micro_batch_size
+    own = cut is not None and size not in (None, policy.cfg.train.micro_batch_size)
     before: list[list[dict[str, Any]] | None] = [None] * len(plans)
     for k, mbs in enumerate(plans):
         if k == 0 and not masked:
             continue
-        before[k] = forward_backward(policy.model, policy.layout, mbs, forward_only=True,
-                                     loss_fn=rejected if masked else None, **passes)
+        fwd = cut(k, size) if own else mbs
+        outs = forward_backward(policy.model, policy.layout, fwd, forward_only=True,
+                                loss_fn=rejected if masked else None, **passes)
+        before[k] = recut(fwd, outs, mbs) if own else outs
         for mb, o in zip(mbs, before[k]):
             mb.data["old"] = o["logprobs"]
     return before
+
+
+def recut(src: list[MicroBatch], outs: list[dict[str, Any]], dst: list[MicroBatch]) -> list[dict[str, Any]]:
+    """Forward outputs of micro-batches ``src`` re-cut to the rows of ``dst`` (the same samples in other
+    micro-batches): each sample's ``logprobs`` row (its first T-1 positions; a row's width is its micro-batch's
+    longest sample, so the shorter of the two widths covers every position of the sample) and, with masked IS,
+    its ``rejected`` flag. [] where ``outs`` is (not the last pipeline stage)."""
+    if not outs:
+        return []
+    at = {s: (o, j) for mb, o in zip(src, outs) for j, s in enumerate(mb.samples)}
+    recut_outs = []
+    for mb in dst:
+        got = [at[s] for s in mb.samples]
+        first = got[0][0]["logprobs"]
+        width = mb.data["mask"].shape[1]
+        lp = torch.zeros(len(got), width, dtype=first.dtype, device=first.device)
+        for i, (o, j) in enumerate(got):
+            w = min(width, o["logprobs"].shape[1])
+            lp[i, :w] = o["logprobs"][j, :w]
+        out: dict[str, Any] = {"logprobs": lp}
+        if "rejected" in got[0][0]:
+            out["rejected"] = torch.stack([o["rejected"][j] for o, j in got])
+        recut_outs.append(out)
+    return recut_outs
 
 
 def loss_normalizers(policy, batch: RLBatch, plans: list[list[MicroBatch]], before: list,

@@ -145,24 +145,25 @@ class Policy:
 
     # -- batches ---------------------------------------------------------------------------------
     def micro_batches(self, batch: RLBatch, with_routes: bool, version: int | None = None,
-                      samples: list[int] | None = None) -> tuple[list[MicroBatch], list[int]]:
+                      samples: list[int] | None = None, size: int | None = None) -> tuple[list[MicroBatch], list[int]]:
         """This DP rank's slice of ``batch`` as equal-shape micro-batches; returns them and the indices (in
         the whole batch). ``batch`` is the whole batch or this DP rank's share of it: the same plan.
         ``version``: the trainer's (``WeightsVersion.current``); with ``batch.versions`` each token's lag behind
         it goes along as ``data["lag"]``. ``samples``: a mini-batch's whole-batch indices, DP rank 0's part
-        first (``minibatch.mini_batch_samples``); None: the whole batch."""
+        first (``minibatch.mini_batch_samples``); None: the whole batch. ``size``: None = train.micro_batch_size."""
         dp, r, tp, cp = self.layout.dp.size, self.layout.dp.rank, self.layout.tp.size, self.layout.cp.size
         whole = WholeBatch.of(batch)
         samples = list(range(len(whole.lengths))) if samples is None else samples
         lengths = [whole.lengths[i] for i in samples]
         mine = [samples[j] for j in dp_share(len(lengths), dp, r)]
+        size = size or self.cfg.train.micro_batch_size
         if self.cfg.train.packing:
             row_len, align = packed_rows(max(lengths), self.cfg.train.pack_max_len, tp=tp, cp=cp)
             plan = [([samples[j] for j in idx], pk) for idx, pk in
                     pack_micro_batches(lengths, dp_size=dp, dp_rank=r, row_len=row_len, device=compat.DEVICE,
-                                       rows_per_micro_batch=self.cfg.train.micro_batch_size, align=align)]
+                                       rows_per_micro_batch=size, align=align)]
         else:
-            size = min(self.cfg.train.micro_batch_size, len(mine))
+            size = min(size, len(mine))
             while len(mine) % size:
                 size -= 1
             plan = [(mine[j:j + size], None) for j in range(0, len(mine), size)]
@@ -260,7 +261,8 @@ class Policy:
                       temperature=self.temperature, fused_logprob=self.fused_logprob)
         if self.reference is not None:  # same micro-batches and routes, the reference's weights
             self.reference.fill(self.model, self.layout, plans, passes)
-        before = minibatch.old_logprobs(self, plans, passes)
+        before = minibatch.old_logprobs(self, plans, passes, lambda k, size: self.micro_batches(
+            batch, replay, version, samples=minis[k], size=size)[0])
         norms = minibatch.loss_normalizers(self, batch, plans, before, normalizer)
 
         def loss_fn_of(norm):

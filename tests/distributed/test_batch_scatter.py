@@ -4,7 +4,7 @@ optimizer step) on the delivered share equals the step on the whole batch bit fo
 comes from every sample's length), TP2 (one DP rank: both ranks get every sample) and EP2 (expert peers
 are DP ranks of the dense model); and with two mini-batches and two epochs (pi_old from a forward before the
 first step, the KL reference, masked IS whose rejections leave each mini-batch's normalizer summed over DP,
-pipeline stages of which only the last computes the loss). A source that never sends fails the receiver
+pipeline stages of which only the last computes the loss, pi_old's pass in micro-batches of its own). A source that never sends fails the receiver
 naming the transfer.
 
 The worker is this file run under torchrun (``python -m tests.distributed.test_batch_scatter``).
@@ -32,6 +32,9 @@ CASES = {  # name: (parallel preset, overrides, DP size)
     "ep2_minibatches_masked_is": ("ep2", ["train.packing=false", *MINI, "algo.correction=mis",
                                           "algo.correction_level=sequence_geomean", "algo.mis_high=1.2"], 2),
     "pp2_minibatches": ("pp2", ["parallel.pp_first_layers=2", "train.packing=true", *MINI], 1),
+    # pi_old's pass in micro-batches of its own (one sample each), re-cut to the training's on the last stage
+    "pp2_minibatches_own_old_pass": ("pp2", ["parallel.pp_first_layers=2", "train.packing=false", *MINI,
+                                             "algo.old_logprob_micro_batch_size=1"], 1),
 }
 N = 8
 

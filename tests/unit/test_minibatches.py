@@ -3,7 +3,8 @@ the tiny model (real megatron, one gloo rank, replayed routes): one mini-batch a
 as it was (pi_old = the step's own detached logprobs), bit for bit; each mini-batch trains on its own samples
 with their routes; pi_old comes from the weights before the first step, so the ratio moves off 1 on later
 steps and the clip acts there (and GSPO's sequence clip then gives another update than GRPO's token clip);
-the micro-batch size does not change a mini-batch's update; masked IS rejects sequences before the loss.
+the micro-batch size does not change a mini-batch's update, nor the pi_old pass's own micro-batch size
+(``algo.old_logprob_micro_batch_size``); masked IS rejects sequences before the loss.
 DP shares, TP, EP and PP run in tests/distributed/test_batch_scatter.py."""
 
 from __future__ import annotations
@@ -195,3 +196,47 @@ def test_masked_is_rejects_sequences_before_the_loss(ckpt_dir, gloo_world):
     plain = _policy(hf, *setting)
     assert plain.rl_step(dataclasses.replace(batch, behav_logp=[own[i] for i in range(N)]),
                          _norm(plain, batch))["grad_norm"] != pytest.approx(m["grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("setting", [
+    ("train.packing=false",),
+    ("train.packing=true",),
+    ("train.packing=false", "algo.correction=mis", "algo.correction_level=sequence_product", "algo.mis_high=2.0",
+     "algo.aggregation=token_mean"),
+], ids=["padded", "packed", "masked_is"])
+def test_the_old_logprob_pass_in_micro_batches_of_its_own(ckpt_dir, gloo_world, monkeypatch, setting):
+    """``algo.old_logprob_micro_batch_size``: the pi_old pass runs in micro-batches of that size (seen in the
+    forward-only calls' shapes), its outputs re-cut to the training micro-batches' rows, and the step is the
+    step without it: pi_old per mini-batch (the ratios and clip fractions of the later steps), the engine gap
+    from pi_old, the masked sequences, the update."""
+    from mrl.megatron import minibatch
+
+    hf = ckpt_dir["tiny"]
+    real = minibatch.forward_backward
+    common = ("algo=dapo", "rollout.max_new_tokens=8", "algo.mini_batches=2", "algo.ppo_epochs=2",
+              "train.micro_batch_size=1", *setting)
+    got = {}
+    for size in (None, 4):
+        shapes = []
+
+        def recording(model, layout, mbs, **kw):
+            shapes.extend(tuple(mb.input_ids.shape) for mb in mbs if kw.get("forward_only"))
+            return real(model, layout, mbs, **kw)
+
+        monkeypatch.setattr(minibatch, "forward_backward", recording)
+        policy = _policy(hf, *common, *([f"algo.old_logprob_micro_batch_size={size}"] if size else []))
+        batch = _batch(policy)
+        # pi_engine far below pi_old on some sequences: masked IS rejects them
+        batch.behav_logp = [[x - (20.0 if i in (1, 6) else 0.0) for x in b] for i, b in enumerate(batch.behav_logp)]
+        m = policy.rl_step(batch, _norm(policy, batch))
+        got[size] = (m, _params(policy), shapes)
+    (m1, p1, s1), (m4, p4, s4) = got[None], got[4]
+    assert s1 and {s[0] for s in s1} == {1}
+    assert s4 and max(s[0] for s in s4) > 1 and len(s4) < len(s1)
+    for k in ("minibatch/1/ratio_mean", "minibatch/3/ratio_mean", "minibatch/3/approx_kl", "logprob_diff_replay_on",
+              "grad_norm"):
+        assert m4[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+    assert m4["minibatch/3/approx_kl"] > 0
+    if "algo.correction=mis" in setting:
+        assert m1["is_masked_tokens"] > 0 and m4["is_masked_tokens"] == m1["is_masked_tokens"]
+    torch.testing.assert_close(p4, p1, rtol=0, atol=5e-4)
