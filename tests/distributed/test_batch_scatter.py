@@ -4,8 +4,8 @@ optimizer step) on the delivered share equals the step on the whole batch bit fo
 comes from every sample's length), TP2 (one DP rank: both ranks get every sample) and EP2 (expert peers
 are DP ranks of the dense model); and with two mini-batches and two epochs (pi_old from a forward before the
 first step, the KL reference, masked IS whose rejections leave each mini-batch's normalizer summed over DP,
-pipeline stages of which only the last computes the loss, pi_old's pass in micro-batches of its own). A source that never sends fails the receiver
-naming the transfer.
+pipeline stages of which only the last computes the loss, pi_old's pass in micro-batches of its own). A source
+that never sends fails the receiver naming the transfer.
 
 The worker is this file run under torchrun (``python -m tests.distributed.test_batch_scatter``).
 """
