@@ -112,7 +112,8 @@ def test_a_pathological_answer_ends_at_the_time_limit_in_the_main_thread(monkeyp
     for response in (TOWER, r"\boxed{" + "x^{" * 50 + "2" + "}" * 50 + "}"):
         start = time.monotonic()
         assert equivalent(_p("1"), response) == 0.0
-        assert time.monotonic() - start < 2 * math_answer.TIMEOUT_S + 2
+        # without the limit the comparison does not end; a loaded box delays the alarm's handler by seconds
+        assert time.monotonic() - start < 30 * math_answer.TIMEOUT_S
 
 
 def _score(executor: RewardExecutor, pairs: list[tuple[str, str]]) -> tuple[list, dict]:
