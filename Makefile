@@ -14,20 +14,18 @@ train: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/mrl train $(ARGS)
 
 # The unit and torchrun tiers run on two pytest-xdist workers (their tests are single-threaded processes, so
-# two keep both cores busy; the torchrun tier goes first and the workers steal each other's queued tests, so the
-# long torchrun jobs do not end the run on one worker); the tiers with engines, runs and Slurm run one test at a
-# time, as their engines and timings assume. Both tiers run even when the first fails; make fails if either did
-# (a tier where PYTEST_ARGS selects nothing, pytest's exit 5, is not a failure).
-PARALLEL_TIERS = tests/distributed tests/unit
-XDIST = -n 2 --dist worksteal
+# two keep both cores busy); the tiers with engines, runs and Slurm run one test at a time, as their engines
+# and timings assume. Both tiers run even when the first fails; make fails if either did (a tier where
+# PYTEST_ARGS selects nothing, pytest's exit 5, is not a failure).
+PARALLEL_TIERS = tests/unit tests/distributed
 
 test: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest $(PARALLEL_TIERS) -q $(XDIST) --durations=20 $(PYTEST_ARGS); \
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest $(PARALLEL_TIERS) -q -n 2 --durations=20 $(PYTEST_ARGS); \
 	a=$$?; OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q $(addprefix --ignore=,$(PARALLEL_TIERS)) \
 	--durations=40 $(PYTEST_ARGS); b=$$?; for rc in $$a $$b; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit 1; done
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests/unit -q $(XDIST) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests/unit -q -n 2 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/python -m ruff check .
