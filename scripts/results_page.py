@@ -673,19 +673,16 @@ def _ws_cpu_tp1(d):
     return min(ws_ratio(r) for r in d["rows"] if r["layout"] == "tp1")
 
 
-_OPD_SEED5 = "learning/2026-12-08_mrl_train_opd_countdown_lr1e-3_seed5_cpu2core.json"
-
-
-def _opd_steps(d):
-    """OPD's steps to target over GRPO's, medians over the seeds of ``d`` and of the third seed's report (the same
-    command, its own run); never reaching the target counts as infinitely many steps."""
-    with open(os.path.join(REPORTS, _OPD_SEED5)) as f:
-        third = json.load(f)
+def _opd_steps(*reports):
+    """OPD's steps to target over GRPO's, medians over the seeds of every report (runs of the same command);
+    never reaching the target counts as infinitely many steps."""
     inf = float("inf")
     arm = {a: statistics.median([inf if x is None else x
-                                 for r in (d, third) for x in r["summary"][a]["steps_to_target"]])
+                                 for r in reports for x in r["summary"][a]["steps_to_target"]])
            for a in ("opd", "grpo")}
     return arm["opd"] / arm["grpo"]
+
+
 def _mb_steps_ratio(d):
     """Median steps to 90% with 4 mini-batches over that with 1 (a run that never got there: beyond all)."""
     by = {k: statistics.median([float("inf") if x is None else x for x in v])
@@ -696,7 +693,7 @@ def _mb_steps_ratio(d):
 _KR = "keep_routing/2026-11-29_gpu_replay_overhead_2xH200_16reps_paired.json"
 _R9 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_2xH200_"
 _R1 = "rl_step/2026-11-29_gpu_rl_step_vs_megatron_qwen3_30b_a3b_l12_1xH200_tp1_mbs2_fused_logprob_profile.json"
-GOALS = [  # (goal, comparison, threshold, report, value(report), what the figure is)
+GOALS = [  # (goal, comparison, threshold, report or tuple of reports, value(*reports), what the figure is)
     ("pi_old's forward pass / the RL step it precedes, 30B-A3B slice, 1 GPU", "<=", 0.25,
      "rl_step/2026-12-07_old_logprob_pass_qwen3_30b_a3b_l3_1xH100.json", lambda d: d["old_logprob_pass_vs_step"],
      "1x H100, 3-layer slice (no TE in the stack: local spec, fp32 Adam), 4 mini-batches of 8 x 2048 tokens, "
@@ -757,9 +754,10 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
      lambda d: d["summary"]["default"]["lift_median"],
      "2-core CPU, tiny model, sampled pass@1 (8 samples on 87 held-out problems), median over 3 seeds"),
     ("OPD: steps to the GRPO run's final held-out pass@1 / GRPO's steps, CPU", "<=", 0.5,
-     "learning/2026-12-07_mrl_train_opd_countdown_lr1e-3_cpu2core.json", _opd_steps,
+     ("learning/2026-12-07_mrl_train_opd_countdown_lr1e-3_cpu2core.json",
+      "learning/2026-12-08_mrl_train_opd_countdown_lr1e-3_seed5_cpu2core.json"), _opd_steps,
      "2-core CPU, countdown, tiny model, teacher from the recipe (held-out pass@1 0.56; 0.52 retrained for seed 5), "
-     "200 steps, seeds 2, 3 and 5 (" + _OPD_SEED5.split("/")[1] + "), OPD at lr 1e-3 (+experiment=countdown_opd), "
+     "200 steps, seeds 2 and 3, then 5, OPD at lr 1e-3 (+experiment=countdown_opd), "
      "GRPO at the recipe's 3e-4; OPD 100, 80, never against GRPO 180, 200, 200 (seed 5's distillation ran to the "
      "length limit and fell to pass@1 0.001 for 80 steps before it recovered); evaluations every 20 steps"),
     ("scoring keeps pace: loop trained tokens/s with a teacher pool of equal size / without, CPU", ">=", 0.9,
@@ -777,14 +775,16 @@ GOALS = [  # (goal, comparison, threshold, report, value(report), what the figur
 
 def goals_table(load) -> list[str]:
     lines = ["| goal | measured | result | on | date | report |", "|---|---|---|---|---|---|"]
-    for goal, op, thr, rel, value, where in GOALS:
-        d = load(rel)
-        v = value(d)
+    for goal, op, thr, rels, value, where in GOALS:
+        rels = rels if isinstance(rels, tuple) else (rels,)
+        ds = [load(rel) for rel in rels]
+        v = value(*ds)
         met = v >= thr if op == ">=" else v <= thr
-        date, _, _ = meta(d, os.path.basename(rel))
+        date = max(meta(d, os.path.basename(rel))[0] for d, rel in zip(ds, rels))
         fmt = f"{v:.1f}" if thr >= 10 else f"{v:.2f}"
+        links = "<br>".join(f"[{os.path.basename(rel)[:-5]}](../bench/reports/{rel})" for rel in rels)
         lines.append(f"| {goal} {op} {thr:g} | {fmt} | {'met' if met else '**not met**'} | {where} | {date} | "
-                     f"[{os.path.basename(rel)[:-5]}](../bench/reports/{rel}) |")
+                     f"{links} |")
     return lines
 
 
