@@ -1,8 +1,8 @@
 """mrl's Megatron model vs transformers from the same checkpoint, per layout (gloo, fp32): logits and
 next-token logprobs within 1e-4, every router picks transformers' experts, HF -> Megatron -> HF bit-exact.
 
-The Qwen3-MoE stress checkpoints run every layout the foundation issue names within one launch per
-checkpoint and world size (``tests.jobs.parity``: one start-up, each layout built in the same processes);
+The Qwen3-MoE stress checkpoints run every layout the foundation issue names within one launch per world
+size (``tests.jobs.parity``: one start-up, each checkpoint and layout built in the same processes);
 stress_a has a dense layer, head_dim != H/heads and vocab padding; stress_b tied embeddings, MoE every 2nd
 layer and norm_topk_prob off. The production job (``mrl.jobs.check_model``, what ``mrl check-model``
 runs) is checked on the tiny checkpoint and on a wrong mapping, which it must report.
@@ -13,26 +13,27 @@ import pytest
 from tests.conftest import read_json, run_torchrun
 
 TENSORS = {"tiny": 102, "stress_a": 113, "stress_b": 138, "glm4_moe": 97, "deepseek_v3": 91}
-# (checkpoint, processes, layouts): a layout smaller than the world runs data-parallel over the rest
+# (processes, [(checkpoint, layouts), ...]) per launch: a layout smaller than the world runs data-parallel over
+# the rest; the checkpoints of one launch share its start-up
 CASES = [
-    ("stress_a", 2, ["tp=1", "ep=2", "ep=2,dispatcher=allgather", "tp=2,ep=2,etp=1", "pp=2"]),
-    ("stress_b", 2, ["tp=2", "pp=2"]),
-    ("stress_a", 4, ["tp=2,ep=2,etp=2"]),
-    ("stress_b", 4, ["tp=2,pp=2"]),
+    (2, [("stress_a", ["tp=1", "ep=2", "ep=2,dispatcher=allgather", "tp=2,ep=2,etp=1", "pp=2"]),
+         ("stress_b", ["tp=2", "pp=2"])]),
+    (4, [("stress_a", ["tp=2,ep=2,etp=2"]), ("stress_b", ["tp=2,pp=2"])]),
     # model families beyond Qwen3 (GLM-4.5, DeepSeek-V3: score-correction bias and group limits), PP2 uneven
-    ("glm4_moe", 2, ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"]),
-    ("deepseek_v3", 2, ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"]),
+    (2, [("glm4_moe", ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"]),
+         ("deepseek_v3", ["tp=1", "tp=2", "ep=2", "tp=2,ep=2,etp=1", "pp=2,pp_first=2"])]),
 ]
 
 
-def check_layouts(ckpt_dir, tmp_path, preset: str, nproc: int, layouts: list[str]) -> None:
+def check_layouts(ckpt_dir, tmp_path, nproc: int, cases: list[tuple[str, list[str]]]) -> None:
     out = tmp_path / "report.json"
-    r = run_torchrun("tests.jobs.parity",
-                     ["--hf", ckpt_dir[preset], "--out", str(out), "--layouts", *layouts], nproc, timeout=600)
+    args = [a for preset, layouts in cases for a in ("--case", ckpt_dir[preset], *layouts)]
+    r = run_torchrun("tests.jobs.parity", ["--out", str(out), *args], nproc, timeout=600)
     assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     reports = read_json(out)
-    assert [rep["name"] for rep in reports] == layouts
+    assert [(rep["hf"], rep["name"]) for rep in reports] == [(ckpt_dir[p], x) for p, layouts in cases for x in layouts]
     for rep in reports:
+        preset = next(p for p, path in ckpt_dir.items() if path == rep["hf"])
         assert rep["logits_max_abs_diff"] <= 1e-4, rep
         assert rep["logprobs_max_abs_diff"] <= 1e-4, rep
         assert rep["routed_tokens"] > 0 and rep["routing_mismatches"] == 0, rep
@@ -40,9 +41,10 @@ def check_layouts(ckpt_dir, tmp_path, preset: str, nproc: int, layouts: list[str
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("preset,nproc,layouts", CASES, ids=lambda v: "-".join(v) if isinstance(v, list) else str(v))
-def test_megatron_matches_transformers_in_every_layout(ckpt_dir, tmp_path, preset, nproc, layouts):
-    check_layouts(ckpt_dir, tmp_path, preset, nproc, layouts)
+@pytest.mark.parametrize("nproc,cases", CASES,
+                         ids=lambda v: "+".join(p for p, _ in v) if isinstance(v, list) else str(v))
+def test_megatron_matches_transformers_in_every_layout(ckpt_dir, tmp_path, nproc, cases):
+    check_layouts(ckpt_dir, tmp_path, nproc, cases)
 
 
 @pytest.mark.dist

@@ -15,15 +15,25 @@ def _rows(out):
     return [json.loads((out.parent / f"{out.name}.rank{r}").read_text()) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(ckpt_dir, tmp_path_factory):
+    """The 4 steps without a stop, each rank's rows: the same run for every test here (the optimizer
+    checkpoint's format and the save's mode change what is written, not what is trained)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "a"
+    r = run_torchrun("tests.jobs.resume_check", ["--hf", ckpt_dir["tiny"], "--parallel", "ep2", "--steps", "4",
+                                                 "--out", str(out)], 2, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return _rows(out)
+
+
 @pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
-def test_resume_is_bit_identical(ckpt_dir, tmp_path, fmt):
+def test_resume_is_bit_identical(ckpt_dir, tmp_path, fmt, uninterrupted):
     base = ["--hf", ckpt_dir["tiny"], "--parallel", "ep2", "--steps", "4", "--optimizer-checkpoint", fmt]
-    for args in (["--out", str(tmp_path / "a")],
-                 ["--stop-after", "2", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "b1")],
+    for args in (["--stop-after", "2", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "b1")],
                  ["--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b2")]):
         r = run_torchrun("tests.jobs.resume_check", base + args, 2, timeout=400)
         assert r.returncode == 0, r.stderr[-4000:]
-    a, b1, b2 = _rows(tmp_path / "a"), _rows(tmp_path / "b1"), _rows(tmp_path / "b2")
+    a, b1, b2 = uninterrupted, _rows(tmp_path / "b1"), _rows(tmp_path / "b2")
     for rank in range(2):
         assert [x["step"] for x in b1[rank]] == [1, 2] and [x["step"] for x in b2[rank]] == [3, 4]
         assert b1[rank] + b2[rank] == a[rank]  # losses, grad norms, lr and parameter checksums, exactly
@@ -41,17 +51,16 @@ def test_resume_is_bit_identical(ckpt_dir, tmp_path, fmt):
     assert low <= on_disk <= 2 * low, (low, on_disk)
 
 
-def test_an_async_save_holds_the_step_it_was_scheduled_at(ckpt_dir, tmp_path):
+def test_an_async_save_holds_the_step_it_was_scheduled_at(ckpt_dir, tmp_path, uninterrupted):
     """train.async_save: the save is scheduled after step 2, one more step changes every weight while the
     forked writer runs, then the save completes; a restart from it runs steps 3-4 exactly as the
     uninterrupted run does."""
     base = ["--hf", ckpt_dir["tiny"], "--parallel", "ep2", "--steps", "4"]
-    for args in (["--out", str(tmp_path / "a")],
-                 ["--stop-after", "2", "--async-save", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "b1")],
+    for args in (["--stop-after", "2", "--async-save", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "b1")],
                  ["--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b2")]):
         r = run_torchrun("tests.jobs.resume_check", base + args, 2, timeout=400)
         assert r.returncode == 0, r.stderr[-4000:]
-    a, b1, b2 = _rows(tmp_path / "a"), _rows(tmp_path / "b1"), _rows(tmp_path / "b2")
+    a, b1, b2 = uninterrupted, _rows(tmp_path / "b1"), _rows(tmp_path / "b2")
     for rank in range(2):
         assert [x["step"] for x in b2[rank]] == [3, 4]
         assert b1[rank] + b2[rank] == a[rank]

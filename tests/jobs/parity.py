@@ -1,7 +1,8 @@
-"""Parity of one checkpoint in several layouts, in one torchrun launch (every family's check).
+"""Parity of checkpoints in several layouts, in one torchrun launch (every family's check).
 
     torchrun --nproc-per-node 2 -m tests.jobs.parity --hf DIR --out report.json \\
         --layouts "tp=1" "tp=2" "ep=2" "tp=2,ep=2,etp=1" "pp=2,pp_first=2"
+    torchrun ... --case DIR_A "tp=2" "pp=2" --case DIR_B "tp=1"    # several checkpoints, one start-up
 
 transformers runs once per process (fp32, eager) and gives the reference logits and, from each MoE
 layer's own ``route_tokens_to_experts``, the experts every token is routed to. Then for each layout the
@@ -105,32 +106,45 @@ def check_layout(a: argparse.Namespace, ids: torch.Tensor, ref_logits: torch.Ten
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--layouts", nargs="+", required=True)
+    ap.add_argument("--hf", help="one checkpoint, with --layouts")
+    ap.add_argument("--layouts", nargs="+", default=[])
+    ap.add_argument("--case", nargs="+", action="append", default=[], metavar="HF LAYOUT",
+                    help="a checkpoint and its layouts; repeat it for several checkpoints in one launch")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from mrl.models import get_bridge
-    from mrl.models.checkpoint import HFCheckpoint
-
-    bridge = get_bridge(a.hf)
-    ids = torch.randint(0, bridge.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
-    ref_logits, ref_routes = hf_reference(a.hf, ids)
-    ckpt = HFCheckpoint(a.hf)
-    want = {k: ckpt.read(k) for k in ckpt.shapes}
+    cases = a.case + ([[a.hf, *a.layouts]] if a.hf else [])
+    if not cases or any(len(c) < 2 for c in cases):
+        ap.error("give --hf DIR --layouts ..., or --case DIR LAYOUT ... (each checkpoint with one layout at least)")
     results = []
-    for text in a.layouts:
-        res = check_layout(parse_layout(text, a.hf), ids, ref_logits, ref_routes, want)
-        res["name"] = text
-        results.append(res)
-        RouterReplay.clear_global_router_replay_instances()
+    for hf, *layouts in cases:
+        results += check_checkpoint(hf, layouts, a.batch, a.seq)
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
         print(json.dumps(results, indent=1), flush=True)
     destroy()
     return 0
+
+
+def check_checkpoint(path: str, layouts: list[str], batch: int, seq: int) -> list[dict]:
+    """Each layout's report (``name``: the layout, ``hf``: the checkpoint) against transformers' model."""
+    from mrl.models import get_bridge
+    from mrl.models.checkpoint import HFCheckpoint
+
+    bridge = get_bridge(path)
+    ids = torch.randint(0, bridge.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ref_logits, ref_routes = hf_reference(path, ids)
+    ckpt = HFCheckpoint(path)
+    want = {k: ckpt.read(k) for k in ckpt.shapes}
+    results = []
+    for text in layouts:
+        res = check_layout(parse_layout(text, path), ids, ref_logits, ref_routes, want)
+        res |= {"name": text, "hf": path}
+        results.append(res)
+        RouterReplay.clear_global_router_replay_instances()
+    return results
 
 
 if __name__ == "__main__":
