@@ -77,6 +77,7 @@ async def _round(student, pool, prompts: list[list[int]], n: int, new: int, rnd:
 def engines_section(a, sets: list[str], tmp: str) -> dict:
     from mrl.config.load import compose
     from mrl.engine.launcher import engines_from_config
+    from mrl.engine.group import EngineGroup
     from mrl.scoring.pool import ScoringPool
     from mrl.sglang.client import ClientTimeouts, EngineClient, close_clients
 
@@ -87,7 +88,10 @@ def engines_section(a, sets: list[str], tmp: str) -> dict:
     student = engines_from_config(cfg.engine, model, log_dir=log_dir, names=["student0"])[0]
     student.return_routed_experts = False
     student.start()
-    pool = ScoringPool(cfg.scoring.teacher, model, log_dir=log_dir, name="teacher").start()
+    t = cfg.scoring.teacher
+    group = EngineGroup(t.engine, t.model_path(model), log_dir=log_dir, name="teacher",
+                        health_timeout_s=t.health_timeout_s)
+    pool = ScoringPool(t, group, name="teacher").start()
     rounds = []
     try:
         student.wait_healthy(cfg.scoring.teacher.health_timeout_s)
