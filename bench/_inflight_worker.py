@@ -81,12 +81,13 @@ class Stream:
     def tokens(self) -> int:
         return self.arrivals[-1][1] if self.arrivals else 0
 
-    def pause(self, t0: float, t1: float) -> float:
-        """Seconds generation stopped for this request around the sync window [t0, t1], less one decode step."""
+    def pause(self, t0: float, t1: float) -> float | None:
+        """Seconds generation stopped for this request around the sync window [t0, t1], less one decode step;
+        None for a request that was not generating across it (it had ended before, or began after)."""
         times = [t for t, _ in self.arrivals]
         gaps = [b - a for a, b in zip(times, times[1:])]
         around = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
-        return max(around) - statistics.median(gaps)
+        return max(around) - statistics.median(gaps) if around else None
 
     def version_errors(self, t0: float, t1: float, old, new, launched_before: int = 0) -> int:
         """Tokens whose tag contradicts when they arrived (before the sync: old weights; after it: new), but for
@@ -142,8 +143,12 @@ def one_sync(io: LoopThread, client: EngineClient, syncer: FullWeightChannel, mo
             t.result(60)
         except Exception:  # noqa: BLE001 -- the abort ends each stream, however it ends
             pass
-    pauses = [s.pause(t0, t1) for s in streams]
+    pauses = [p for p in (s.pause(t0, t1) for s in streams) if p is not None]
+    if not pauses:
+        raise RuntimeError(f"sync {version} ({mode}): no request was generating across it (each had ended before "
+                           "or began after): lower --new, or fewer --requests than the engine runs at once")
     return {"mode": mode, "version": version, "generation_pause_ms": 1e3 * statistics.median(pauses),
+            "requests_across_sync": len(pauses),
             "generation_pause_ms_max": 1e3 * max(pauses), "sync_ms": 1e3 * (t1 - t0),
             "phase_ms": {k: 1e3 * v for k, v in rep.phase_seconds.items()},
             "version_errors": sum(s.version_errors(t0, t1, version - 1, version) for s in streams),

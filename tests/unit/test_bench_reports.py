@@ -65,3 +65,16 @@ def test_every_report_lies_in_a_topic_folder():
     reports = os.path.join(ROOT, "bench", "reports")
     loose = [f for f in os.listdir(reports) if os.path.isfile(os.path.join(reports, f))]
     assert loose == [], f"reports outside a topic folder: {loose}"
+
+
+def test_the_inflight_pause_counts_only_requests_generating_across_the_sync():
+    """A request's pause is its longest wait for a token around the sync, less one decode step; one that had
+    ended before the sync (or began after it) saw none and is left out, not counted as an error."""
+    from _inflight_worker import Stream
+
+    s = Stream(None, [1], 8, "r")
+    s.arrivals = [(0.0, 1), (0.1, 2), (0.2, 3), (1.2, 4), (1.3, 5)]  # a 1 s wait across the sync at [0.5, 0.9]
+    assert s.pause(0.5, 0.9) == pytest.approx(1.0 - 0.1)
+    done = Stream(None, [1], 3, "d")
+    done.arrivals = [(0.0, 1), (0.1, 2), (0.2, 3)]  # ended before the sync
+    assert done.pause(0.5, 0.9) is None
