@@ -31,9 +31,9 @@ def check_layouts(ckpt_dir, tmp_path, nproc: int, cases: list[tuple[str, list[st
     r = run_torchrun("tests.jobs.parity", ["--out", str(out), *args], nproc, timeout=600)
     assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     reports = read_json(out)
-    assert [(rep["hf"], rep["name"]) for rep in reports] == [(ckpt_dir[p], x) for p, layouts in cases for x in layouts]
-    for rep in reports:
-        preset = next(p for p, path in ckpt_dir.items() if path == rep["hf"])
+    expected = [(preset, layout) for preset, layouts in cases for layout in layouts]
+    assert [(rep["hf"], rep["name"]) for rep in reports] == [(ckpt_dir[p], x) for p, x in expected]
+    for rep, (preset, _) in zip(reports, expected):
         assert rep["logits_max_abs_diff"] <= 1e-4, rep
         assert rep["logprobs_max_abs_diff"] <= 1e-4, rep
         assert rep["routed_tokens"] > 0 and rep["routing_mismatches"] == 0, rep

@@ -1,8 +1,7 @@
 """Parity of checkpoints in several layouts, in one torchrun launch (every family's check).
 
-    torchrun --nproc-per-node 2 -m tests.jobs.parity --hf DIR --out report.json \\
-        --layouts "tp=1" "tp=2" "ep=2" "tp=2,ep=2,etp=1" "pp=2,pp_first=2"
-    torchrun ... --case DIR_A "tp=2" "pp=2" --case DIR_B "tp=1"    # several checkpoints, one start-up
+    torchrun --nproc-per-node 2 -m tests.jobs.parity --out report.json \\
+        --case DIR_A "tp=1" "tp=2" "ep=2" "tp=2,ep=2,etp=1" "pp=2,pp_first=2" --case DIR_B "tp=2" "pp=2"
 
 transformers runs once per process (fp32, eager) and gives the reference logits and, from each MoE
 layer's own ``route_tokens_to_experts``, the experts every token is routed to. Then for each layout the
@@ -106,19 +105,16 @@ def check_layout(a: argparse.Namespace, ids: torch.Tensor, ref_logits: torch.Ten
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hf", help="one checkpoint, with --layouts")
-    ap.add_argument("--layouts", nargs="+", default=[])
-    ap.add_argument("--case", nargs="+", action="append", default=[], metavar="HF LAYOUT",
+    ap.add_argument("--case", nargs="+", action="append", required=True, metavar="HF LAYOUT",
                     help="a checkpoint and its layouts; repeat it for several checkpoints in one launch")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    cases = a.case + ([[a.hf, *a.layouts]] if a.hf else [])
-    if not cases or any(len(c) < 2 for c in cases):
-        ap.error("give --hf DIR --layouts ..., or --case DIR LAYOUT ... (each checkpoint with one layout at least)")
+    if any(len(c) < 2 for c in a.case):
+        ap.error("--case DIR LAYOUT ...: each checkpoint with one layout at least")
     results = []
-    for hf, *layouts in cases:
+    for hf, *layouts in a.case:
         results += check_checkpoint(hf, layouts, a.batch, a.seq)
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
